@@ -1,0 +1,1 @@
+"""Local inference: model loading, the batching engine, chat rendering and tool-call parsing."""

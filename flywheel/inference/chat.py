@@ -1,0 +1,150 @@
+"""Chat rendering and tool calling on top of a tokenizer's chat template.
+
+Models whose template understands ``tools`` (Qwen2.5, Llama 3.1, ...) get their own format. For the others
+(SmolLM2 included) Flywheel uses one documented default, the widespread "Hermes" convention:
+
+- the tool list is appended to the system prompt as JSON lines inside ``<tools></tools>``;
+- the model calls a tool by writing ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
+- an assistant turn with tool calls is rendered back the same way, so history looks like what was sampled;
+- a tool result is sent as a user turn wrapped in ``<tool_response></tool_response>``.
+
+Parsing accepts that format from any model. Anything malformed comes back as plain content, never an error.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def _tools_block(tools: list[dict]) -> str:
+    lines = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
+    return (
+        "\n\n# Tools\n\nYou can call these functions. Their signatures, one JSON object per line:\n"
+        f"<tools>\n{lines}\n</tools>\n\n"
+        "To call a function, reply with a JSON object holding its name and arguments inside tags, like:\n"
+        '<tool_call>\n{"name": "function_name", "arguments": {"arg": "value"}}\n</tool_call>'
+    )
+
+
+def _render_call(call: dict) -> str:
+    fn = call.get("function", call)
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            pass  # keep the raw string: render what the model actually produced
+    return "<tool_call>\n" + json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
+
+
+def _content_text(content: Any) -> str:
+    """OpenAI content may be a string, None, or a list of parts; only text parts are supported."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise ValueError(f"Unsupported content part type {part.get('type')!r}: only text parts are supported.")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def supports_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
+    template = tokenizer.chat_template or ""
+    return "tools" in template
+
+
+def to_default_format(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """Rewrite tool calls, tool results and tool lists into plain text turns (the default format)."""
+    out: list[dict] = []
+    for m in messages:
+        role, text = m["role"], _content_text(m.get("content"))
+        if role == "assistant" and m.get("tool_calls"):
+            calls = "\n".join(_render_call(c) for c in m["tool_calls"])
+            out.append({"role": "assistant", "content": (text + "\n" if text else "") + calls})
+        elif role == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"})
+        else:
+            out.append({"role": "system" if role == "developer" else role, "content": text})
+    if tools:
+        block = _tools_block(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + block}
+        else:
+            out.insert(0, {"role": "system", "content": block.lstrip()})
+    return out
+
+
+def _native_format(messages: list[dict]) -> list[dict]:
+    """Templates that support tools expect arguments as objects and string content."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        m["content"] = _content_text(m.get("content"))
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                fn = dict(c.get("function", {}))
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except json.JSONDecodeError:
+                        pass
+                calls.append({**c, "function": fn})
+            m["tool_calls"] = calls
+        out.append(m)
+    return out
+
+
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None = None
+) -> list[int]:
+    """Token ids of the prompt for the next assistant turn."""
+    if not messages:
+        raise ValueError("'messages' must contain at least one message.")
+    if tools and supports_tools(tokenizer):
+        msgs, kwargs = _native_format(messages), {"tools": tools}
+    else:
+        msgs, kwargs = to_default_format(messages, tools), {}
+    encoded = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True, **kwargs)
+    return list(encoded["input_ids"])
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """Split model output into (content, tool_calls). Malformed calls leave the whole text as content."""
+    if "<tool_call>" not in text:
+        return text, []
+    calls = []
+    for body in TOOL_CALL_RE.findall(text):
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError:
+            return text, []
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return text, []
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                return text, []
+        if not isinstance(args, dict):
+            return text, []
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)},
+            }
+        )
+    content = text[: text.index("<tool_call>")].strip()
+    return (content or None), calls

@@ -1,0 +1,324 @@
+"""In-process inference engine: continuous batching over a slot KV cache, for any HF causal LM.
+
+One worker thread owns the model. Each iteration it (1) admits waiting requests by prefilling their prompts
+packed into one sequence, (2) decodes one token for every running sequence in a single batched forward, and
+(3) hands new tokens to the requests' asyncio loops. Requests that arrive while a batch decodes join it at the
+next iteration; finished ones leave without disturbing the others. ``n > 1`` prefills the prompt once and copies
+its cache rows. The trainer shares the same model object: ``engine.exclusive()`` pauses decoding around a
+weight update, so the very next token is sampled from the new weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from flywheel.inference.kv_attention import ATTN_IMPLEMENTATION, DecodeBatch, PrefillBatch, SlotKVCache
+from flywheel.inference.sampling import SamplingParams, sample
+
+log = logging.getLogger(__name__)
+
+
+class ContextOverflowError(ValueError):
+    """Prompt plus requested completion does not fit in the model's context window."""
+
+    def __init__(self, limit: int, prompt_tokens: int, max_tokens: int):
+        self.limit, self.prompt_tokens, self.max_tokens = limit, prompt_tokens, max_tokens
+        super().__init__(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). "
+            "Please reduce the length of the messages or completion."
+        )
+
+
+@dataclass
+class TokenEvent:
+    """What a request learns after each step: new tokens for one of its ``n`` choices."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    text_delta: str
+    finish_reason: str | None = None  # "stop" | "length" once finished
+
+
+@dataclass
+class Completion:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    finish_reason: str
+
+
+@dataclass
+class _Sequence:
+    index: int
+    request: _Request
+    generator: torch.Generator | None
+    row: int = -1
+    length: int = 0  # tokens stored in the KV cache
+    output: list[int] = field(default_factory=list)
+    text: str = ""  # decoded output so far, cut at a stop string
+    emitted: int = 0  # characters of ``text`` already handed out
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    cancelled: bool = False
+
+
+class InferenceEngine:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_batch: int = 64,
+        max_prefill_tokens: int = 4096,
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        cfg = model.config.get_text_config()
+        self.context_length: int = int(getattr(cfg, "max_position_embeddings", 4096))
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.cache = SlotKVCache(
+            cfg.num_hidden_layers,
+            getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim,
+            dtype=model.dtype,
+            device=model.device,
+        )
+        eos = model.generation_config.eos_token_id if model.generation_config else None
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if tokenizer.eos_token_id is not None:
+            eos_ids.add(tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos_ids)
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Sequence] = []  # index i lives in cache row i
+        self._wake = threading.Condition()
+        self._model_lock = threading.RLock()
+        self._stopped = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="flywheel-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API ------------------------------------------------------------------------------------------
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        if prompt_tokens + max_tokens > self.context_length:
+            raise ContextOverflowError(self.context_length, prompt_tokens, max_tokens)
+
+    async def stream(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        """Yield token events for all ``params.n`` choices as they are produced."""
+        if not prompt:
+            raise ValueError("The prompt is empty.")
+        self.check_fits(len(prompt), params.max_tokens)
+        request = _Request(prompt=list(prompt), params=params, loop=asyncio.get_running_loop(), queue=asyncio.Queue())
+        with self._wake:
+            self._waiting.append(request)
+            self._wake.notify()
+        unfinished = params.n
+        try:
+            while unfinished:
+                event = await request.queue.get()
+                if isinstance(event, BaseException):
+                    raise event
+                if event.finish_reason is not None:
+                    unfinished -= 1
+                yield event
+        finally:
+            request.cancelled = True  # a client that went away stops costing compute
+
+    async def generate(self, prompt: list[int], params: SamplingParams) -> list[Completion]:
+        parts: list[dict] = [dict(text="", token_ids=[], logprobs=[], top=[], finish=None) for _ in range(params.n)]
+        async for ev in self.stream(prompt, params):
+            p = parts[ev.index]
+            p["text"] += ev.text_delta
+            p["token_ids"] += ev.token_ids
+            p["logprobs"] += ev.logprobs
+            p["top"] += ev.top_logprobs
+            p["finish"] = ev.finish_reason or p["finish"]
+        return [
+            Completion(i, p["text"], p["token_ids"], p["logprobs"], p["top"], p["finish"]) for i, p in enumerate(parts)
+        ]
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the model between engine steps (for a weight update); decoding resumes on exit."""
+        with self._model_lock:
+            yield
+
+    def close(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    # ---- worker thread ---------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopped and not self._waiting and not self._running:
+                    self._wake.wait()
+                if self._stopped:
+                    return
+                admitted = self._take_waiting()
+            try:
+                with self._model_lock, torch.inference_mode():
+                    if admitted:
+                        self._prefill(admitted)
+                    if self._running:
+                        self._decode()
+            except Exception as exc:  # fail the affected requests, keep serving the others
+                log.exception("engine step failed")
+                for seq in self._running:
+                    self._send(seq.request, exc)
+                for req in admitted:
+                    self._send(req, exc)
+                self._running.clear()
+
+    def _take_waiting(self) -> list[_Request]:
+        taken, rows, tokens = [], len(self._running), 0
+        while self._waiting:
+            req = self._waiting[0]
+            if req.cancelled:
+                self._waiting.popleft()
+                continue
+            if taken and (rows + req.params.n > self.max_batch or tokens + len(req.prompt) > self.max_prefill_tokens):
+                break
+            if not taken and rows + req.params.n > self.max_batch and self._running:
+                break  # wait for rows to free up
+            taken.append(self._waiting.popleft())
+            rows += req.params.n
+            tokens += len(req.prompt)
+        return taken
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch, keep: torch.Tensor | int) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep, kv_batch=batch
+        )
+        return out.logits
+
+    def _prefill(self, requests: list[_Request]) -> None:
+        device = self.model.device
+        first_row = len(self._running)
+        rows_needed = first_row + sum(r.params.n for r in requests)
+        self.cache.reserve(rows_needed, max(len(r.prompt) + r.params.max_tokens for r in requests))
+        rows, lengths, seqs_per_request = [], [], []
+        row = first_row
+        for req in requests:
+            seqs = []
+            for i in range(req.params.n):
+                seed = req.params.seed
+                gen = None
+                if seed is not None:
+                    gen = torch.Generator(device=device).manual_seed(seed + i)
+                seqs.append(_Sequence(index=i, request=req, generator=gen, row=row + i, length=len(req.prompt)))
+            seqs_per_request.append(seqs)
+            rows.append(row)
+            lengths.append(len(req.prompt))
+            row += req.params.n
+        ids = torch.tensor([t for r in requests for t in r.prompt], device=device)[None]
+        pos = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+        last = torch.tensor(list(itertools.accumulate(lengths)), device=device) - 1
+        batch = PrefillBatch(self.cache, rows=rows, starts=[0] * len(rows), lengths=lengths)
+        logits = self._forward(ids, pos, batch, last)[0]  # [num_requests, V]
+        for req, seqs, base_row, n_prompt in zip(requests, seqs_per_request, rows, lengths):
+            for seq in seqs[1:]:
+                self.cache.copy_row(base_row, seq.row, n_prompt)
+        new = [s for seqs in seqs_per_request for s in seqs]
+        row_logits = torch.cat([logits[i : i + 1].expand(len(seqs), -1) for i, seqs in enumerate(seqs_per_request)])
+        self._running.extend(new)
+        self._accept(new, row_logits)
+
+    def _decode(self) -> None:
+        device = self.model.device
+        seqs = self._running
+        lengths = torch.tensor([s.length for s in seqs], device=device)
+        self.cache.reserve(len(seqs), max(s.length for s in seqs) + 1)
+        ids = torch.tensor([s.output[-1] for s in seqs], device=device)[:, None]
+        batch = DecodeBatch(self.cache, lengths=lengths, max_length=max(s.length for s in seqs) + 1)
+        logits = self._forward(ids, lengths[:, None], batch, 1)[:, 0]
+        for s in seqs:
+            s.length += 1
+        self._accept(list(seqs), logits)
+
+    def _accept(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
+        """Sample the next token of each sequence, emit it, and retire finished sequences."""
+        params = [s.request.params for s in seqs]
+        drawn = sample(logits, params, [s.generator for s in seqs])
+        for i, seq in enumerate(seqs):
+            token = drawn.tokens[i]
+            seq.output.append(token)
+            p = seq.request.params
+            if token in self.eos_ids and not p.ignore_eos:
+                seq.finish_reason = "stop"
+            else:
+                self._update_text(seq)
+            if seq.finish_reason is None and len(seq.output) >= p.max_tokens:
+                seq.finish_reason = "length"
+            # hold back text that could be the start of a stop string or a half-decoded character
+            hold = 0 if seq.finish_reason else max((len(s) - 1 for s in p.stop), default=0)
+            visible = len(seq.text) - hold
+            if not seq.finish_reason and seq.text.endswith("\ufffd"):
+                visible = min(visible, len(seq.text) - 1)
+            delta = seq.text[seq.emitted : max(visible, seq.emitted)]
+            seq.emitted += len(delta)
+            event = TokenEvent(
+                index=seq.index,
+                token_ids=[token],
+                logprobs=[drawn.logprobs[i]],
+                top_logprobs=[drawn.top[i]] if p.top_logprobs else [],
+                text_delta=delta,
+                finish_reason=seq.finish_reason,
+            )
+            self._send(seq.request, event)
+        self._retire()
+
+    def _update_text(self, seq: _Sequence) -> None:
+        text = self.tokenizer.decode(seq.output, skip_special_tokens=False)
+        stops = seq.request.params.stop
+        if stops:
+            # only the tail can contain a stop string that was not there one token ago
+            window = len(seq.text) - max(len(s) for s in stops)
+            hits = [i for s in stops if (i := text.find(s, max(window, 0))) >= 0]
+            if hits:
+                text = text[: min(hits)]
+                seq.finish_reason = "stop"
+        seq.text = text
+
+    def _retire(self) -> None:
+        """Drop finished or cancelled sequences; the highest rows move into the holes so rows stay 0..B-1."""
+        keep = [s for s in self._running if s.finish_reason is None and not s.request.cancelled]
+        if len(keep) == len(self._running):
+            return
+        holes = [s.row for s in self._running[: len(keep)] if s not in keep]
+        movers = [s for s in self._running[len(keep) :] if s in keep]
+        for hole, seq in zip(holes, movers):
+            self.cache.copy_row(seq.row, hole, seq.length)
+            seq.row = hole
+        self._running = sorted(keep, key=lambda s: s.row)
+
+    @staticmethod
+    def _send(request: _Request, item: TokenEvent | BaseException) -> None:
+        if not request.loop.is_closed():
+            request.loop.call_soon_threadsafe(request.queue.put_nowait, item)

@@ -1,0 +1,126 @@
+"""Slot KV cache and the attention function the engine plugs into any Hugging Face decoder.
+
+Why not HF's DynamicCache: it grows with ``torch.cat`` every step (a third of CPU decode time for a 135M model)
+and pads a batch to a common length. Here every sequence owns a *row* of pre-allocated per-layer K/V buffers and
+its own length, so requests join and leave a running batch without copying anyone else's cache. Active rows are
+kept compact (0..B-1) so a decode step reads the cache through views, never gathers.
+
+The function is registered as the attention implementation ``"flywheel"``. When a forward call carries
+``kv_batch=`` (the engine's calls) it reads and writes the slot cache; otherwise (training) it is plain SDPA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTN_IMPLEMENTATION = "flywheel"
+
+
+class SlotKVCache:
+    """Per-layer K/V buffers of shape [rows, kv_heads, capacity, head_dim]; grown by doubling when needed."""
+
+    def __init__(self, n_layers: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype, device: torch.device | str):
+        self.n_layers, self.kv_heads, self.head_dim = n_layers, kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.rows, self.capacity = 0, 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+
+    def reserve(self, rows: int, capacity: int) -> None:
+        """Make room for ``rows`` sequences of up to ``capacity`` tokens, keeping what is stored."""
+        if rows <= self.rows and capacity <= self.capacity:
+            return
+        new_rows = max(rows, self.rows * 2 if rows > self.rows else self.rows, 1)
+        new_cap = max(capacity, self.capacity * 2 if capacity > self.capacity else self.capacity, 64)
+        shape = (new_rows, self.kv_heads, new_cap, self.head_dim)
+        for store in (self.k, self.v):
+            for layer in range(self.n_layers):
+                fresh = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if layer < len(store):
+                    fresh[: self.rows, :, : self.capacity] = store[layer]
+                    store[layer] = fresh
+                else:
+                    store.append(fresh)
+        self.rows, self.capacity = new_rows, new_cap
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of row ``src`` into row ``dst`` (prefix sharing, compaction)."""
+        for store in (self.k, self.v):
+            for buf in store:
+                buf[dst, :, :length] = buf[src, :, :length]
+
+
+@dataclass
+class PrefillBatch:
+    """Prompts packed into one [1, T] sequence (no padding). Segment i fills row ``rows[i]`` from ``starts[i]``."""
+
+    cache: SlotKVCache
+    rows: list[int]
+    starts: list[int]  # positions already cached for that row (shared prefix), usually 0
+    lengths: list[int]  # new tokens of each segment
+
+
+@dataclass
+class DecodeBatch:
+    """One new token for each of rows 0..B-1; ``lengths[b]`` tokens are already cached for row b."""
+
+    cache: SlotKVCache
+    lengths: torch.Tensor  # [B] long
+    max_length: int  # max(lengths) + 1, kept on the host to avoid a device sync
+
+
+def _prefill(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PrefillBatch, scaling: float):
+    cache, out, offset = batch.cache, [], 0
+    for row, start, n in zip(batch.rows, batch.starts, batch.lengths):
+        cache.k[layer][row, :, start : start + n] = k[0, :, offset : offset + n]
+        cache.v[layer][row, :, start : start + n] = v[0, :, offset : offset + n]
+        keys = cache.k[layer][row : row + 1, :, : start + n]
+        values = cache.v[layer][row : row + 1, :, : start + n]
+        query = q[:, :, offset : offset + n]
+        if start == 0:
+            o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scaling, enable_gqa=True)
+        else:  # new tokens see the whole cached prefix plus the causal part of themselves
+            mask = torch.ones(n, start + n, dtype=torch.bool, device=q.device).tril(diagonal=start)
+            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
+        out.append(o)
+        offset += n
+    return torch.cat(out, dim=2).transpose(1, 2)  # [1, T, heads, head_dim]
+
+
+def _decode(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: DecodeBatch, scaling: float):
+    cache = batch.cache
+    b, heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    rows = torch.arange(b, device=q.device)
+    cache.k[layer][rows, :, batch.lengths] = k[:, :, 0]
+    cache.v[layer][rows, :, batch.lengths] = v[:, :, 0]
+    keys = cache.k[layer][:b, :, : batch.max_length]  # views: no copy
+    values = cache.v[layer][:b, :, : batch.max_length]
+    # Grouped-query attention as two batched matmuls: [B, kvh, group, d] x [B, kvh, d, L]. For one query token
+    # this is several times faster on CPU than SDPA's flash kernel, and never repeats K/V per head.
+    grouped = q.view(b, kv_heads, heads // kv_heads, dim)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scaling
+    invalid = torch.arange(batch.max_length, device=q.device)[None, :] > batch.lengths[:, None]
+    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1).to(values.dtype)
+    out = torch.matmul(probs, values)  # [B, kvh, group, d]
+    return out.reshape(b, 1, heads, dim)
+
+
+def flywheel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    batch = kwargs.pop("kv_batch", None)
+    if batch is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    fn = _decode if isinstance(batch, DecodeBatch) else _prefill
+    return fn(module.layer_idx, query, key, value, batch, scaling), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, flywheel_attention)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)

@@ -1,0 +1,53 @@
+"""Which model names are served, and by which engine."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from flywheel.inference.engine import InferenceEngine
+
+
+class UnknownModelError(KeyError):
+    def __init__(self, name: str, known: list[str]):
+        self.name = name
+        super().__init__(f"The model '{name}' does not exist. Served models: {', '.join(known) or 'none'}.")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass
+class ServedModel:
+    name: str
+    engine: InferenceEngine
+    owned_by: str = "flywheel"
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class ModelRegistry:
+    """Thread-safe map from public model names (``base``, ``name``, ``name@step``) to engines."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, ServedModel] = {}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, engine: InferenceEngine, owned_by: str = "flywheel") -> None:
+        with self._lock:
+            self._models[name] = ServedModel(name=name, engine=engine, owned_by=owned_by)
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            self._models.pop(name, None)
+
+    def get(self, name: str) -> ServedModel:
+        with self._lock:
+            served = self._models.get(name)
+            if served is None:
+                raise UnknownModelError(name, sorted(self._models))
+            return served
+
+    def all(self) -> list[ServedModel]:
+        with self._lock:
+            return list(self._models.values())

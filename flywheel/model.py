@@ -1,0 +1,69 @@
+"""Model handles, as in ART: ``Model`` for any OpenAI-compatible endpoint, ``TrainableModel`` for ours."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from openai import AsyncOpenAI
+from pydantic import BaseModel, PrivateAttr
+
+from flywheel.backend import LocalBackend
+
+
+class Model(BaseModel):
+    """A model reached through an OpenAI-compatible API (e.g. a judge, or a hosted model to compare against)."""
+
+    name: str
+    project: str
+    config: dict[str, Any] = {}
+    inference_model_name: str | None = None
+    inference_base_url: str | None = None
+    inference_api_key: str | None = None
+    trainable: bool = False
+
+    def get_inference_name(self, step: int | None = None) -> str:
+        return self.inference_model_name or self.name
+
+    def _base_url(self) -> str:
+        if not self.inference_base_url:
+            raise RuntimeError(f"Model '{self.name}' has no inference_base_url.")
+        return self.inference_base_url
+
+    def openai_client(self) -> AsyncOpenAI:
+        # max_retries=0: a failed rollout should surface at once, gather decides what to do with it
+        return AsyncOpenAI(base_url=self._base_url(), api_key=self.inference_api_key or "flywheel", max_retries=0)
+
+    def litellm_completion_params(self) -> dict[str, Any]:
+        """Keyword arguments for ``litellm.acompletion`` (used by RULER and model graders)."""
+        return {
+            "model": f"openai/{self.get_inference_name()}",
+            "api_base": self._base_url(),
+            "api_key": self.inference_api_key or "flywheel",
+        }
+
+
+class TrainableModel(Model):
+    """A model Flywheel samples from and trains: ``await model.register(LocalBackend())`` before use."""
+
+    base_model: str
+    trainable: bool = True
+    _backend: LocalBackend | None = PrivateAttr(default=None)
+
+    async def register(self, backend: LocalBackend) -> None:
+        await backend.register(self)
+        self._backend = backend
+        if backend.serves_http:
+            self.inference_base_url = backend.base_url
+        self.inference_api_key = self.inference_api_key or "flywheel"
+
+    @property
+    def backend(self) -> LocalBackend:
+        if self._backend is None:
+            raise RuntimeError(f"Model '{self.name}' is not registered: call `await model.register(backend)` first.")
+        return self._backend
+
+    def get_inference_name(self, step: int | None = None) -> str:
+        return self.name if step is None else f"{self.name}@{step}"
+
+    async def get_step(self) -> int:
+        return await self.backend.get_step(self)

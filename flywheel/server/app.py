@@ -1,0 +1,208 @@
+"""OpenAI-compatible HTTP API (``/v1/models``, ``/v1/chat/completions``) over the in-process engines.
+
+Responses are built from the openai SDK's own types, so any OpenAI client parses them. Each choice also carries
+``token_ids`` (the exact sampled ids) and ``prompt_token_ids``, which trajectories keep so that training never
+re-tokenises what the model produced.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
+from openai.types.chat.chat_completion import Choice, ChoiceLogprobs
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta, ChoiceDeltaToolCall
+from openai.types.chat.chat_completion_message_tool_call import ChatCompletionMessageToolCall
+from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob, TopLogprob
+from openai.types.completion_usage import CompletionUsage
+
+from flywheel.inference.chat import parse_tool_calls, render_prompt
+from flywheel.inference.engine import Completion, ContextOverflowError, InferenceEngine
+from flywheel.inference.registry import ModelRegistry, UnknownModelError
+from flywheel.inference.sampling import SamplingParams
+from flywheel.server.protocol import ChatCompletionRequest, ErrorDetail, ErrorResponse
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
+    body = ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code))
+    return JSONResponse(status_code=status, content=body.model_dump())
+
+
+def _logprob_items(engine: InferenceEngine, c: Completion) -> list[ChatCompletionTokenLogprob]:
+    tok = engine.tokenizer
+
+    def piece(token_id: int) -> tuple[str, list[int]]:
+        text = tok.decode([token_id], skip_special_tokens=False)
+        return text, list(text.encode("utf-8"))
+
+    items = []
+    for i, (token_id, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+        text, raw = piece(token_id)
+        tops = [TopLogprob(token=piece(t)[0], bytes=piece(t)[1], logprob=v) for t, v in (c.top_logprobs[i] if c.top_logprobs else [])]
+        items.append(ChatCompletionTokenLogprob(token=text, bytes=raw, logprob=lp, top_logprobs=tops))
+    return items
+
+
+def _message(c: Completion, tools: bool) -> tuple[ChatCompletionMessage, str]:
+    content, calls = parse_tool_calls(c.text) if tools else (c.text, [])
+    tool_calls = [ChatCompletionMessageToolCall.model_validate(call) for call in calls] or None
+    finish = "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason
+    return ChatCompletionMessage(role="assistant", content=content, tool_calls=tool_calls), finish
+
+
+def _sampling(req: ChatCompletionRequest, engine: InferenceEngine, prompt_len: int) -> SamplingParams:
+    max_tokens = req.max_completion_tokens or req.max_tokens or max(engine.context_length - prompt_len, 1)
+    engine.check_fits(prompt_len, max_tokens)
+    return SamplingParams(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        max_tokens=max_tokens,
+        stop=req.stop_list,
+        seed=req.seed,
+        logprobs=req.logprobs,
+        top_logprobs=req.top_logprobs if req.logprobs else 0,
+        n=req.n,
+        ignore_eos=req.ignore_eos,
+    )
+
+
+def create_app(registry: ModelRegistry) -> FastAPI:
+    app = FastAPI(title="Flywheel OpenAI-compatible API")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", []) if p != "body"]
+        where = ".".join(loc) or None
+        message = f"Invalid request: {first.get('msg', 'malformed body')}" + (f" (at '{where}')" if where else "")
+        return error_response(400, message, "invalid_request_error", param=where)
+
+    @app.exception_handler(UnknownModelError)
+    async def _unknown(_: Request, exc: UnknownModelError):
+        return error_response(404, str(exc), "invalid_request_error", param="model", code="model_not_found")
+
+    @app.exception_handler(ContextOverflowError)
+    async def _overflow(_: Request, exc: ContextOverflowError):
+        return error_response(400, str(exc), "invalid_request_error", param="messages", code="context_length_exceeded")
+
+    @app.exception_handler(ValueError)
+    async def _bad_value(_: Request, exc: ValueError):
+        return error_response(400, str(exc), "invalid_request_error")
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {
+            "object": "list",
+            "data": [
+                {"id": m.name, "object": "model", "created": m.created, "owned_by": m.owned_by} for m in registry.all()
+            ],
+        }
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest):
+        served = registry.get(req.model)
+        engine = served.engine
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        tools = req.tools if req.tool_choice != "none" else None
+        prompt = render_prompt(engine.tokenizer, messages, tools)
+        params = _sampling(req, engine, len(prompt))
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            events = _stream(engine, prompt, params, completion_id, created, req.model, bool(tools), include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        results = await engine.generate(prompt, params)
+        choices = []
+        for c in results:
+            message, finish = _message(c, bool(tools))
+            logprobs = ChoiceLogprobs(content=_logprob_items(engine, c)) if req.logprobs else None
+            choice = Choice(index=c.index, message=message, finish_reason=finish, logprobs=logprobs)
+            choice.token_ids = c.token_ids  # type: ignore[attr-defined]  # extra field, kept by the SDK
+            choice.prompt_token_ids = prompt  # type: ignore[attr-defined]
+            choices.append(choice)
+        completion_tokens = sum(len(c.token_ids) for c in results)
+        usage = CompletionUsage(
+            prompt_tokens=len(prompt), completion_tokens=completion_tokens, total_tokens=len(prompt) + completion_tokens
+        )
+        body = ChatCompletion(
+            id=completion_id, object="chat.completion", created=created, model=req.model, choices=choices, usage=usage
+        )
+        return JSONResponse(body.model_dump(mode="json", exclude_none=True))
+
+    return app
+
+
+async def _stream(
+    engine: InferenceEngine,
+    prompt: list[int],
+    params: SamplingParams,
+    completion_id: str,
+    created: int,
+    model: str,
+    tools: bool,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """Server-sent events. With tools, text is held until the end because a tool call is only known then."""
+
+    def chunk(choices: list[ChunkChoice], usage: CompletionUsage | None = None) -> str:
+        body = ChatCompletionChunk(
+            id=completion_id, object="chat.completion.chunk", created=created, model=model, choices=choices, usage=usage
+        )
+        return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
+
+    for i in range(params.n):
+        yield chunk([ChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=""))])
+    held: dict[int, Completion] = {
+        i: Completion(i, "", [], [], [], "") for i in range(params.n)
+    }
+    completion_tokens = 0
+    try:
+        async for ev in engine.stream(prompt, params):
+            completion_tokens += len(ev.token_ids)
+            c = held[ev.index]
+            c.text += ev.text_delta
+            c.token_ids += ev.token_ids
+            c.logprobs += ev.logprobs
+            c.top_logprobs += ev.top_logprobs
+            lp = None
+            if params.logprobs:
+                part = Completion(ev.index, "", ev.token_ids, ev.logprobs, ev.top_logprobs, "")
+                lp = ChoiceLogprobs(content=_logprob_items(engine, part))
+            if not tools and (ev.text_delta or lp):
+                yield chunk([ChunkChoice(index=ev.index, delta=ChoiceDelta(content=ev.text_delta), logprobs=lp)])
+            if ev.finish_reason is None:
+                continue
+            c.finish_reason = ev.finish_reason
+            finish = ev.finish_reason
+            if tools:
+                message, finish = _message(c, True)
+                calls = [
+                    ChoiceDeltaToolCall(index=k, id=tc.id, type="function", function=tc.function.model_dump())
+                    for k, tc in enumerate(message.tool_calls or [])
+                ]
+                delta = ChoiceDelta(content=message.content, tool_calls=calls or None)
+                yield chunk([ChunkChoice(index=ev.index, delta=delta)])
+            final = ChunkChoice(index=ev.index, delta=ChoiceDelta(), finish_reason=finish)
+            final.token_ids = c.token_ids  # type: ignore[attr-defined]
+            yield chunk([final])
+    except Exception as exc:  # the status line is already sent: report the error in-band, as OpenAI does
+        yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n"
+        return
+    if include_usage:
+        usage = CompletionUsage(
+            prompt_tokens=len(prompt), completion_tokens=completion_tokens, total_tokens=len(prompt) + completion_tokens
+        )
+        yield chunk([], usage)
+    yield "data: [DONE]\n\n"

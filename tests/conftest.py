@@ -1,0 +1,50 @@
+"""Shared fixtures: the real embedded model, loaded once per test session, served on a real loopback port."""
+
+from __future__ import annotations
+
+import pytest
+import pytest_asyncio
+
+from flywheel.backend import LocalBackend
+from flywheel.inference.engine import InferenceEngine
+from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.model import TrainableModel
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def backend(tmp_path_factory: pytest.TempPathFactory):
+    backend = LocalBackend(path=tmp_path_factory.mktemp("flywheel-home"))
+    await backend.load(EMBEDDED_MODEL)
+    yield backend
+    await backend.close()
+
+
+@pytest.fixture(scope="session")
+def engine(backend: LocalBackend) -> InferenceEngine:
+    return backend.engine(EMBEDDED_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(engine: InferenceEngine):
+    return engine.tokenizer
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def model(backend: LocalBackend) -> TrainableModel:
+    model = TrainableModel(name="test-agent", project="tests", base_model=EMBEDDED_MODEL)
+    await model.register(backend)
+    return model
+
+
+@pytest.fixture(scope="session")
+def fp32_engine():
+    """A float32 engine for exactness tests: in bf16, a different batch size changes matmul rounding, so batched
+    and sequential greedy decoding may part ways after some tokens (true of any batching engine)."""
+    import torch
+
+    from flywheel.inference.loading import load_model
+
+    model, tokenizer, _ = load_model(EMBEDDED_MODEL, dtype=torch.float32)
+    engine = InferenceEngine(model, tokenizer)
+    yield engine
+    engine.close()
