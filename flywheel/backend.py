@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
+import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,6 +18,9 @@ from flywheel.inference.loading import load_model
 from flywheel.inference.registry import ModelRegistry
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
+from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
+from flywheel.train.trainer import Trainer
+from flywheel.types import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from flywheel.model import TrainableModel
@@ -44,6 +51,7 @@ class LocalBackend:
         self.path = Path(path) if path is not None else default_home()
         self.registry = ModelRegistry()
         self._engines: dict[str, InferenceEngine] = {}
+        self._trainers: dict[tuple[str, str], Trainer] = {}  # (project, name) -> trainer on its own engine
         self._dtype, self._max_batch = dtype, max_batch
         self._host, self._port, self._serve_http = host, port, serve_http
         self._server: BackgroundServer | None = None
@@ -60,44 +68,151 @@ class LocalBackend:
         return self._server.base_url
 
     def engine(self, base_model: str) -> InferenceEngine:
-        """The loaded engine of a base model (after ``register``)."""
+        """The engine serving a base model as is (after ``load``)."""
         return self._engines[base_model]
 
+    async def _engine(self, base_model: str) -> tuple[InferenceEngine, str]:
+        model, tokenizer, resolved = await asyncio.to_thread(load_model, base_model, dtype=self._dtype)
+        return InferenceEngine(model, tokenizer, max_batch=self._max_batch), resolved.name
+
+    def _serve(self) -> None:
+        if self._serve_http and self._server is None:
+            self._server = BackgroundServer(create_app(self.registry), self._host, self._port).start()
+
     async def load(self, base_model: str) -> InferenceEngine:
+        """Serve a base model as is (no adapter), e.g. as a judge or a baseline."""
         async with self._lock:
             if base_model not in self._engines:
-                model, tokenizer, resolved = await asyncio.to_thread(load_model, base_model, dtype=self._dtype)
-                engine = InferenceEngine(model, tokenizer, max_batch=self._max_batch)
+                engine, resolved_name = await self._engine(base_model)
                 self._engines[base_model] = engine
-                self.registry.add(base_model, engine)
-                if resolved.name != base_model:
-                    self.registry.add(resolved.name, engine)
-            if self._serve_http and self._server is None:
-                self._server = BackgroundServer(create_app(self.registry), self._host, self._port).start()
+                for name in {base_model, resolved_name}:
+                    self.registry.add(name, engine)
+            self._serve()
             return self._engines[base_model]
 
-    async def register(self, model: TrainableModel) -> None:
-        engine = await self.load(model.base_model)
-        step = await self.get_step(model)
-        self.registry.add(model.name, engine, owned_by=model.project)
-        self.registry.add(model.get_inference_name(step), engine, owned_by=model.project)
+    async def register(self, model: TrainableModel, lora: LoraSettings | None = None) -> None:
+        """Give the model its own engine (its own copy of the base weights, with a LoRA adapter) and resume
+        from its latest checkpoint if it has one."""
+        key = (model.project, model.name)
+        async with self._lock:
+            if key not in self._trainers:
+                engine, _ = await self._engine(model.base_model)
+                trainer = await asyncio.to_thread(Trainer, engine, lora)
+                latest = self._latest_checkpoint(model)
+                if latest is not None:
+                    await asyncio.to_thread(trainer.load, latest)
+                self._trainers[key] = trainer
+            self._serve()
+        self._publish(model)
+
+    def trainer(self, model: TrainableModel) -> Trainer:
+        try:
+            return self._trainers[(model.project, model.name)]
+        except KeyError:
+            raise RuntimeError(f"Model '{model.name}' is not registered with this backend.") from None
+
+    def _publish(self, model: TrainableModel) -> None:
+        trainer = self.trainer(model)
+        for name in (model.name, model.get_inference_name(trainer.step)):
+            self.registry.add(name, trainer.engine, owned_by=model.project)
 
     def model_dir(self, model: TrainableModel) -> Path:
         return self.path / model.project / "models" / model.name
 
-    async def get_step(self, model: TrainableModel) -> int:
-        """The latest checkpoint step (0 before any training)."""
+    def _latest_checkpoint(self, model: TrainableModel) -> Path | None:
         checkpoints = self.model_dir(model) / "checkpoints"
-        steps = [int(p.name) for p in checkpoints.glob("[0-9]*") if p.is_dir() and p.name.isdigit()]
-        return max(steps, default=0)
+        steps = sorted((int(p.name), p) for p in checkpoints.glob("[0-9]*") if p.is_dir() and p.name.isdigit())
+        return steps[-1][1] if steps else None
+
+    async def get_step(self, model: TrainableModel) -> int:
+        """Optimizer steps taken so far (0 before any training)."""
+        key = (model.project, model.name)
+        if key in self._trainers:
+            return self._trainers[key].step
+        latest = self._latest_checkpoint(model)
+        return int(latest.name) if latest is not None else 0
+
+    # ---- training ----------------------------------------------------------------------------------------------
+
+    async def train(self, model: TrainableModel, groups: Iterable[TrajectoryGroup], config: TrainConfig) -> dict[str, float]:
+        trainer = self.trainer(model)
+        groups = list(groups)
+        metrics = await asyncio.to_thread(trainer.rl_step, groups, config)
+        await self._after_step(model, trainer, metrics, "train", config.model_dump())
+        self._save_trajectories(model, "train", trainer.step, [t for g in groups for t in g.trajectories])
+        return metrics
+
+    async def train_sft(self, model: TrainableModel, trajectories: list[Trajectory], config: SFTConfig) -> list[dict[str, float]]:
+        trainer = self.trainer(model)
+        history = await asyncio.to_thread(trainer.sft, trajectories, config)
+        for i, metrics in enumerate(history):
+            self._append_history(model, {"step": trainer.step - len(history) + i + 1, "split": "sft", **metrics})
+        await self._after_step(model, trainer, None, "sft", config.model_dump())
+        return history
+
+    async def _after_step(self, model: TrainableModel, trainer: Trainer, metrics, split: str, config: dict) -> None:
+        if metrics is not None:
+            self._append_history(model, {"step": trainer.step, "split": split, **metrics})
+            if metrics.get("skipped"):
+                return
+        directory = self.model_dir(model) / "checkpoints" / f"{trainer.step:04d}"
+        await asyncio.to_thread(trainer.save, directory, {"last_config": config, "last_split": split})
+        self._publish(model)
+
+    def _append_history(self, model: TrainableModel, row: dict) -> None:
+        path = self.model_dir(model) / "history.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps({"time": time.time(), **row}) + "\n")
+
+    def history(self, model: TrainableModel) -> list[dict]:
+        path = self.model_dir(model) / "history.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+    def _save_trajectories(self, model: TrainableModel, split: str, step: int, trajectories: list[Trajectory]) -> None:
+        directory = self.model_dir(model) / "trajectories" / split
+        directory.mkdir(parents=True, exist_ok=True)
+        with (directory / f"{step:04d}.jsonl").open("a") as f:
+            for t in trajectories:
+                f.write(t.model_dump_json() + "\n")
+
+    async def log(self, model: TrainableModel, trajectories: list[Trajectory], split: str) -> dict[str, float]:
+        """Record evaluation trajectories and their mean reward/metrics as ``<split>/...`` at the current step."""
+        step = await self.get_step(model)
+        metrics: dict[str, float] = {}
+        if trajectories:
+            metrics[f"{split}/reward"] = sum(t.reward for t in trajectories) / len(trajectories)
+            keys = {k for t in trajectories for k in t.metrics}
+            for k in sorted(keys):
+                values = [float(t.metrics[k]) for t in trajectories if k in t.metrics]
+                metrics[f"{split}/{k}"] = sum(values) / len(values)
+            metrics[f"{split}/n"] = len(trajectories)
+        self._append_history(model, {"step": step, "split": split, **metrics})
+        self._save_trajectories(model, split, step, trajectories)
+        return metrics
+
+    async def delete_checkpoints(self, model: TrainableModel, best_checkpoint_metric: str = "val/reward") -> list[int]:
+        """Keep the latest checkpoint and the best one by ``best_checkpoint_metric``; return the deleted steps."""
+        checkpoints = self.model_dir(model) / "checkpoints"
+        steps = sorted(int(p.name) for p in checkpoints.glob("[0-9]*") if p.name.isdigit())
+        scored = [(r[best_checkpoint_metric], r["step"]) for r in self.history(model) if best_checkpoint_metric in r]
+        keep = {steps[-1]} if steps else set()
+        if scored:
+            best = max(scored)[1]  # ties: the later step
+            keep.add(best)
+        deleted = [s for s in steps if s not in keep]
+        for s in deleted:
+            shutil.rmtree(checkpoints / f"{s:04d}", ignore_errors=True)
+        return deleted
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.stop()
             self._server = None
-        for engine in self._engines.values():
+        for engine in [*self._engines.values(), *(t.engine for t in self._trainers.values())]:
             engine.close()
         self._engines.clear()
+        self._trainers.clear()
 
     async def __aenter__(self) -> LocalBackend:
         return self

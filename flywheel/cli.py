@@ -103,7 +103,7 @@ async def _demo(n_problems: int, group_size: int, level: int, base_model: str, s
             max_exceptions=0.25,
         )
         elapsed = time.perf_counter() - start
-        engine = backend.engine(base_model)
+        engine = backend.trainer(model).engine
         table = Table(title=f"Calculator agent, {base_model}, {group_size} rollouts per problem")
         for col in ("problem", "expected", "answers (reward)", "tool calls", "mean"):
             table.add_column(col)

@@ -1,82 +1,161 @@
-"""Run many rollouts concurrently, with a progress bar and a budget for failures."""
+"""Run many rollouts concurrently, with a progress bar, a concurrency limit and a budget for failures."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from flywheel.types import Trajectory, TrajectoryGroup
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
-AfterEach = Callable[[TrajectoryGroup], Any]  # -> group | None | list[group], or an awaitable of these
+AfterEachResult = TrajectoryGroup | list[TrajectoryGroup] | None
+AfterEach = Callable[[TrajectoryGroup], AfterEachResult | Awaitable[AfterEachResult]]
+
+_MAX_METRICS_SHOWN = 4  # the progress bar has one line; a few metric means fit on it next to the reward
 
 
-class _Progress:
-    """Counts results and shows the running reward mean, exception count and a few metric means."""
+class _Gathering:
+    """The state of one gather call: every task it started, the progress bar and the exception budget."""
 
-    def __init__(self, total: int, desc: str | None, max_exceptions: int | float):
-        self.bar = tqdm(total=total, desc=desc, disable=desc is None)
-        self.limit = max_exceptions if max_exceptions >= 1 or max_exceptions == 0 else max_exceptions * total
-        self.rewards: list[float] = []
-        self.metrics: dict[str, list[float]] = {}
+    def __init__(
+        self,
+        items: list[TrajectoryGroup | Awaitable[TrajectoryGroup]],
+        *,
+        pbar_desc: str | None,
+        max_exceptions: int | float,
+        max_concurrency: int | None,
+        after_each: AfterEach | None,
+    ) -> None:
+        if max_concurrency is not None and max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be at least 1 (or None for no limit), got {max_concurrency}")
+        self.items = items
+        self.after_each = after_each
+        self.max_exceptions = max_exceptions
+        self.slots: contextlib.AbstractAsyncContextManager[Any] = (
+            asyncio.Semaphore(max_concurrency) if max_concurrency is not None else contextlib.nullcontext()
+        )
+        self.tasks: list[asyncio.Task[Any]] = []
+        # Everything this call may await, so that whatever it never got to can be closed if it stops early.
+        self.awaitables: list[Awaitable[Any]] = []
+        for item in items:
+            self.awaitables += item._pending if isinstance(item, TrajectoryGroup) else [item]
+        self.total = sum(len(item._pending) for item in items if isinstance(item, TrajectoryGroup))
         self.exceptions = 0
+        self.reward_sum = 0.0
+        self.finished = 0
+        self.metric_totals: dict[str, tuple[float, int]] = {}  # key -> (sum, count), for running means
+        self.bar = tqdm(total=self.total, desc=pbar_desc, disable=pbar_desc is None)
 
-    def record(self, result: Trajectory | BaseException) -> None:
-        if isinstance(result, BaseException):
-            self.exceptions += 1
-            if self.exceptions > self.limit:
-                raise result
-        else:
-            self.rewards.append(result.reward)
-            for key, value in result.metrics.items():
-                self.metrics.setdefault(key, []).append(float(value))
-        postfix = {"reward": sum(self.rewards) / len(self.rewards)} if self.rewards else {}
-        postfix |= {k: sum(v) / len(v) for k, v in list(self.metrics.items())[:4]}
+    async def run(self) -> list[list[TrajectoryGroup]]:
+        """The groups each input item became (after ``after_each``), in input order."""
+        try:
+            return await asyncio.gather(*(self.spawn(self.group(i, item)) for i, item in enumerate(self.items)))
+        except BaseException:
+            # Stop what is still running and wait until it has stopped, so that nothing outlives this call
+            # (no "Task was destroyed but it is pending"), then close the rollouts that never started.
+            for task in self.tasks:
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+            for awaitable in self.awaitables:
+                if inspect.iscoroutine(awaitable):
+                    awaitable.close()
+                elif isinstance(awaitable, asyncio.Future):
+                    awaitable.cancel()
+            raise
+        finally:
+            self.bar.close()
+
+    def spawn(self, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coroutine)
+        self.tasks.append(task)
+        return task
+
+    async def group(self, index: int, item: TrajectoryGroup | Awaitable[TrajectoryGroup]) -> list[TrajectoryGroup]:
+        """Finishes one group: resolves it, runs its pending rollouts, then applies ``after_each``."""
+        group = item if isinstance(item, TrajectoryGroup) else await self.resolve(item)
+        if group._pending:
+            results = await asyncio.gather(*(self.spawn(self.rollout(r)) for r in group._pending))
+            group._complete(results)
+        if self.after_each is None:
+            return [group]
+        try:
+            kept = self.after_each(group)
+            if inspect.isawaitable(kept):
+                kept = await kept
+        except Exception as exc:
+            raise RuntimeError(f"after_each failed on group {index}: {exc!r}") from exc
+        return [] if kept is None else kept if isinstance(kept, list) else [kept]
+
+    async def resolve(self, awaitable: Awaitable[TrajectoryGroup]) -> TrajectoryGroup:
+        """Awaits something that makes a group. Its rollouts count once known; if it fails, it counts as one
+        failed rollout and becomes an empty group recording the error, so the output stays aligned with the input."""
+        try:
+            group = await awaitable
+        except Exception as exc:
+            self.add_to_total(1)
+            self.count_exception(exc)
+            return TrajectoryGroup([exc])
+        if not isinstance(group, TrajectoryGroup):
+            raise TypeError(f"expected an awaitable of TrajectoryGroup, got one of {type(group).__name__}")
+        if group._pending:
+            self.awaitables += group._pending
+            self.add_to_total(len(group._pending))
+        else:  # it ran its rollouts itself
+            self.add_to_total(len(group))
+            for trajectory in group.trajectories:
+                self.count_trajectory(trajectory)
+        return group
+
+    async def rollout(self, awaitable: Awaitable[Trajectory]) -> Trajectory | Exception:
+        """Runs one rollout within the concurrency limit; returns its exception while the budget allows."""
+        try:
+            async with self.slots:
+                trajectory = await awaitable
+        except Exception as exc:
+            self.count_exception(exc)
+            return exc
+        if isinstance(trajectory, Trajectory):  # anything else is refused by TrajectoryGroup._complete
+            self.count_trajectory(trajectory)
+        return trajectory
+
+    def add_to_total(self, n: int) -> None:
+        self.total += n
+        self.bar.total = self.total
+        self.bar.refresh()
+
+    def count_exception(self, exception: Exception) -> None:
+        """Records a failed rollout; re-raises it (with its own traceback) once the budget is exceeded."""
+        self.exceptions += 1
+        allowed = self.max_exceptions * self.total if 0 < self.max_exceptions < 1 else self.max_exceptions
+        if self.exceptions > allowed:
+            raise exception
+        logger.warning("rollout failed (%d exceptions, %g allowed): %r", self.exceptions, allowed, exception)
+        self.advance()
+
+    def count_trajectory(self, trajectory: Trajectory) -> None:
+        self.finished += 1
+        self.reward_sum += trajectory.reward
+        for key, value in trajectory.metrics.items():
+            if key in self.metric_totals or len(self.metric_totals) < _MAX_METRICS_SHOWN:
+                total, count = self.metric_totals.get(key, (0.0, 0))
+                self.metric_totals[key] = (total + float(value), count + 1)
+        self.advance()
+
+    def advance(self) -> None:
+        postfix: dict[str, float | int] = {}
+        if self.finished:
+            postfix["reward"] = self.reward_sum / self.finished
+            postfix.update({key: total / count for key, (total, count) in self.metric_totals.items()})
         postfix["exceptions"] = self.exceptions
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
-
-
-async def _run_all(
-    awaitables: list[Awaitable[Trajectory]],
-    progress: _Progress,
-    max_concurrency: int | None,
-    on_result: Callable[[int, Trajectory | BaseException], Awaitable[None] | None],
-) -> None:
-    """Await every rollout (at most ``max_concurrency`` at once); stop everything at the first over-budget error."""
-    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-
-    async def one(i: int, aw: Awaitable[Trajectory]) -> None:
-        try:
-            if limit:
-                async with limit:
-                    result: Trajectory | BaseException = await aw
-            else:
-                result = await aw
-        except Exception as exc:  # noqa: BLE001 - a rollout failure is data until the budget runs out
-            result = exc
-        progress.record(result)
-        outcome = on_result(i, result)
-        if inspect.isawaitable(outcome):
-            await outcome
-
-    tasks = [asyncio.ensure_future(one(i, aw)) for i, aw in enumerate(awaitables)]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for aw in awaitables:  # coroutines that never started must be closed, not garbage-collected unawaited
-            if inspect.iscoroutine(aw) and inspect.getcoroutinestate(aw) == inspect.CORO_CREATED:
-                aw.close()
-        progress.bar.close()
 
 
 async def gather_trajectory_groups(
@@ -87,46 +166,26 @@ async def gather_trajectory_groups(
     max_concurrency: int | None = None,
     after_each: AfterEach | None = None,
 ) -> list[TrajectoryGroup]:
-    """Run all rollouts of all groups concurrently and return the finished groups in input order.
+    """Runs the rollouts of all groups concurrently and returns the finished groups in input order.
 
-    ``max_exceptions`` is a count, or a fraction (< 1) of all rollouts; failures within it are recorded on
-    their group, one more re-raises the rollout's own exception. ``after_each(group)`` runs as each group
-    finishes and may return a group, ``None`` (drop it) or a list of groups.
+    - ``max_concurrency``: at most this many rollouts in flight at once (None: no limit).
+    - ``max_exceptions``: how many rollouts may fail, as a count or, below 1, a fraction of all rollouts (those of
+      groups still being made by an awaitable count once it returns them). A failure
+      within it is recorded on its group (which keeps one trajectory fewer); the first one beyond it cancels
+      everything still running and is re-raised, traceback intact. Exceptions already recorded on groups passed
+      in are kept but not counted.
+    - ``after_each(group)``, sync or async, runs as each group finishes and returns the group, None (drop it)
+      or a list of groups (kept in its place). If it raises, a RuntimeError naming the group's index is raised.
+    - ``pbar_desc``: the progress bar's label; None hides it.
     """
-    groups = [g if isinstance(g, TrajectoryGroup) else await g for g in groups]
-    owners: list[int] = []
-    awaitables: list[Awaitable[Trajectory]] = []
-    for gi, group in enumerate(groups):
-        for aw in group.take_pending():
-            owners.append(gi)
-            awaitables.append(aw)
-    remaining = [owners.count(gi) for gi in range(len(groups))]
-    finished: dict[int, list[TrajectoryGroup]] = {}
-
-    async def finish(gi: int) -> None:
-        group: Any = groups[gi]
-        if after_each is not None:
-            try:
-                group = after_each(group)
-                if inspect.isawaitable(group):
-                    group = await group
-            except Exception as exc:
-                raise RuntimeError(f"after_each failed on group {gi}: {exc}") from exc
-        finished[gi] = [] if group is None else list(group) if isinstance(group, list) else [group]
-
-    async def on_result(i: int, result: Trajectory | BaseException) -> None:
-        gi = owners[i]
-        groups[gi].add_result(result)
-        remaining[gi] -= 1
-        if remaining[gi] == 0:
-            await finish(gi)
-
-    progress = _Progress(len(awaitables), pbar_desc, max_exceptions)
-    for gi, n in enumerate(remaining):  # groups that were already complete
-        if n == 0:
-            await finish(gi)
-    await _run_all(awaitables, progress, max_concurrency, on_result)
-    return [g for gi in range(len(groups)) for g in finished[gi]]
+    gathering = _Gathering(
+        list(groups),
+        pbar_desc=pbar_desc,
+        max_exceptions=max_exceptions,
+        max_concurrency=max_concurrency,
+        after_each=after_each,
+    )
+    return [group for kept in await gathering.run() for group in kept]
 
 
 async def gather_trajectories(
@@ -136,16 +195,14 @@ async def gather_trajectories(
     max_exceptions: int | float = 0,
     max_concurrency: int | None = None,
 ) -> list[Trajectory]:
-    """Run rollouts concurrently; return the successful trajectories in input order (failures within the
-    budget are logged and skipped)."""
-    awaitables = list(trajectories)
-    results: dict[int, Trajectory] = {}
+    """Runs rollouts concurrently and returns the trajectories that succeeded, in input order.
 
-    def on_result(i: int, result: Trajectory | BaseException) -> None:
-        if isinstance(result, BaseException):
-            log.warning("rollout %d failed: %r", i, result)
-        else:
-            results[i] = result
-
-    await _run_all(awaitables, _Progress(len(awaitables), pbar_desc, max_exceptions), max_concurrency, on_result)
-    return [results[i] for i in sorted(results)]
+    Failures within ``max_exceptions`` are logged and left out; see gather_trajectory_groups for the options.
+    """
+    (group,) = await gather_trajectory_groups(
+        [TrajectoryGroup(trajectories)],
+        pbar_desc=pbar_desc,
+        max_exceptions=max_exceptions,
+        max_concurrency=max_concurrency,
+    )
+    return group.trajectories

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from openai import AsyncOpenAI
 from pydantic import BaseModel, PrivateAttr
 
 from flywheel.backend import LocalBackend
+from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
+from flywheel.types import Trajectory, TrajectoryGroup
 
 
 class Model(BaseModel):
@@ -47,10 +52,11 @@ class TrainableModel(Model):
 
     base_model: str
     trainable: bool = True
+    lora: LoraSettings = LoraSettings()
     _backend: LocalBackend | None = PrivateAttr(default=None)
 
     async def register(self, backend: LocalBackend) -> None:
-        await backend.register(self)
+        await backend.register(self, self.lora)
         self._backend = backend
         if backend.serves_http:
             self.inference_base_url = backend.base_url
@@ -67,3 +73,39 @@ class TrainableModel(Model):
 
     async def get_step(self) -> int:
         return await self.backend.get_step(self)
+
+    async def train(self, groups: Iterable[TrajectoryGroup], config: TrainConfig | None = None) -> dict[str, float]:
+        """One RL optimizer step on these groups; the next rollout samples from the updated weights."""
+        return await self.backend.train(self, groups, config or TrainConfig())
+
+    async def train_sft(
+        self, trajectories: Iterable[Trajectory] | str | Path, config: SFTConfig | None = None
+    ) -> list[dict[str, float]]:
+        """Supervised warm start on assistant turns. Accepts trajectories or a JSONL path of
+        ``{"messages": [...], "tools": [...]}`` rows (OpenAI fine-tuning format) or of trajectories."""
+        if isinstance(trajectories, (str, Path)):
+            trajectories = _read_jsonl(Path(trajectories))
+        return await self.backend.train_sft(self, list(trajectories), config or SFTConfig())
+
+    async def log(self, trajectories: Iterable[Trajectory | TrajectoryGroup], split: str = "val") -> dict[str, float]:
+        flat = [t for item in trajectories for t in (item.trajectories if isinstance(item, TrajectoryGroup) else [item])]
+        return await self.backend.log(self, flat, split)
+
+    async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[int]:
+        return await self.backend.delete_checkpoints(self, best_checkpoint_metric)
+
+
+def _read_jsonl(path: Path) -> list[Trajectory]:
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if "messages_and_choices" in row:
+                rows.append(Trajectory.model_validate(row))
+            else:
+                rows.append(Trajectory(messages_and_choices=row["messages"], tools=row.get("tools")))
+        except (json.JSONDecodeError, KeyError, ValueError, TypeError) as exc:
+            raise ValueError(f"{path}:{n}: not a trajectory or a {{'messages': [...]}} row: {exc}") from exc
+    return rows

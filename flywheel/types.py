@@ -1,194 +1,231 @@
-"""Trajectories: what an agent did in one episode, and how well it went.
+"""The data a rollout produces and training consumes: trajectories and groups of them.
 
-Items of ``messages_and_choices`` are OpenAI chat message dicts (context: system, user, tool results, or assistant
-turns that were not sampled from the model being trained) or ``openai`` ``Choice`` objects (sampled turns, the
-ones training updates). A ``Choice`` from Flywheel's engine also carries ``token_ids`` and ``prompt_token_ids``.
+A trajectory is one episode of an agent: the chat it had (plain message dicts for what the environment said, and
+OpenAI ``Choice`` objects for the turns the model sampled, which are the only trainable ones), a reward, and
+whatever metrics or metadata the rollout wants to record. Rewards are compared within a ``TrajectoryGroup``
+(several rollouts of the same scenario), which is why groups are the unit that ``gather`` and training work on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
-import traceback as tb
+import traceback
 import uuid
-from collections.abc import Awaitable, Iterable, Iterator
-from typing import Any, Union
+from collections.abc import Awaitable, Generator, Iterable, Iterator
+from typing import Annotated, Any, Self
 
 from openai.types.chat.chat_completion import Choice
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
 
 Message = dict[str, Any]
-MessageOrChoice = Union[Choice, Message]
-MetricValue = Union[float, int, bool]
+"""An OpenAI chat message dict, ``{"role": ..., "content": ...}``, maybe with ``tool_calls``, ``tool_call_id``
+or ``name``."""
 
 
-def _as_item(item: Any) -> MessageOrChoice:
-    """JSON gives dicts back: a dict with ``finish_reason`` and ``message`` was a Choice."""
-    if isinstance(item, dict) and "finish_reason" in item and "message" in item:
-        return Choice.model_validate(item)
-    if isinstance(item, (dict, Choice)):
-        return item
-    raise TypeError(f"messages_and_choices items must be message dicts or openai Choice objects, not {type(item).__name__}")
+def _message_or_choice(value: Any) -> str:
+    # JSON turns a Choice into a dict; "finish_reason" and "message" together only ever come from a Choice.
+    if isinstance(value, Choice) or (isinstance(value, dict) and "finish_reason" in value and "message" in value):
+        return "choice"
+    return "message"
+
+
+MessageOrChoice = Annotated[
+    Annotated[Choice, Tag("choice")] | Annotated[Message, Tag("message")],
+    Discriminator(_message_or_choice),
+]
+"""A turn of a conversation. A Choice is a sampled assistant turn; our engine adds ``token_ids`` and
+``prompt_token_ids`` to it as extra fields, which the OpenAI SDK's models keep (in memory and through JSON)."""
+
+
+def _tool_call_dict(call: Any) -> dict[str, Any]:
+    if call.type == "function":
+        return {
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.function.name, "arguments": call.function.arguments},
+        }
+    return call.model_dump(mode="json", exclude_none=True)  # custom (non-function) tools: pass through unchanged
 
 
 def choice_to_message(choice: Choice) -> Message:
-    msg = choice.message
-    out: Message = {"role": "assistant", "content": msg.content}
-    if msg.tool_calls:
-        out["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
-            for c in msg.tool_calls
-        ]
-    return out
+    """The assistant message a sampled Choice produced, as a plain dict (``tool_calls`` only when present)."""
+    message: Message = {"role": "assistant", "content": choice.message.content}
+    if choice.message.tool_calls:
+        message["tool_calls"] = [_tool_call_dict(call) for call in choice.message.tool_calls]
+    return message
 
 
 class History(BaseModel):
-    """A conversation: messages and sampled choices, with the tools that were offered."""
-
-    model_config = ConfigDict(arbitrary_types_allowed=True, validate_assignment=True)
+    """A conversation and the tools offered during it: a trajectory's main one, or one of its
+    ``additional_histories`` (a sub-agent's, or the turns before a context reset)."""
 
     messages_and_choices: list[MessageOrChoice]
-    tools: list[dict[str, Any]] | None = None
-
-    @field_validator("messages_and_choices", mode="before")
-    @classmethod
-    def _items(cls, items: Iterable[Any]) -> list[MessageOrChoice]:
-        return [_as_item(i) for i in items]
+    tools: list[dict] | None = None
 
     def messages(self) -> list[Message]:
-        """Plain message dicts, sampled choices turned into assistant messages."""
-        return [choice_to_message(i) if isinstance(i, Choice) else dict(i) for i in self.messages_and_choices]
+        """The chat as plain message dicts, each sampled Choice turned into the assistant message it produced."""
+        # Message dicts are copied, so that editing the result cannot rewrite the trajectory.
+        return [
+            choice_to_message(item) if isinstance(item, Choice) else dict(item) for item in self.messages_and_choices
+        ]
 
 
 class Trajectory(History):
-    """One episode: the main conversation (plus any side conversations) and its reward."""
+    """One rollout: the conversation, its reward and what the rollout chose to record about it."""
 
+    # Validating on assignment catches `t.reward += nan` at the line that does it, not later in training.
+    model_config = ConfigDict(validate_assignment=True)
+
+    # Names the trajectory for judges, exports and errors; declared before reward and metrics so that their
+    # validators can quote it.
     id: str = Field(default_factory=lambda: uuid.uuid4().hex)
     additional_histories: list[History] = []
     reward: float = 0.0
-    metrics: dict[str, MetricValue] = {}
+    metrics: dict[str, float | int | bool] = {}
     metadata: dict[str, str | int | float | bool | None] = {}
     logs: list[str] = []
 
     @field_validator("reward")
     @classmethod
-    def _finite_reward(cls, reward: float, info) -> float:
+    def _reward_is_finite(cls, reward: float, info: ValidationInfo) -> float:
+        # One NaN reward turns every advantage of its group into NaN, and from there the model weights.
         if not math.isfinite(reward):
-            raise ValueError(f"reward must be a finite number, got {reward} (trajectory {info.data.get('id', '?')})")
+            trajectory = info.data.get("id")
+            raise ValueError(f"reward was {reward} (NaN/inf) in trajectory {trajectory}; rewards must be finite")
         return reward
 
     @field_validator("metrics")
     @classmethod
-    def _finite_metrics(cls, metrics: dict[str, MetricValue]) -> dict[str, MetricValue]:
+    def _metrics_are_not_nan(cls, metrics: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         for key, value in metrics.items():
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"metric '{key}' must be a finite number, got {value}")
+            if isinstance(value, float) and math.isnan(value):
+                trajectory = info.data.get("id")
+                raise ValueError(f"metric {key!r} was NaN in trajectory {trajectory}; NaN would poison its averages")
         return metrics
 
     def __str__(self) -> str:
-        turns = sum(isinstance(i, Choice) for i in self.messages_and_choices)
-        return f"Trajectory(id={self.id[:8]}, reward={self.reward:.3f}, sampled_turns={turns}, items={len(self.messages_and_choices)})"
+        sampled = sum(isinstance(item, Choice) for item in self.messages_and_choices)
+        return (
+            f"Trajectory(reward={self.reward:g}, {len(self.messages_and_choices)} turns ({sampled} sampled), "
+            f"id={self.id})"
+        )
 
 
 class PydanticException(BaseModel):
-    """An exception a rollout raised, kept as data (type, message, traceback)."""
+    """A serialisable record of an exception raised by a rollout."""
 
     type: str
     message: str
     traceback: str
 
     @classmethod
-    def from_exception(cls, exc: BaseException) -> PydanticException:
+    def from_exception(cls, exception: BaseException) -> PydanticException:
         return cls(
-            type=type(exc).__name__,
-            message=str(exc),
-            traceback="".join(tb.format_exception(type(exc), exc, exc.__traceback__)),
+            type=type(exception).__name__,
+            message=str(exception),
+            traceback="".join(traceback.format_exception(exception)),
         )
 
 
-class TrajectoryGroup(BaseModel):
-    """Attempts at the same scenario; rewards are compared within the group.
+async def _resolved(value: Trajectory) -> Trajectory:
+    """Lets a finished trajectory wait in line with pending rollouts, so that a group keeps its input order."""
+    return value
 
-    Built from trajectories, exceptions, or awaitables of trajectories (``TrajectoryGroup(rollout() for _ in
-    range(4))`` in sync code); ``await group`` or ``gather_trajectory_groups`` runs the awaitables.
+
+class TrajectoryGroup(BaseModel):
+    """Rollouts of the same scenario, whose rewards are compared with each other.
+
+    ``TrajectoryGroup(rollout(model, s) for _ in range(4))`` may be written in sync code: the coroutines are kept,
+    not run, until the group is awaited (or passed to ``gather_trajectory_groups``, which runs them with a
+    progress bar and limits). Awaiting runs them concurrently and returns the same group, filled in. Rollouts that
+    raised are recorded in ``exceptions``; their original exception objects stay in ``_original_exceptions``.
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-
-    trajectories_: list[Trajectory] = Field(default_factory=list, alias="trajectories")
+    trajectories: list[Trajectory]
     exceptions: list[PydanticException] = []
+
     _pending: list[Awaitable[Trajectory]] = PrivateAttr(default_factory=list)
-    _errors: list[BaseException] = PrivateAttr(default_factory=list)  # originals, to re-raise with tracebacks
+    _original_exceptions: list[BaseException] = PrivateAttr(default_factory=list)
 
     def __init__(
         self,
         trajectories: Iterable[Trajectory | BaseException | Awaitable[Trajectory]] = (),
-        exceptions: list[PydanticException | BaseException] | None = None,
-        **kwargs: Any,
-    ):
-        done, pending, errors = [], [], []
-        for item in trajectories:
-            if isinstance(item, (Trajectory, dict)):
-                done.append(item)
-            elif isinstance(item, BaseException):
-                errors.append(item)
-            elif isinstance(item, Awaitable):
-                pending.append(item)
-            else:
-                raise TypeError(f"TrajectoryGroup items must be Trajectory, exception or awaitable, not {type(item).__name__}")
-        stored = [e for e in exceptions or [] if not isinstance(e, BaseException)]
-        errors += [e for e in exceptions or [] if isinstance(e, BaseException)]
-        super().__init__(trajectories=done, exceptions=stored + [PydanticException.from_exception(e) for e in errors], **kwargs)
-        self._pending, self._errors = pending, errors
+        exceptions: Iterable[BaseException | PydanticException] = (),
+    ) -> None:
+        items, exceptions = list(trajectories), list(exceptions)
+        raised = [item for item in items if isinstance(item, BaseException)]
+        finished = [item for item in items if not isinstance(item, BaseException)]
+        raised += [e for e in exceptions if isinstance(e, BaseException)]
+        recorded = [e for e in exceptions if not isinstance(e, BaseException)]
+        pending: list[Awaitable[Trajectory]] = []
+        if any(inspect.isawaitable(item) for item in finished):
+            pending = [item if inspect.isawaitable(item) else _resolved(item) for item in finished]
+            finished = []
+        super().__init__(trajectories=finished, exceptions=recorded)
+        for exception in raised:
+            self._record(exception)
+        if pending:
+            self._pending = pending
+            # Leave the field unset until the rollouts finish, so that reading it reaches __getattr__ and fails
+            # loudly, instead of returning an empty list that would silently train on nothing.
+            del self.__dict__["trajectories"]
 
-    @property
-    def trajectories(self) -> list[Trajectory]:
+    def _check_finished(self) -> None:
         if self._pending:
             raise RuntimeError(
-                f"This TrajectoryGroup still has {len(self._pending)} rollouts to run: `await` it or pass it to "
-                "gather_trajectory_groups first."
+                f"this TrajectoryGroup has {len(self._pending)} rollouts still pending: await it "
+                "(`group = await group`) or pass it to gather_trajectory_groups before reading its trajectories"
             )
-        return self.trajectories_
 
-    @trajectories.setter
-    def trajectories(self, value: list[Trajectory]) -> None:
-        self.trajectories_ = value
+    def __getattr__(self, name: str) -> Any:
+        if name == "trajectories":  # only reached while the field is unset, i.e. rollouts are pending
+            self._check_finished()
+        return super().__getattr__(name)  # type: ignore[misc]  # pydantic's, which serves private attributes
 
-    @property
-    def pending(self) -> list[Awaitable[Trajectory]]:
-        return self._pending
+    @model_serializer(mode="wrap")
+    def _serialize_only_when_finished(self, handler: Any) -> Any:
+        self._check_finished()  # pydantic would otherwise quietly leave the unset field out
+        return handler(self)
 
-    def add_result(self, result: Trajectory | BaseException) -> None:
-        """Record one finished rollout (used by gather)."""
-        if isinstance(result, BaseException):
-            self._errors.append(result)
-            self.exceptions.append(PydanticException.from_exception(result))
-        else:
-            self.trajectories_.append(result)
+    def __await__(self) -> Generator[Any, None, Self]:
+        return self._run_pending().__await__()
 
-    def take_pending(self) -> list[Awaitable[Trajectory]]:
-        pending, self._pending = self._pending, []
-        return pending
+    async def _run_pending(self) -> Self:
+        if self._pending:
+            self._complete(await asyncio.gather(*self._pending, return_exceptions=True))
+        return self
 
-    def __await__(self):
-        async def run() -> TrajectoryGroup:
-            results = await asyncio.gather(*self.take_pending(), return_exceptions=True)
-            for r in results:
-                self.add_result(r)
-            return self
+    def _complete(self, results: Iterable[Trajectory | BaseException]) -> None:
+        """Fills the group with the results of its pending rollouts, in order; shared with gather."""
+        finished: list[Trajectory] = []
+        for result in results:
+            if isinstance(result, BaseException):
+                self._record(result)
+            elif isinstance(result, Trajectory):
+                finished.append(result)
+            else:
+                raise TypeError(f"a rollout returned {type(result).__name__}, expected a Trajectory (missing return?)")
+        self._pending = []
+        self.trajectories = finished
 
-        return run().__await__()
+    def _record(self, exception: BaseException) -> None:
+        self.exceptions.append(PydanticException.from_exception(exception))
+        self._original_exceptions.append(exception)
 
-    def __iter__(self) -> Iterator[Trajectory]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[Trajectory]:  # type: ignore[override]  # a group iterates its trajectories
         return iter(self.trajectories)
 
     def __len__(self) -> int:
         return len(self.trajectories)
-
-    def model_dump(self, **kwargs: Any) -> dict[str, Any]:
-        kwargs.setdefault("by_alias", True)
-        return super().model_dump(**kwargs)
-
-    def model_dump_json(self, **kwargs: Any) -> str:
-        kwargs.setdefault("by_alias", True)
-        return super().model_dump_json(**kwargs)

@@ -84,6 +84,11 @@ class _Request:
     cancelled: bool = False
 
 
+def _put_all(batch: list[tuple[_Request, TokenEvent | BaseException]]) -> None:
+    for request, item in batch:
+        request.queue.put_nowait(item)
+
+
 class InferenceEngine:
     def __init__(
         self,
@@ -266,6 +271,7 @@ class InferenceEngine:
         """Sample the next token of each sequence, emit it, and retire finished sequences."""
         params = [s.request.params for s in seqs]
         drawn = sample(logits, params, [s.generator for s in seqs])
+        outbox: list[tuple[_Request, TokenEvent]] = []
         for i, seq in enumerate(seqs):
             token = drawn.tokens[i]
             seq.output.append(token)
@@ -291,7 +297,8 @@ class InferenceEngine:
                 text_delta=delta,
                 finish_reason=seq.finish_reason,
             )
-            self._send(seq.request, event)
+            outbox.append((seq.request, event))
+        self._deliver(outbox)
         self._retire()
 
     def _update_text(self, seq: _Sequence) -> None:
@@ -318,7 +325,16 @@ class InferenceEngine:
             seq.row = hole
         self._running = sorted(keep, key=lambda s: s.row)
 
+    def _send(self, request: _Request, item: TokenEvent | BaseException) -> None:
+        self._deliver([(request, item)])
+
     @staticmethod
-    def _send(request: _Request, item: TokenEvent | BaseException) -> None:
-        if not request.loop.is_closed():
-            request.loop.call_soon_threadsafe(request.queue.put_nowait, item)
+    def _deliver(items: list[tuple[_Request, TokenEvent | BaseException]]) -> None:
+        """One wake-up per event loop per step, not one per token: waking a loop thread for every token makes it
+        fight the engine thread for the GIL, which costs more than the step itself."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Request, TokenEvent | BaseException]]] = {}
+        for request, item in items:
+            by_loop.setdefault(request.loop, []).append((request, item))
+        for loop, batch in by_loop.items():
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_put_all, batch)

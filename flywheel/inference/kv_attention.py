@@ -67,6 +67,13 @@ class PrefillBatch:
 
 
 @dataclass
+class PackedBatch:
+    """Training: sequences packed into one [1, T] row, each attending only to itself (no cache, no padding)."""
+
+    lengths: list[int]
+
+
+@dataclass
 class DecodeBatch:
     """One new token for each of rows 0..B-1; ``lengths[b]`` tokens are already cached for row b."""
 
@@ -113,12 +120,21 @@ def _decode(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch
     return out.reshape(b, 1, heads, dim)
 
 
+def _packed(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch, scaling: float):
+    out, offset = [], 0
+    for n in batch.lengths:
+        part = slice(offset, offset + n)
+        out.append(F.scaled_dot_product_attention(q[:, :, part], k[:, :, part], v[:, :, part], is_causal=True, scale=scaling, enable_gqa=True))
+        offset += n
+    return torch.cat(out, dim=2).transpose(1, 2)
+
+
 def flywheel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     batch = kwargs.pop("kv_batch", None)
     if batch is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    fn = _decode if isinstance(batch, DecodeBatch) else _prefill
+    fn = _decode if isinstance(batch, DecodeBatch) else _packed if isinstance(batch, PackedBatch) else _prefill
     return fn(module.layer_idx, query, key, value, batch, scaling), None
 
 

@@ -1,0 +1,159 @@
+"""From trajectories to packed token sequences with a mask of the positions that train.
+
+Only tokens the model sampled train: every ``Choice`` of a trajectory, with the exact ids the engine returned
+(``prompt_token_ids`` + ``token_ids``). System, user and tool tokens, and assistant message dicts (context that was
+not sampled), are masked. Consecutive turns whose prompt extends the previous sequence token for token are merged
+into one sequence (the shared prefix is processed once); a turn whose prompt does not (a template that re-renders
+history differently) starts a sequence of its own, so nothing is ever trained on re-tokenised text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from openai.types.chat.chat_completion import Choice
+from transformers import PreTrainedTokenizerBase
+
+from flywheel.inference.chat import render_prompt, to_default_format
+from flywheel.types import History, Trajectory, choice_to_message
+
+
+@dataclass
+class Sequence:
+    tokens: list[int]
+    trained: list[bool]  # trained[t]: token t is a sampled token whose log-prob trains
+    old_logprobs: list[float]  # per token; meaningful where trained
+    advantage: float = 0.0
+    index: int = 0  # position in the optimizer batch (set by pack)
+
+
+@dataclass
+class MicroBatch:
+    """Sequences packed into one row; ``targets`` are the trained tokens, predicted from ``positions``."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    lengths: list[int]
+    positions: torch.Tensor  # [K] index of the position whose logits predict each trained token
+    targets: torch.Tensor  # [K]
+    old_logprobs: torch.Tensor  # [K]
+    advantages: torch.Tensor  # [K]
+    seq: torch.Tensor  # [K] sequence index within this micro-batch
+    n_seqs: int
+    seq_ids: list[int] = field(default_factory=list)  # batch-level sequence indices
+
+
+def _turn_tokens(
+    tokenizer: PreTrainedTokenizerBase, choice: Choice, context: list[dict], tools: list[dict] | None
+) -> tuple[list[int], list[int], list[float] | None]:
+    """(prompt ids, completion ids, sampler log-probs) of one sampled turn."""
+    prompt, completion = getattr(choice, "prompt_token_ids", None), getattr(choice, "token_ids", None)
+    if prompt is not None and completion is not None:
+        content = choice.logprobs.content if choice.logprobs and choice.logprobs.content else None
+        logprobs = [t.logprob for t in content] if content and len(content) == len(completion) else None
+        return list(prompt), list(completion), logprobs
+    # A Choice built by hand (not sampled by our engine): render it the way the engine would have.
+    return assistant_turn_tokens(tokenizer, context, choice_to_message(choice), tools) + (None,)
+
+
+def assistant_turn_tokens(
+    tokenizer: PreTrainedTokenizerBase, context: list[dict], message: dict, tools: list[dict] | None
+) -> tuple[list[int], list[int]]:
+    """Prompt ids and completion ids (ending with end-of-turn) for an assistant message given its context."""
+    prompt = render_prompt(tokenizer, context, tools)
+    text = to_default_format([message], None)[0]["content"]
+    completion = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    return prompt, completion
+
+
+def _append_turn(sequences: list[Sequence], prompt: list[int], completion: list[int], logprobs: list[float] | None):
+    last = sequences[-1] if sequences else None
+    if last is not None and prompt[: len(last.tokens)] == last.tokens:
+        extra = prompt[len(last.tokens) :]
+        last.tokens += extra + completion
+        last.trained += [False] * len(extra) + [True] * len(completion)
+        last.old_logprobs += [0.0] * len(extra) + (logprobs or [0.0] * len(completion))
+    else:
+        sequences.append(
+            Sequence(
+                tokens=prompt + completion,
+                trained=[False] * len(prompt) + [True] * len(completion),
+                old_logprobs=[0.0] * len(prompt) + (logprobs or [0.0] * len(completion)),
+            )
+        )
+
+
+def history_sequences(
+    history: History, tokenizer: PreTrainedTokenizerBase, *, train_message_dicts: bool = False
+) -> list[Sequence]:
+    """Sequences of one conversation. ``train_message_dicts`` (SFT) also trains assistant message dicts."""
+    sequences: list[Sequence] = []
+    context: list[dict] = []
+    for item in history.messages_and_choices:
+        if isinstance(item, Choice):
+            prompt, completion, logprobs = _turn_tokens(tokenizer, item, context, history.tools)
+            _append_turn(sequences, prompt, completion, logprobs)
+            context.append(choice_to_message(item))
+        else:
+            if train_message_dicts and item.get("role") == "assistant":
+                prompt, completion = assistant_turn_tokens(tokenizer, context, item, history.tools)
+                _append_turn(sequences, prompt, completion, None)
+            context.append(dict(item))
+    return sequences
+
+
+def trajectory_sequences(
+    traj: Trajectory, tokenizer: PreTrainedTokenizerBase, advantage: float = 0.0, *, train_message_dicts: bool = False
+) -> list[Sequence]:
+    sequences = []
+    for history in [traj, *traj.additional_histories]:
+        sequences += history_sequences(history, tokenizer, train_message_dicts=train_message_dicts)
+    for s in sequences:
+        s.advantage = advantage
+    return sequences
+
+
+def pack(sequences: list[Sequence], max_tokens: int) -> list[MicroBatch]:
+    """First-fit-decreasing packing into rows of at most ``max_tokens`` (a longer sequence gets its own row)."""
+    for i, s in enumerate(sequences):
+        s.index = i
+    bins: list[list[Sequence]] = []
+    sizes: list[int] = []
+    for s in sorted(sequences, key=lambda s: len(s.tokens), reverse=True):
+        for b, size in enumerate(sizes):
+            if size + len(s.tokens) <= max_tokens:
+                bins[b].append(s)
+                sizes[b] += len(s.tokens)
+                break
+        else:
+            bins.append([s])
+            sizes.append(len(s.tokens))
+    return [_micro_batch(b) for b in bins]
+
+
+def _micro_batch(seqs: list[Sequence]) -> MicroBatch:
+    ids, pos, positions, targets, old, adv, seq_of = [], [], [], [], [], [], []
+    for j, s in enumerate(seqs):
+        start = len(ids)
+        ids += s.tokens
+        pos += range(len(s.tokens))
+        for t in range(1, len(s.tokens)):  # token 0 has no prediction inside its sequence
+            if s.trained[t]:
+                positions.append(start + t - 1)
+                targets.append(s.tokens[t])
+                old.append(s.old_logprobs[t])
+                adv.append(s.advantage)
+                seq_of.append(j)
+    return MicroBatch(
+        input_ids=torch.tensor([ids]),
+        position_ids=torch.tensor([pos]),
+        lengths=[len(s.tokens) for s in seqs],
+        positions=torch.tensor(positions, dtype=torch.long),
+        targets=torch.tensor(targets, dtype=torch.long),
+        old_logprobs=torch.tensor(old, dtype=torch.float32),
+        advantages=torch.tensor(adv, dtype=torch.float32),
+        seq=torch.tensor(seq_of, dtype=torch.long),
+        n_seqs=len(seqs),
+        seq_ids=[s.index for s in seqs],
+    )

@@ -1,0 +1,62 @@
+"""Training configuration (pydantic: validated at the boundary, saved with every checkpoint)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+Loss = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
+Estimator = Literal["grpo", "rloo", "reinforce_pp"]
+
+# (epsilon low, epsilon high) when not given: PPO's 0.2; DAPO's clip-higher; GSPO's sequence-level ratios sit
+# much closer to 1 (paper: 3e-4 / 4e-4); CISPO only bounds the importance weight from above (1 + 4.0, as ART).
+DEFAULT_CLIP: dict[str, tuple[float, float]] = {
+    "grpo": (0.2, 0.2),
+    "dr_grpo": (0.2, 0.2),
+    "dapo": (0.2, 0.28),
+    "gspo": (3e-4, 4e-4),
+    "cispo": (1.0, 4.0),
+}
+
+
+class LoraSettings(BaseModel):
+    rank: int = Field(8, ge=1)
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    targets: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class TrainConfig(BaseModel):
+    learning_rate: float = Field(5e-5, gt=0)
+    loss: Loss = "grpo"
+    advantage: Estimator = "grpo"
+    scale_rewards: bool = True  # divide group advantages by the group's std (GRPO); Dr. GRPO turns it off
+    epsilon: float | None = None  # clip range below 1; None -> DEFAULT_CLIP[loss]
+    epsilon_high: float | None = None  # clip range above 1
+    beta: float = Field(0.0, ge=0.0)  # KL to the base model (adapter disabled), k3 estimator
+    epochs: int = Field(1, ge=1)  # passes over the batch; >1 makes later passes off-policy (ratios matter)
+    micro_batch_tokens: int = Field(4096, ge=64)  # packed tokens per forward/backward
+    max_grad_norm: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    dr_grpo_max_tokens: int | None = None  # Dr. GRPO's constant normaliser; None -> longest sequence in the batch
+
+    @property
+    def clip(self) -> tuple[float, float]:
+        low, high = DEFAULT_CLIP[self.loss]
+        return (self.epsilon if self.epsilon is not None else low, self.epsilon_high if self.epsilon_high is not None else high)
+
+    @model_validator(mode="after")
+    def _dr_grpo_has_no_std(self) -> TrainConfig:
+        if self.loss == "dr_grpo" and "scale_rewards" not in self.model_fields_set:
+            self.scale_rewards = False
+        return self
+
+
+class SFTConfig(BaseModel):
+    learning_rate: float = Field(2e-4, gt=0)
+    epochs: int = Field(1, ge=1)
+    batch_size: int = Field(8, ge=1)  # trajectories per optimizer step
+    micro_batch_tokens: int = Field(4096, ge=64)
+    max_grad_norm: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0)

@@ -1,0 +1,229 @@
+"""The trainer: LoRA (via peft) on the very model object the engine samples from, one optimizer step per call."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+from flywheel.inference.engine import InferenceEngine
+from flywheel.inference.kv_attention import PackedBatch
+from flywheel.train.batch import MicroBatch, Sequence, pack, trajectory_sequences
+from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
+from flywheel.train.loss import advantages, policy_loss
+from flywheel.types import Trajectory, TrajectoryGroup
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    def __init__(self, engine: InferenceEngine, lora: LoraSettings | None = None):
+        self.engine = engine
+        self.lora = lora or LoraSettings()
+        config = LoraConfig(
+            r=self.lora.rank, lora_alpha=self.lora.alpha, lora_dropout=self.lora.dropout,
+            target_modules=self.lora.targets, task_type="CAUSAL_LM",
+        )
+        with engine.exclusive():
+            # peft swaps the target Linear layers in place, so the engine's forward uses the adapter too
+            self.peft = get_peft_model(engine.model, config)
+        self.params = [p for p in self.peft.parameters() if p.requires_grad]
+        for p in self.params:  # adapters train in fp32 even when the frozen base is bf16
+            p.data = p.data.float()
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.step = 0
+        self.autocast = engine.model.dtype == torch.bfloat16
+
+    # ---- forward pieces --------------------------------------------------------------------------------------
+
+    def _logits(self, mb: MicroBatch) -> torch.Tensor:
+        """Logits only at the positions that predict trained tokens: [K, V] in fp32."""
+        with torch.autocast(self.engine.model.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            out = self.engine.model(
+                input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
+                logits_to_keep=mb.positions, kv_batch=PackedBatch(mb.lengths),
+            )
+        return out.logits[0].float()
+
+    def _token_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        logp_all = torch.log_softmax(self._logits(mb), dim=-1)
+        logp = logp_all.gather(-1, mb.targets[:, None])[:, 0]
+        entropy = -(logp_all.exp() * logp_all).sum(-1).detach()
+        return logp, entropy
+
+    def _optimizer(self, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        for group in self.optimizer.param_groups:
+            group["lr"], group["weight_decay"] = lr, weight_decay
+        return self.optimizer
+
+    def _apply(self, max_grad_norm: float, optimizer: torch.optim.Optimizer) -> float:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm))
+        if math.isfinite(grad_norm):
+            optimizer.step()
+        else:
+            log.warning("non-finite gradient norm (%s): optimizer step skipped", grad_norm)
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    # ---- RL ----------------------------------------------------------------------------------------------------
+
+    def rl_step(self, groups: list[TrajectoryGroup], config: TrainConfig) -> dict[str, float]:
+        start = time.perf_counter()
+        rewards = [t.reward for g in groups for t in g.trajectories]
+        usable = [g for g in groups if len(g.trajectories) > 1 and len({t.reward for t in g.trajectories}) > 1]
+        metrics: dict[str, float] = {
+            "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "reward_std": float(torch.tensor(rewards).std(unbiased=False)) if rewards else 0.0,
+            "groups": len(groups),
+            "groups_zero_variance": len(groups) - len(usable),
+            "zero_variance_fraction": (len(groups) - len(usable)) / len(groups) if groups else 1.0,
+        }
+        advs = advantages([[t.reward for t in g.trajectories] for g in usable], config.advantage, config.scale_rewards)
+        sequences = [
+            s
+            for g, group_adv in zip(usable, advs)
+            for t, a in zip(g.trajectories, group_adv)
+            if a != 0.0  # no signal, no compute
+            for s in trajectory_sequences(t, self.engine.tokenizer, a)
+            if any(s.trained[1:])
+        ]
+        if not sequences:
+            log.info("step skipped: no group has reward variance (%d groups), nothing to train", len(groups))
+            return metrics | {"skipped": 1.0, "train_seconds": time.perf_counter() - start}
+        with self.engine.exclusive():
+            metrics |= self._rl_update(sequences, config)
+        self.step += 1
+        return metrics | {"skipped": 0.0, "train_seconds": time.perf_counter() - start}
+
+    def _rl_update(self, sequences: list[Sequence], config: TrainConfig) -> dict[str, float]:
+        batches = pack(sequences, config.micro_batch_tokens)
+        n_tokens = sum(len(mb.targets) for mb in batches)
+        longest = max(sum(s.trained) for s in sequences)
+        optimizer = self._optimizer(config.learning_rate, config.weight_decay)
+        self.engine.model.train()
+        stats: dict[str, float] = {}
+        try:
+            refs = [self._reference(mb) for mb in batches] if config.beta > 0 else [None] * len(batches)
+            # epoch 0 is on-policy: old log-probs = current ones (exact, immune to sampler/trainer rounding);
+            # later epochs compare against those, so their ratios and clipping are real.
+            olds: list[torch.Tensor | None] = [None] * len(batches)
+            for epoch in range(config.epochs):
+                loss_sum, entropy_sum, clip_sum, kl_sum = 0.0, 0.0, 0.0, 0.0
+                for i, mb in enumerate(batches):
+                    logp, entropy = self._token_logprobs(mb)
+                    if olds[i] is None:
+                        olds[i] = logp.detach()
+                    loss, s = policy_loss(
+                        logp, olds[i], mb.advantages, mb.seq, mb.n_seqs, config, ref_logp=refs[i],
+                        batch_seqs=len(sequences), batch_tokens=n_tokens, max_tokens=longest,
+                    )
+                    loss.backward()
+                    w = len(mb.targets) / n_tokens
+                    loss_sum += float(loss.detach())
+                    entropy_sum += float(entropy.mean()) * w
+                    clip_sum += s["clip_fraction"] * w
+                    kl_sum += s["kl"] * w
+                grad_norm = self._apply(config.max_grad_norm, optimizer)
+                stats = {"loss": loss_sum, "entropy": entropy_sum, "clip_fraction": clip_sum, "kl": kl_sum, "grad_norm": grad_norm}
+        finally:
+            self.engine.model.eval()
+        sampler_gap = [
+            float((olds[i] - mb.old_logprobs).abs().mean()) for i, mb in enumerate(batches) if olds[i] is not None
+        ]
+        return stats | {
+            "tokens_trained": n_tokens,
+            "sequences": len(sequences),
+            "micro_batches": len(batches),
+            # how far the sampler's log-probs (bf16, cached decode) sit from the trainer's: a health signal
+            "sampler_logprob_gap": sum(sampler_gap) / len(sampler_gap),
+        }
+
+    @torch.no_grad()
+    def _reference(self, mb: MicroBatch) -> torch.Tensor:
+        with self.peft.disable_adapter():
+            return self._token_logprobs(mb)[0]
+
+    # ---- SFT ---------------------------------------------------------------------------------------------------
+
+    def sft(self, trajectories: list[Trajectory], config: SFTConfig) -> list[dict[str, float]]:
+        """Cross-entropy on assistant turns (sampled choices and assistant message dicts); one entry per step."""
+        history = []
+        for _ in range(config.epochs):
+            for i in range(0, len(trajectories), config.batch_size):
+                chunk = trajectories[i : i + config.batch_size]
+                sequences = [
+                    s for t in chunk for s in trajectory_sequences(t, self.engine.tokenizer, train_message_dicts=True)
+                    if any(s.trained[1:])
+                ]
+                if not sequences:
+                    continue
+                start = time.perf_counter()
+                with self.engine.exclusive():
+                    history.append(self._sft_update(sequences, config) | {"train_seconds": time.perf_counter() - start})
+                self.step += 1
+        return history
+
+    def _sft_update(self, sequences: list[Sequence], config: SFTConfig) -> dict[str, float]:
+        batches = pack(sequences, config.micro_batch_tokens)
+        n_tokens = sum(len(mb.targets) for mb in batches)
+        optimizer = self._optimizer(config.learning_rate, config.weight_decay)
+        self.engine.model.train()
+        try:
+            loss_sum = 0.0
+            for mb in batches:
+                logp, _ = self._token_logprobs(mb)
+                loss = -logp.sum() / n_tokens
+                loss.backward()
+                loss_sum += float(loss.detach())
+            grad_norm = self._apply(config.max_grad_norm, optimizer)
+        finally:
+            self.engine.model.eval()
+        return {"loss": loss_sum, "grad_norm": grad_norm, "tokens_trained": n_tokens, "sequences": len(sequences)}
+
+    # ---- checkpoints -------------------------------------------------------------------------------------------
+
+    def save(self, directory: Path, extra: dict | None = None) -> Path:
+        """Write adapter, optimizer and trainer state to ``directory`` atomically (temp dir, then rename)."""
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        try:
+            self.peft.save_pretrained(tmp)
+            if self.optimizer is not None:
+                torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            state = {"step": self.step, "lora": self.lora.model_dump()} | (extra or {})
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+            if directory.exists():
+                shutil.rmtree(directory)
+            tmp.rename(directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return directory
+
+    def load(self, directory: Path) -> None:
+        from safetensors.torch import load_file
+
+        state = json.loads((directory / "trainer_state.json").read_text())
+        weights = load_file(str(directory / "adapter_model.safetensors"))
+        with self.engine.exclusive():
+            result = set_peft_model_state_dict(self.peft, weights)
+            if result.unexpected_keys:
+                raise ValueError(f"checkpoint {directory} does not match this adapter: {result.unexpected_keys[:3]}")
+            for p in self.params:
+                p.data = p.data.float()
+        if (directory / "optimizer.pt").exists():
+            opt = self._optimizer(1e-5, 0.0)
+            opt.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
+        self.step = int(state["step"])
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.peft).items()}

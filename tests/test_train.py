@@ -1,0 +1,157 @@
+"""Training on the real embedded model: masking, a two-step smoke test with checkpoints and resume, skipping."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from openai.types.chat import ChatCompletionMessage
+from openai.types.chat.chat_completion import Choice
+
+import flywheel as art
+from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.train.batch import pack, trajectory_sequences
+from flywheel.train.config import SFTConfig, TrainConfig
+
+SYSTEM = {"role": "system", "content": "You answer with one word."}
+
+
+def sampled(text: str, prompt: list[int], tokens: list[int]) -> Choice:
+    c = Choice(finish_reason="stop", index=0, message=ChatCompletionMessage(role="assistant", content=text))
+    c.prompt_token_ids, c.token_ids = prompt, tokens
+    return c
+
+
+def test_multi_turn_masking_trains_only_sampled_tokens(tokenizer):
+    traj = art.Trajectory(
+        messages_and_choices=[
+            SYSTEM,
+            {"role": "user", "content": "q"},
+            sampled("a", [1, 2, 3], [4, 5]),
+            {"role": "tool", "tool_call_id": "c", "content": "r"},
+            sampled("b", [1, 2, 3, 4, 5, 6, 7], [8, 9]),  # prompt extends the sequence: merged
+            {"role": "user", "content": "again"},
+            sampled("c", [1, 2, 99], [10]),  # history re-rendered differently: a sequence of its own
+        ]
+    )
+    first, second = trajectory_sequences(traj, tokenizer, advantage=0.5)
+    assert first.tokens == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert [t for t, m in zip(first.tokens, first.trained) if m] == [4, 5, 8, 9]
+    assert second.tokens == [1, 2, 99, 10] and second.trained == [False, False, False, True]
+    (mb,) = pack([first, second], max_tokens=64)
+    assert mb.targets.tolist() in ([4, 5, 8, 9, 10], [10, 4, 5, 8, 9])
+    # each target is predicted from the position just before it, inside its own sequence
+    flat = mb.input_ids[0].tolist()
+    assert [flat[p + 1] for p in mb.positions.tolist()] == mb.targets.tolist()
+    assert mb.advantages.tolist() == [0.5] * 5
+    assert sorted(mb.lengths) == [4, 9] and mb.position_ids[0].tolist().count(0) == 2
+
+
+def test_assistant_message_dicts_are_context_for_rl_but_trained_by_sft(tokenizer):
+    traj = art.Trajectory(
+        messages_and_choices=[SYSTEM, {"role": "user", "content": "Colour of the sky?"}, {"role": "assistant", "content": "Blue"}]
+    )
+    assert trajectory_sequences(traj, tokenizer) == []
+    (seq,) = trajectory_sequences(traj, tokenizer, train_message_dicts=True)
+    trained = [t for t, m in zip(seq.tokens, seq.trained) if m]
+    assert tokenizer.decode(trained) == "Blue<|im_end|>"
+
+
+@pytest.fixture
+async def fresh_backend(tmp_path):
+    backend = art.LocalBackend(path=tmp_path)
+    yield backend
+    await backend.close()
+
+
+async def sample_groups(model: art.TrainableModel, n_groups: int = 2, size: int = 4) -> list[art.TrajectoryGroup]:
+    client = model.openai_client()
+
+    async def rollout(q: str) -> art.Trajectory:
+        messages = [SYSTEM, {"role": "user", "content": q}]
+        r = await client.chat.completions.create(model=model.get_inference_name(), messages=messages, max_tokens=12, logprobs=True)
+        choice = r.choices[0]
+        return art.Trajectory(messages_and_choices=[*messages, choice], reward=float(len(choice.message.content or "")))
+
+    questions = ["Name a fruit.", "Name a colour.", "Name an animal."][:n_groups]
+    return await art.gather_trajectory_groups((art.TrajectoryGroup(rollout(q) for _ in range(size)) for q in questions), pbar_desc=None)
+
+
+async def test_two_steps_change_the_adapter_checkpoint_and_resume(fresh_backend: art.LocalBackend, tmp_path):
+    model = art.TrainableModel(name="smoke", project="tests", base_model=EMBEDDED_MODEL)
+    await model.register(fresh_backend)
+    trainer = fresh_backend.trainer(model)
+    before = trainer.adapter_state()
+    probe = [SYSTEM, {"role": "user", "content": "Name a fruit."}]
+    client = model.openai_client()
+    lp_before = (await client.chat.completions.create(model=model.name, messages=probe, max_tokens=4, temperature=0, logprobs=True)).choices[0]
+
+    config = TrainConfig(learning_rate=1e-3, loss="dapo")
+    for expected_step in (1, 2):
+        metrics = await model.train(await sample_groups(model), config=config)
+        assert metrics["skipped"] == 0.0
+        assert all(torch.isfinite(torch.tensor(metrics[k])) for k in ("loss", "entropy", "grad_norm"))
+        assert metrics["tokens_trained"] > 0 and metrics["entropy"] > 0
+        assert await model.get_step() == expected_step
+    after = trainer.adapter_state()
+    assert any(not torch.equal(before[k], after[k]) for k in before), "training must change the adapter"
+
+    # the very next request samples from the new weights (shared model, no stale adapter)
+    lp_after = (await client.chat.completions.create(model=model.get_inference_name(2), messages=probe, max_tokens=4, temperature=0, logprobs=True)).choices[0]
+    assert [t.logprob for t in lp_after.logprobs.content] != [t.logprob for t in lp_before.logprobs.content]
+
+    ckpt = tmp_path / "tests" / "models" / "smoke" / "checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["0001", "0002"]
+    assert (ckpt / "0002" / "adapter_model.safetensors").exists() and (ckpt / "0002" / "optimizer.pt").exists()
+    assert json.loads((ckpt / "0002" / "trainer_state.json").read_text())["step"] == 2
+    rows = [json.loads(line) for line in (tmp_path / "tests" / "models" / "smoke" / "history.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["split"] == "train"] == [1, 2]
+    assert (tmp_path / "tests" / "models" / "smoke" / "trajectories" / "train" / "0002.jsonl").exists()
+
+    # a new backend resumes at the exact step with the same adapter weights
+    resumed = art.LocalBackend(path=tmp_path)
+    try:
+        again = art.TrainableModel(name="smoke", project="tests", base_model=EMBEDDED_MODEL)
+        await again.register(resumed)
+        assert await again.get_step() == 2
+        state = resumed.trainer(again).adapter_state()
+        assert all(torch.equal(state[k], after[k]) for k in after)
+        assert resumed.trainer(again).optimizer is not None
+        metrics = await again.train(await sample_groups(again, n_groups=1), config=config)
+        assert await again.get_step() == 3 and metrics["skipped"] == 0.0
+    finally:
+        await resumed.close()
+
+
+async def test_zero_variance_groups_are_dropped_and_an_empty_step_is_skipped(fresh_backend: art.LocalBackend, tmp_path):
+    model = art.TrainableModel(name="flat", project="tests", base_model=EMBEDDED_MODEL)
+    await model.register(fresh_backend)
+    groups = await sample_groups(model)
+    for g in groups:
+        for t in g.trajectories:
+            t.reward = 1.0
+    metrics = await model.train(groups)
+    assert metrics["skipped"] == 1.0 and metrics["groups_zero_variance"] == 2 and metrics["zero_variance_fraction"] == 1.0
+    assert await model.get_step() == 0
+    assert not (tmp_path / "tests" / "models" / "flat" / "checkpoints").exists()
+    # one group with signal trains, the flat one is counted
+    groups[0].trajectories[0].reward = 0.0
+    metrics = await model.train(groups, config=TrainConfig(learning_rate=1e-4))
+    assert metrics["skipped"] == 0.0 and metrics["groups_zero_variance"] == 1 and metrics["sequences"] == 4
+    assert await model.get_step() == 1
+
+
+async def test_sft_warm_start_lowers_the_loss_and_log_and_delete_checkpoints(fresh_backend: art.LocalBackend):
+    model = art.TrainableModel(name="sft", project="tests", base_model=EMBEDDED_MODEL)
+    await model.register(fresh_backend)
+    demos = [
+        art.Trajectory(messages_and_choices=[SYSTEM, {"role": "user", "content": f"Say the secret word {i}."}, {"role": "assistant", "content": "Flywheel"}])
+        for i in range(4)
+    ]
+    history = await model.train_sft(demos, SFTConfig(learning_rate=2e-3, epochs=3, batch_size=4))
+    assert len(history) == 3 and history[-1]["loss"] < history[0]["loss"]
+    assert await model.get_step() == 3
+    await model.log([art.Trajectory(messages_and_choices=[SYSTEM], reward=r) for r in (0.0, 1.0)], split="val")
+    deleted = await model.delete_checkpoints("val/reward")
+    assert deleted == []  # only one checkpoint (step 3), which is both latest and best
