@@ -23,6 +23,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from flywheel.inference.kv_attention import ATTN_IMPLEMENTATION, DecodeBatch, PrefillBatch, SlotKVCache
+from flywheel.inference.prefix_cache import MIN_REUSE, PrefixCache, common_prefix
 from flywheel.inference.sampling import SamplingParams, sample
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class InferenceEngine:
         *,
         max_batch: int = 64,
         max_prefill_tokens: int = 4096,
+        prefix_cache_entries: int = 32,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
@@ -111,6 +113,7 @@ class InferenceEngine:
             dtype=model.dtype,
             device=model.device,
         )
+        self.prefix_cache = PrefixCache(self.cache, prefix_cache_entries) if prefix_cache_entries else None
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if tokenizer.eos_token_id is not None:
@@ -167,9 +170,14 @@ class InferenceEngine:
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
-        """Hold the model between engine steps (for a weight update); decoding resumes on exit."""
+        """Hold the model between engine steps (for a weight update); decoding resumes on exit. Cached
+        prefixes were computed with the old weights, so they are dropped."""
         with self._model_lock:
-            yield
+            try:
+                yield
+            finally:
+                if self.prefix_cache is not None:
+                    self.prefix_cache.clear()
 
     def close(self) -> None:
         with self._wake:
@@ -202,7 +210,11 @@ class InferenceEngine:
                 self._running.clear()
 
     def _take_waiting(self) -> list[_Request]:
-        taken, rows, tokens = [], len(self._running), 0
+        """Requests to prefill now. One that shares a long prefix with a request taken in this round, beyond
+        what the prefix cache holds, waits one step: it then reuses that prefix instead of recomputing it."""
+        taken: list[_Request] = []
+        deferred: list[_Request] = []
+        rows, tokens = len(self._running), 0
         while self._waiting:
             req = self._waiting[0]
             if req.cancelled:
@@ -212,9 +224,16 @@ class InferenceEngine:
                 break
             if not taken and rows + req.params.n > self.max_batch and self._running:
                 break  # wait for rows to free up
-            taken.append(self._waiting.popleft())
+            self._waiting.popleft()
+            if self.prefix_cache is not None and taken:
+                shared = max(common_prefix(req.prompt, t.prompt) for t in taken)
+                if shared - self.prefix_cache.peek(req.prompt) >= 4 * MIN_REUSE:
+                    deferred.append(req)
+                    continue
+            taken.append(req)
             rows += req.params.n
             tokens += len(req.prompt)
+        self._waiting.extendleft(reversed(deferred))
         return taken
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch, keep: torch.Tensor | int) -> torch.Tensor:
@@ -228,7 +247,8 @@ class InferenceEngine:
         first_row = len(self._running)
         rows_needed = first_row + sum(r.params.n for r in requests)
         self.cache.reserve(rows_needed, max(len(r.prompt) + r.params.max_tokens for r in requests))
-        rows, lengths, seqs_per_request = [], [], []
+        rows, starts, seqs_per_request = [], [], []
+        cached_logits: list[torch.Tensor | None] = []
         row = first_row
         for req in requests:
             seqs = []
@@ -239,19 +259,34 @@ class InferenceEngine:
                     gen = torch.Generator(device=device).manual_seed(seed + i)
                 seqs.append(_Sequence(index=i, request=req, generator=gen, row=row + i, length=len(req.prompt)))
             seqs_per_request.append(seqs)
+            reused, known = 0, None
+            if self.prefix_cache is not None:
+                cached_row, reused, known = self.prefix_cache.lookup(req.prompt)
+                if reused:
+                    self.prefix_cache.restore(cached_row, reused, self.cache, row)
             rows.append(row)
-            lengths.append(len(req.prompt))
+            starts.append(reused)
+            cached_logits.append(known)
             row += req.params.n
-        ids = torch.tensor([t for r in requests for t in r.prompt], device=device)[None]
-        pos = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
-        last = torch.tensor(list(itertools.accumulate(lengths)), device=device) - 1
-        batch = PrefillBatch(self.cache, rows=rows, starts=[0] * len(rows), lengths=lengths)
-        logits = self._forward(ids, pos, batch, last)[0]  # [num_requests, V]
-        for req, seqs, base_row, n_prompt in zip(requests, seqs_per_request, rows, lengths):
+        # prompts seen before in full need no forward at all (and give bit-identical results, seeds included)
+        todo = [i for i, known in enumerate(cached_logits) if known is None]
+        logits: list[torch.Tensor | None] = list(cached_logits)
+        if todo:
+            lengths = [len(requests[i].prompt) - starts[i] for i in todo]
+            ids = torch.tensor([t for i in todo for t in requests[i].prompt[starts[i] :]], device=device)[None]
+            pos = torch.cat([torch.arange(starts[i], len(requests[i].prompt), device=device) for i in todo])[None]
+            last = torch.tensor(list(itertools.accumulate(lengths)), device=device) - 1
+            batch = PrefillBatch(self.cache, rows=[rows[i] for i in todo], starts=[starts[i] for i in todo], lengths=lengths)
+            fresh = self._forward(ids, pos, batch, last)[0].float()  # [len(todo), V]
+            for j, i in enumerate(todo):
+                logits[i] = fresh[j]
+                if self.prefix_cache is not None:
+                    self.prefix_cache.insert(requests[i].prompt, self.cache, rows[i], fresh[j])
+        for req, seqs, base_row in zip(requests, seqs_per_request, rows):
             for seq in seqs[1:]:
-                self.cache.copy_row(base_row, seq.row, n_prompt)
+                self.cache.copy_row(base_row, seq.row, len(req.prompt))
         new = [s for seqs in seqs_per_request for s in seqs]
-        row_logits = torch.cat([logits[i : i + 1].expand(len(seqs), -1) for i, seqs in enumerate(seqs_per_request)])
+        row_logits = torch.cat([logits[i][None].expand(len(seqs), -1) for i, seqs in enumerate(seqs_per_request)])
         self._running.extend(new)
         self._accept(new, row_logits)
 
@@ -318,6 +353,10 @@ class InferenceEngine:
         keep = [s for s in self._running if s.finish_reason is None and not s.request.cancelled]
         if len(keep) == len(self._running):
             return
+        if self.prefix_cache is not None:  # a finished turn is the prefix of the conversation's next prompt
+            for s in self._running:
+                if s.finish_reason is not None and s.index == 0:
+                    self.prefix_cache.insert(s.request.prompt + s.output[: s.length - len(s.request.prompt)], self.cache, s.row)
         holes = [s.row for s in self._running[: len(keep)] if s not in keep]
         movers = [s for s in self._running[len(keep) :] if s in keep]
         for hole, seq in zip(holes, movers):
