@@ -112,7 +112,12 @@ class LocalBackend:
             raise RuntimeError(f"Model '{model.name}' is not registered with this backend.") from None
 
     def _publish(self, model: TrainableModel) -> None:
+        """Serve the live weights as ``name`` and ``name@<step>``; older ``name@k`` would lie, so they go."""
         trainer = self.trainer(model)
+        prefix = f"{model.name}@"
+        for served in self.registry.all():
+            if served.name.startswith(prefix) and served.engine is trainer.engine:
+                self.registry.remove(served.name)
         for name in (model.name, model.get_inference_name(trainer.step)):
             self.registry.add(name, trainer.engine, owned_by=model.project)
 
@@ -123,6 +128,14 @@ class LocalBackend:
         checkpoints = self.model_dir(model) / "checkpoints"
         steps = sorted((int(p.name), p) for p in checkpoints.glob("[0-9]*") if p.is_dir() and p.name.isdigit())
         return steps[-1][1] if steps else None
+
+    async def restore(self, model: TrainableModel, step: int) -> None:
+        """Load checkpoint ``step`` into the live adapter (e.g. the best one, for a final evaluation)."""
+        directory = self.model_dir(model) / "checkpoints" / f"{step:04d}"
+        if not directory.exists():
+            raise FileNotFoundError(f"No checkpoint for step {step} at {directory}.")
+        await asyncio.to_thread(self.trainer(model).load, directory)
+        self._publish(model)
 
     async def get_step(self, model: TrainableModel) -> int:
         """Optimizer steps taken so far (0 before any training)."""

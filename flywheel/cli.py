@@ -131,5 +131,26 @@ async def _demo(n_problems: int, group_size: int, level: int, base_model: str, s
         await backend.close()
 
 
+@app.command()
+def train(
+    steps: Annotated[int, typer.Option(help="GRPO steps.")] = 16,
+    groups: Annotated[int, typer.Option(help="Problems per step.")] = 6,
+    group_size: Annotated[int, typer.Option(help="Rollouts per problem.")] = 8,
+    sft_examples: Annotated[int, typer.Option(help="Demonstrations for the SFT warm start.")] = 64,
+    test_problems: Annotated[int, typer.Option()] = 100,
+    name: Annotated[str, typer.Option(help="Run name (checkpoints under $FLYWHEEL_HOME/calculator/models/NAME).")] = "",
+    model: Annotated[str, typer.Option()] = EMBEDDED_MODEL,
+    seed: Annotated[int, typer.Option()] = 0,
+):
+    """The main job: train the calculator agent (baseline, SFT warm start, GRPO, best checkpoint, report, plot)."""
+    from examples.calculator.train import JobConfig, run
+
+    config = JobConfig(
+        base_model=model, seed=seed, rl_steps=steps, groups_per_step=groups, group_size=group_size,
+        sft_examples=sft_examples, test_problems=test_problems, name=name or time.strftime("run-%Y%m%d-%H%M%S"),
+    )
+    asyncio.run(run(config, console))
+
+
 if __name__ == "__main__":
     app()

@@ -100,6 +100,8 @@ async def test_two_steps_change_the_adapter_checkpoint_and_resume(fresh_backend:
     # the very next request samples from the new weights (shared model, no stale adapter)
     lp_after = (await client.chat.completions.create(model=model.get_inference_name(2), messages=probe, max_tokens=4, temperature=0, logprobs=True)).choices[0]
     assert [t.logprob for t in lp_after.logprobs.content] != [t.logprob for t in lp_before.logprobs.content]
+    served = [m.id for m in (await client.models.list()).data]
+    assert "smoke" in served and "smoke@2" in served and "smoke@0" not in served and "smoke@1" not in served
 
     ckpt = tmp_path / "tests" / "models" / "smoke" / "checkpoints"
     assert sorted(p.name for p in ckpt.iterdir()) == ["0001", "0002"]
@@ -155,3 +157,54 @@ async def test_sft_warm_start_lowers_the_loss_and_log_and_delete_checkpoints(fre
     await model.log([art.Trajectory(messages_and_choices=[SYSTEM], reward=r) for r in (0.0, 1.0)], split="val")
     deleted = await model.delete_checkpoints("val/reward")
     assert deleted == []  # only one checkpoint (step 3), which is both latest and best
+
+
+def test_sft_jsonl_rows_load_and_bad_rows_say_where(tmp_path):
+    from flywheel.model import _read_jsonl
+
+    good = tmp_path / "data.jsonl"
+    traj = art.Trajectory(messages_and_choices=[SYSTEM, {"role": "user", "content": "x"}, sampled("y", [1], [2])])
+    good.write_text(
+        json.dumps({"messages": [SYSTEM, {"role": "assistant", "content": "ok"}], "tools": None}) + "\n\n" + traj.model_dump_json() + "\n"
+    )
+    rows = _read_jsonl(good)
+    assert [len(r.messages_and_choices) for r in rows] == [2, 3]
+    assert isinstance(rows[1].messages_and_choices[2], Choice) and rows[1].messages_and_choices[2].token_ids == [2]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [SYSTEM]}) + "\n" + '{"prompt": "no messages here"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not a trajectory"):
+        _read_jsonl(bad)
+
+
+async def test_packed_rows_with_a_shared_prefix_give_the_same_log_probs(fp32_engine, tokenizer):
+    from flywheel.inference.chat import render_prompt
+    from flywheel.inference.kv_attention import PackedBatch
+    from flywheel.train.batch import Sequence, _micro_batch, shared_prefix
+
+    system = {"role": "system", "content": "You are a careful assistant who answers briefly. " * 4}
+    seqs = []
+    for q, a in [("Name a fruit.", "Apple"), ("Name a colour.", "Blue, like the sky"), ("Name a river.", "Nile")]:
+        prompt = render_prompt(tokenizer, [system, {"role": "user", "content": q}])
+        answer = tokenizer.encode(a, add_special_tokens=False) + [tokenizer.eos_token_id]
+        seqs.append(Sequence(tokens=prompt + answer, trained=[False] * len(prompt) + [True] * len(answer), old_logprobs=[0.0] * (len(prompt) + len(answer))))
+    prefix = shared_prefix(seqs)
+    assert prefix > 40
+
+    def logprobs(mb):
+        with fp32_engine.exclusive(), torch.no_grad():
+            out = fp32_engine.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
+                                    logits_to_keep=mb.positions, kv_batch=PackedBatch(mb.lengths, mb.prefix))
+        return torch.log_softmax(out.logits[0].float(), -1).gather(-1, mb.targets[:, None])[:, 0]
+
+    shared, plain = _micro_batch(seqs, prefix), _micro_batch(seqs, 0)
+    assert shared.input_ids.shape[1] == plain.input_ids.shape[1] - 2 * prefix  # the prefix is stored once
+    assert torch.equal(shared.targets, plain.targets)
+    assert torch.allclose(logprobs(shared), logprobs(plain), atol=1e-4)
+    # and both agree with an ordinary forward pass of each sequence alone
+    with fp32_engine.exclusive(), torch.no_grad():
+        alone = []
+        for s in seqs:
+            lg = fp32_engine.model(input_ids=torch.tensor([s.tokens])).logits[0, :-1].float()
+            lp = torch.log_softmax(lg, -1).gather(-1, torch.tensor(s.tokens[1:])[:, None])[:, 0]
+            alone += [v for v, m in zip(lp.tolist(), s.trained[1:]) if m]
+    assert torch.allclose(logprobs(shared), torch.tensor(alone), atol=1e-4)

@@ -68,9 +68,12 @@ class PrefillBatch:
 
 @dataclass
 class PackedBatch:
-    """Training: sequences packed into one [1, T] row, each attending only to itself (no cache, no padding)."""
+    """Training: sequences packed into one [1, T] row, each attending only to itself (no cache, no padding).
+    With ``prefix`` > 0 the row starts with a prefix all of them share (a common system prompt), computed once:
+    every segment after it attends to the prefix and to itself."""
 
-    lengths: list[int]
+    lengths: list[int]  # segments after the prefix
+    prefix: int = 0
 
 
 @dataclass
@@ -121,10 +124,19 @@ def _decode(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch
 
 
 def _packed(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch, scaling: float):
-    out, offset = [], 0
+    p, out = batch.prefix, []
+    if p:
+        out.append(F.scaled_dot_product_attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], is_causal=True, scale=scaling, enable_gqa=True))
+    offset = p
     for n in batch.lengths:
         part = slice(offset, offset + n)
-        out.append(F.scaled_dot_product_attention(q[:, :, part], k[:, :, part], v[:, :, part], is_causal=True, scale=scaling, enable_gqa=True))
+        if p:
+            keys, values = torch.cat([k[:, :, :p], k[:, :, part]], dim=2), torch.cat([v[:, :, :p], v[:, :, part]], dim=2)
+            mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(diagonal=p)
+            o = F.scaled_dot_product_attention(q[:, :, part], keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(q[:, :, part], k[:, :, part], v[:, :, part], is_causal=True, scale=scaling, enable_gqa=True)
+        out.append(o)
         offset += n
     return torch.cat(out, dim=2).transpose(1, 2)
 

@@ -16,6 +16,7 @@ from openai.types.chat.chat_completion import Choice
 from transformers import PreTrainedTokenizerBase
 
 from flywheel.inference.chat import render_prompt, to_default_format
+from flywheel.inference.prefix_cache import common_prefix
 from flywheel.types import History, Trajectory, choice_to_message
 
 
@@ -34,7 +35,8 @@ class MicroBatch:
 
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
-    lengths: list[int]
+    lengths: list[int]  # of each sequence after the shared prefix
+    prefix: int  # tokens shared by all sequences, once at the start of the row
     positions: torch.Tensor  # [K] index of the position whose logits predict each trained token
     targets: torch.Tensor  # [K]
     old_logprobs: torch.Tensor  # [K]
@@ -114,33 +116,54 @@ def trajectory_sequences(
     return sequences
 
 
+MIN_SHARED_PREFIX = 32  # below this, sharing is not worth the extra attention calls
+
+
+def shared_prefix(sequences: list[Sequence]) -> int:
+    """Tokens at the start of every sequence (each keeps at least one token of its own)."""
+    if len(sequences) < 2:
+        return 0
+    first = sequences[0].tokens
+    n = min(len(s.tokens) for s in sequences) - 1
+    for s in sequences[1:]:
+        n = min(n, common_prefix(first, s.tokens))
+    return n if n >= MIN_SHARED_PREFIX else 0
+
+
 def pack(sequences: list[Sequence], max_tokens: int) -> list[MicroBatch]:
-    """First-fit-decreasing packing into rows of at most ``max_tokens`` (a longer sequence gets its own row)."""
+    """First-fit-decreasing packing into rows of at most ``max_tokens`` (a longer sequence gets its own row).
+    A prefix that all sequences share (the system prompt of a group of rollouts) is put once at the start of
+    every row instead of once per sequence."""
     for i, s in enumerate(sequences):
         s.index = i
+    prefix = shared_prefix(sequences)
+    budget = max(max_tokens - prefix, 1)
     bins: list[list[Sequence]] = []
     sizes: list[int] = []
     for s in sorted(sequences, key=lambda s: len(s.tokens), reverse=True):
-        for b, size in enumerate(sizes):
-            if size + len(s.tokens) <= max_tokens:
+        size = len(s.tokens) - prefix
+        for b, used in enumerate(sizes):
+            if used + size <= budget:
                 bins[b].append(s)
-                sizes[b] += len(s.tokens)
+                sizes[b] += size
                 break
         else:
             bins.append([s])
-            sizes.append(len(s.tokens))
-    return [_micro_batch(b) for b in bins]
+            sizes.append(size)
+    return [_micro_batch(b, prefix) for b in bins]
 
 
-def _micro_batch(seqs: list[Sequence]) -> MicroBatch:
-    ids, pos, positions, targets, old, adv, seq_of = [], [], [], [], [], [], []
+def _micro_batch(seqs: list[Sequence], prefix: int) -> MicroBatch:
+    ids, pos = list(seqs[0].tokens[:prefix]), list(range(prefix))
+    positions, targets, old, adv, seq_of = [], [], [], [], []
     for j, s in enumerate(seqs):
-        start = len(ids)
-        ids += s.tokens
-        pos += range(len(s.tokens))
+        start = len(ids)  # row index of this sequence's token ``prefix``
+        ids += s.tokens[prefix:]
+        pos += range(prefix, len(s.tokens))
         for t in range(1, len(s.tokens)):  # token 0 has no prediction inside its sequence
             if s.trained[t]:
-                positions.append(start + t - 1)
+                before = t - 1  # the position whose logits predict token t
+                positions.append(before if before < prefix else start + before - prefix)
                 targets.append(s.tokens[t])
                 old.append(s.old_logprobs[t])
                 adv.append(s.advantage)
@@ -148,7 +171,8 @@ def _micro_batch(seqs: list[Sequence]) -> MicroBatch:
     return MicroBatch(
         input_ids=torch.tensor([ids]),
         position_ids=torch.tensor([pos]),
-        lengths=[len(s.tokens) for s in seqs],
+        lengths=[len(s.tokens) - prefix for s in seqs],
+        prefix=prefix,
         positions=torch.tensor(positions, dtype=torch.long),
         targets=torch.tensor(targets, dtype=torch.long),
         old_logprobs=torch.tensor(old, dtype=torch.float32),

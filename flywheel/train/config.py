@@ -36,7 +36,7 @@ class TrainConfig(BaseModel):
     epsilon_high: float | None = None  # clip range above 1
     beta: float = Field(0.0, ge=0.0)  # KL to the base model (adapter disabled), k3 estimator
     epochs: int = Field(1, ge=1)  # passes over the batch; >1 makes later passes off-policy (ratios matter)
-    micro_batch_tokens: int = Field(4096, ge=64)  # packed tokens per forward/backward
+    micro_batch_tokens: int = Field(2048, ge=64)  # packed tokens per forward/backward (bounds activation memory)
     max_grad_norm: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     dr_grpo_max_tokens: int | None = None  # Dr. GRPO's constant normaliser; None -> longest sequence in the batch
@@ -57,6 +57,6 @@ class SFTConfig(BaseModel):
     learning_rate: float = Field(2e-4, gt=0)
     epochs: int = Field(1, ge=1)
     batch_size: int = Field(8, ge=1)  # trajectories per optimizer step
-    micro_batch_tokens: int = Field(4096, ge=64)
+    micro_batch_tokens: int = Field(2048, ge=64)
     max_grad_norm: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)

