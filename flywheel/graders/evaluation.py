@@ -1,0 +1,193 @@
+"""``flywheel eval``: run a model (a base model, or a trained one at any checkpoint) on RFT data and report each
+grader's score with a 95% interval.
+
+The interval is Wilson's when every score is 0 or 1 (a pass rate), else a percentile bootstrap of the mean
+(fixed seed, so a report is reproducible). A row whose rollout failed scores 0 and counts a ``rollout_error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, Field
+
+from flywheel.backend import LocalBackend, default_home
+from flywheel.gather import gather_trajectories
+from flywheel.graders.data import RFTRow, load_rft_jsonl
+from flywheel.graders.model_graders import JudgeSettings
+from flywheel.graders.rewards import sample_of, score_trajectory
+from flywheel.graders.rollout import rft_rollout
+from flywheel.graders.run import GradeResult
+from flywheel.graders.sandbox import PythonSandbox, SandboxLimits
+from flywheel.graders.spec import Grader, MultiGrader, load_grader
+from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.model import Model, TrainableModel
+from flywheel.types import Trajectory
+
+ROLLOUT_ERROR = "rollout_error"
+_Z95 = statistics.NormalDist().inv_cdf(0.975)
+
+
+class Interval(BaseModel):
+    mean: float
+    low: float
+    high: float
+    method: str  # "wilson" | "bootstrap" | "none" (fewer than 2 values)
+
+
+def wilson(successes: float, n: int, z: float = _Z95) -> tuple[float, float]:
+    """Wilson score interval for a proportion."""
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def mean_interval(values: list[float], resamples: int = 4000, seed: int = 0) -> Interval:
+    """The mean and its 95% interval (Wilson for 0/1 scores, else percentile bootstrap)."""
+    n = len(values)
+    mean = sum(values) / n if n else 0.0
+    if n < 2:
+        return Interval(mean=mean, low=mean, high=mean, method="none")
+    if all(v in (0.0, 1.0) for v in values):
+        low, high = wilson(sum(values), n)
+        return Interval(mean=mean, low=low, high=high, method="wilson")
+    draws = np.random.default_rng(seed).choice(np.asarray(values), size=(resamples, n)).mean(axis=1)
+    low, high = np.quantile(draws, [0.025, 0.975])
+    return Interval(mean=mean, low=float(low), high=float(high), method="bootstrap")
+
+
+def parse_model_spec(spec: str) -> tuple[str, int | None]:
+    """``name@step`` -> (name, step); ``name`` -> (name, None)."""
+    name, at, step = spec.rpartition("@")
+    if not at:
+        return spec, None
+    if not name or not step.isdigit():
+        raise ValueError(f"--model {spec!r}: expected NAME or NAME@STEP with STEP a checkpoint number")
+    return name, int(step)
+
+
+class EvalConfig(BaseModel):
+    model: str
+    data: Path
+    graders: list[Path] = Field(min_length=1)
+    project: str | None = None
+    base_model: str = EMBEDDED_MODEL
+    home: Path | None = None
+    limit: int | None = Field(None, ge=1)
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    concurrency: int = Field(8, ge=1)
+    judge: JudgeSettings = JudgeSettings()
+    python: SandboxLimits = SandboxLimits()
+
+
+class GraderSummary(BaseModel):
+    name: str
+    n: int
+    score: Interval
+    sub_scores: dict[str, Interval] = {}
+    errors: dict[str, int] = {}
+
+
+class EvalReport(BaseModel):
+    model: str
+    data: str
+    rows: list[dict[str, Any]]
+    summaries: list[GraderSummary]
+
+
+def _projects_with(home: Path, name: str) -> list[str]:
+    return sorted(p.parent.parent.name for p in home.glob(f"*/models/{name}") if (p / "checkpoints").is_dir())
+
+
+async def _policy(config: EvalConfig, backend: LocalBackend) -> Model:
+    """The model to evaluate: a trained model at a checkpoint (its latest without @STEP) or a base model."""
+    name, step = parse_model_spec(config.model)
+    home = backend.path
+    project = config.project
+    if project is None:
+        found = _projects_with(home, name)
+        if len(found) > 1:
+            raise ValueError(
+                f"model {name!r} exists in several projects under {home} ({', '.join(found)}): pass --project"
+            )
+        project = found[0] if found else None
+    if project is None or not (home / project / "models" / name / "checkpoints").is_dir():
+        if step is not None:
+            raise ValueError(
+                f"no checkpoints of model {name!r} under {home}/{project or '*'}/models/ (FLYWHEEL_HOME or --home)"
+            )
+        await backend.load(name)  # a base model as it is
+        return Model(name=name, project="eval", inference_model_name=name, inference_base_url=backend.base_url)
+    model = TrainableModel(name=name, project=project, base_model=config.base_model)
+    if step is not None:
+        checkpoints = home / project / "models" / name / "checkpoints"
+        available = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+        if step not in available:
+            raise ValueError(f"{name}@{step}: no such checkpoint; available steps: {available or 'none'}")
+    await model.register(backend)
+    if step is not None:
+        await backend.restore(model, step)
+    return model
+
+
+def _summaries(graders: list[Grader], results: list[list[GradeResult]], rollout_errors: int) -> list[GraderSummary]:
+    summaries = []
+    for g, grader in enumerate(graders):
+        per_row = [row[g] for row in results]
+        errors: dict[str, int] = {ROLLOUT_ERROR: rollout_errors} if rollout_errors else {}
+        for result in per_row:
+            for kind, count in result.errors.items():
+                errors[kind] = errors.get(kind, 0) + count
+        sub_scores = {}
+        if isinstance(grader, MultiGrader):
+            sub_scores = {key: mean_interval([r.sub_rewards.get(key, 0.0) for r in per_row]) for key in grader.graders}
+        summaries.append(GraderSummary(name=grader.name, n=len(per_row), score=mean_interval([r.reward for r in per_row]),
+                                       sub_scores=sub_scores, errors=errors))  # fmt: skip
+    return summaries
+
+
+async def evaluate(config: EvalConfig) -> EvalReport:
+    """Answer every row with the model (greedy by default), grade the answers, summarise per grader."""
+    graders = [load_grader(path) for path in config.graders]  # bad graders or data fail before a model loads
+    rows: list[RFTRow] = load_rft_jsonl(config.data)[: config.limit]
+    sandbox = PythonSandbox(config.python)
+    async with LocalBackend(path=config.home or default_home()) as backend:
+        policy = await _policy(config, backend)
+        sampling = {"temperature": config.temperature, "max_tokens": config.max_tokens}
+        answered = await gather_trajectories(
+            (rft_rollout(policy, row, **sampling) for row in rows),
+            pbar_desc=f"eval {config.model}", max_exceptions=len(rows), max_concurrency=config.concurrency,
+        )  # fmt: skip
+    by_row: dict[int, Trajectory] = {int(t.metadata["rft_row"]): t for t in answered}  # type: ignore[arg-type]
+    trajectories = [by_row.get(row.index) or Trajectory(messages_and_choices=row.messages) for row in rows]
+
+    async def grade_row(row: RFTRow, trajectory: Trajectory) -> list[GradeResult]:
+        return list(await asyncio.gather(*(
+            score_trajectory(grader, trajectory, row.item, set_reward=i == 0, sandbox=sandbox, judge=config.judge)
+            for i, grader in enumerate(graders)
+        )))  # fmt: skip
+
+    results = await asyncio.gather(*(grade_row(row, t) for row, t in zip(rows, trajectories)))
+    for row, row_results in zip(rows, results):  # a failed rollout scores 0, whatever graders made of no answer
+        if row.index not in by_row:
+            for result in row_results:
+                result.reward, result.sub_rewards = 0.0, {key: 0.0 for key in result.sub_rewards}
+    report_rows = [
+        {
+            "row": row.index,
+            "output": sample_of(t).output_text,
+            "tool_calls": sample_of(t).output_tools,
+            "rollout_failed": row.index not in by_row,
+            "graders": [r.to_openai() for r in row_results],
+        }  # fmt: skip
+        for row, t, row_results in zip(rows, trajectories, results)
+    ]
+    summaries = _summaries(graders, results, len(rows) - len(by_row))
+    return EvalReport(model=config.model, data=str(config.data), rows=report_rows, summaries=summaries)
