@@ -9,7 +9,7 @@ history differently) starts a sequence of its own, so nothing is ever trained on
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from openai.types.chat.chat_completion import Choice
@@ -27,6 +27,8 @@ class Sequence:
     old_logprobs: list[float]  # per token; meaningful where trained
     advantage: float = 0.0
     index: int = 0  # position in the optimizer batch (set by pack)
+    turn: list[int] = field(default_factory=list)  # turn[t]: the sampled turn token t belongs to (-1: context)
+    turn_advantages: list[float] | None = None  # one per sampled turn of the trajectory (credit="turn")
 
 
 @dataclass
@@ -44,6 +46,11 @@ class MicroBatch:
     seq: torch.Tensor  # [K] sequence index within this micro-batch
     n_seqs: int
     seq_ids: list[int] = field(default_factory=list)  # batch-level sequence indices
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """The same micro-batch with its tensors on ``device`` (packing happens on the host)."""
+        moved = {f: getattr(self, f).to(device) for f in ("input_ids", "position_ids", "positions", "targets", "old_logprobs", "advantages", "seq")}
+        return replace(self, **moved)
 
 
 def _turn_tokens(
@@ -69,33 +76,40 @@ def assistant_turn_tokens(
     return prompt, completion
 
 
-def _append_turn(sequences: list[Sequence], prompt: list[int], completion: list[int], logprobs: list[float] | None):
+def _append_turn(
+    sequences: list[Sequence], prompt: list[int], completion: list[int], logprobs: list[float] | None, turn: int = -1
+):
     last = sequences[-1] if sequences else None
     if last is not None and prompt[: len(last.tokens)] == last.tokens:
         extra = prompt[len(last.tokens) :]
         last.tokens += extra + completion
         last.trained += [False] * len(extra) + [True] * len(completion)
         last.old_logprobs += [0.0] * len(extra) + (logprobs or [0.0] * len(completion))
+        last.turn += [-1] * len(extra) + [turn] * len(completion)
     else:
         sequences.append(
             Sequence(
                 tokens=prompt + completion,
                 trained=[False] * len(prompt) + [True] * len(completion),
                 old_logprobs=[0.0] * len(prompt) + (logprobs or [0.0] * len(completion)),
+                turn=[-1] * len(prompt) + [turn] * len(completion),
             )
         )
 
 
 def history_sequences(
-    history: History, tokenizer: PreTrainedTokenizerBase, *, train_message_dicts: bool = False
+    history: History, tokenizer: PreTrainedTokenizerBase, *, train_message_dicts: bool = False, first_turn: int = 0
 ) -> list[Sequence]:
-    """Sequences of one conversation. ``train_message_dicts`` (SFT) also trains assistant message dicts."""
+    """Sequences of one conversation. ``train_message_dicts`` (SFT) also trains assistant message dicts.
+    Sampled turns are numbered from ``first_turn`` on."""
     sequences: list[Sequence] = []
     context: list[dict] = []
+    turn = first_turn
     for item in history.messages_and_choices:
         if isinstance(item, Choice):
             prompt, completion, logprobs = _turn_tokens(tokenizer, item, context, history.tools)
-            _append_turn(sequences, prompt, completion, logprobs)
+            _append_turn(sequences, prompt, completion, logprobs, turn)
+            turn += 1
             context.append(choice_to_message(item))
         else:
             if train_message_dicts and item.get("role") == "assistant":
@@ -106,13 +120,28 @@ def history_sequences(
 
 
 def trajectory_sequences(
-    traj: Trajectory, tokenizer: PreTrainedTokenizerBase, advantage: float = 0.0, *, train_message_dicts: bool = False
+    traj: Trajectory,
+    tokenizer: PreTrainedTokenizerBase,
+    advantage: float | list[float] = 0.0,
+    *,
+    train_message_dicts: bool = False,
 ) -> list[Sequence]:
-    sequences = []
+    """``advantage``: one for the whole trajectory, or one per sampled turn (main history, then additional ones)."""
+    sequences: list[Sequence] = []
+    turns = 0
     for history in [traj, *traj.additional_histories]:
-        sequences += history_sequences(history, tokenizer, train_message_dicts=train_message_dicts)
+        sequences += history_sequences(history, tokenizer, train_message_dicts=train_message_dicts, first_turn=turns)
+        turns += sum(isinstance(item, Choice) for item in history.messages_and_choices)
+    if isinstance(advantage, list):
+        if train_message_dicts:  # assistant message dicts are not sampled turns: they have no turn advantage
+            raise ValueError("per-turn advantages apply to sampled turns only, not with train_message_dicts")
+        if len(advantage) != turns:
+            raise ValueError(f"trajectory {traj.id} has {turns} sampled turns but {len(advantage)} turn advantages")
     for s in sequences:
-        s.advantage = advantage
+        if isinstance(advantage, list):
+            s.turn_advantages = advantage
+        else:
+            s.advantage = advantage
     return sequences
 
 
@@ -166,7 +195,7 @@ def _micro_batch(seqs: list[Sequence], prefix: int) -> MicroBatch:
                 positions.append(before if before < prefix else start + before - prefix)
                 targets.append(s.tokens[t])
                 old.append(s.old_logprobs[t])
-                adv.append(s.advantage)
+                adv.append(s.advantage if s.turn_advantages is None else s.turn_advantages[s.turn[t]])
                 seq_of.append(j)
     return MicroBatch(
         input_ids=torch.tensor([ids]),

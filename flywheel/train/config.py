@@ -8,6 +8,7 @@ from pydantic import BaseModel, Field, model_validator
 
 Loss = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
 Estimator = Literal["grpo", "rloo", "reinforce_pp"]
+Credit = Literal["uniform", "turn"]  # how a trajectory's rewards reach its turns: flywheel/train/credit.py
 
 # (epsilon low, epsilon high) when not given: PPO's 0.2; DAPO's clip-higher; GSPO's sequence-level ratios sit
 # much closer to 1 (paper: 3e-4 / 4e-4); CISPO only bounds the importance weight from above (1 + 4.0, as ART).
@@ -40,6 +41,9 @@ class TrainConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     dr_grpo_max_tokens: int | None = None  # Dr. GRPO's constant normaliser; None -> longest sequence in the batch
+    credit: Credit = "uniform"  # uniform: one advantage per trajectory; turn: per-turn returns (see credit.py)
+    gamma: float = Field(1.0, ge=0.0, le=1.0)  # discount of per-turn returns (credit="turn")
+    turn_norm: Literal["index", "all"] = "index"  # turn baseline: same turn index, or all turns of the group
 
     @property
     def clip(self) -> tuple[float, float]:
@@ -50,6 +54,15 @@ class TrainConfig(BaseModel):
     def _dr_grpo_has_no_std(self) -> TrainConfig:
         if self.loss == "dr_grpo" and "scale_rewards" not in self.model_fields_set:
             self.scale_rewards = False
+        return self
+
+    @model_validator(mode="after")
+    def _turn_credit_uses_group_baselines(self) -> TrainConfig:
+        if self.credit == "turn" and self.advantage != "grpo":
+            raise ValueError(
+                f"credit='turn' computes its own per-turn group baselines; it cannot be combined with "
+                f"advantage={self.advantage!r} (use advantage='grpo', with scale_rewards to choose std scaling)"
+            )
         return self
 
 

@@ -17,7 +17,8 @@ from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.kv_attention import PackedBatch
 from flywheel.train.batch import MicroBatch, Sequence, pack, trajectory_sequences
 from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
-from flywheel.train.loss import advantages, policy_loss
+from flywheel.train.credit import credit_advantages, has_signal, total_reward
+from flywheel.train.loss import policy_loss
 from flywheel.types import Trajectory, TrajectoryGroup
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,8 @@ class Trainer:
     def rl_step(self, groups: list[TrajectoryGroup], config: TrainConfig) -> dict[str, float]:
         start = time.perf_counter()
         rewards = [t.reward for g in groups for t in g.trajectories]
-        usable = [g for g in groups if len(g.trajectories) > 1 and len({t.reward for t in g.trajectories}) > 1]
+        # a group trains when its trajectories' total rewards (final + intermediate) differ
+        usable = [g for g in groups if len(g.trajectories) > 1 and len({total_reward(t) for t in g.trajectories}) > 1]
         metrics: dict[str, float] = {
             "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "reward_std": float(torch.tensor(rewards).std(unbiased=False)) if rewards else 0.0,
@@ -87,12 +89,12 @@ class Trainer:
             "groups_zero_variance": len(groups) - len(usable),
             "zero_variance_fraction": (len(groups) - len(usable)) / len(groups) if groups else 1.0,
         }
-        advs = advantages([[t.reward for t in g.trajectories] for g in usable], config.advantage, config.scale_rewards)
+        advs = credit_advantages(usable, config)
         sequences = [
             s
             for g, group_adv in zip(usable, advs)
             for t, a in zip(g.trajectories, group_adv)
-            if a != 0.0  # no signal, no compute
+            if has_signal(a)  # no signal, no compute
             for s in trajectory_sequences(t, self.engine.tokenizer, a)
             if any(s.trained[1:])
         ]
@@ -105,7 +107,7 @@ class Trainer:
         return metrics | {"skipped": 0.0, "train_seconds": time.perf_counter() - start}
 
     def _rl_update(self, sequences: list[Sequence], config: TrainConfig) -> dict[str, float]:
-        batches = pack(sequences, config.micro_batch_tokens)
+        batches = [mb.to(self.engine.model.device) for mb in pack(sequences, config.micro_batch_tokens)]
         n_tokens = sum(len(mb.targets) for mb in batches)
         longest = max(sum(s.trained) for s in sequences)
         optimizer = self._optimizer(config.learning_rate, config.weight_decay)
@@ -173,7 +175,7 @@ class Trainer:
         return history
 
     def _sft_update(self, sequences: list[Sequence], config: SFTConfig) -> dict[str, float]:
-        batches = pack(sequences, config.micro_batch_tokens)
+        batches = [mb.to(self.engine.model.device) for mb in pack(sequences, config.micro_batch_tokens)]
         n_tokens = sum(len(mb.targets) for mb in batches)
         optimizer = self._optimizer(config.learning_rate, config.weight_decay)
         self.engine.model.train()
