@@ -3,6 +3,7 @@
 The public API mirrors OpenPipe ART, so ``import flywheel as art`` runs ART-style code unchanged.
 """
 
+from flywheel import rewards
 from flywheel.backend import LocalBackend
 from flywheel.gather import gather_trajectories, gather_trajectory_groups
 from flywheel.model import Model, TrainableModel
@@ -17,4 +18,5 @@ __all__ = [
     "TrajectoryGroup",
     "gather_trajectories",
     "gather_trajectory_groups",
+    "rewards",
 ]

@@ -12,21 +12,39 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import gc
 import itertools
 import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from flywheel.inference.guided import constrain
 from flywheel.inference.kv_attention import ATTN_IMPLEMENTATION, DecodeBatch, PrefillBatch, SlotKVCache
 from flywheel.inference.prefix_cache import MIN_REUSE, PrefixCache, common_prefix
 from flywheel.inference.sampling import SamplingParams, sample
 
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
 log = logging.getLogger(__name__)
+
+try:  # glibc keeps freed memory in per-thread arenas; trimming hands it back to the OS between phases
+    _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+except (OSError, AttributeError):  # not glibc: nothing to do
+    _malloc_trim = None
+
+
+def release_free_memory() -> None:
+    gc.collect()
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 class ContextOverflowError(ValueError):
@@ -74,6 +92,7 @@ class _Sequence:
     text: str = ""  # decoded output so far, cut at a stop string
     emitted: int = 0  # characters of ``text`` already handed out
     finish_reason: str | None = None
+    matcher: LLMatcher | None = None  # the parser state of a guided (response_format) request
 
 
 @dataclass
@@ -112,6 +131,8 @@ class InferenceEngine:
             head_dim,
             dtype=model.dtype,
             device=model.device,
+            max_rows=max_batch,
+            max_capacity=self.context_length,
         )
         self.prefix_cache = PrefixCache(self.cache, prefix_cache_entries) if prefix_cache_entries else None
         eos = model.generation_config.eos_token_id if model.generation_config else None
@@ -171,13 +192,20 @@ class InferenceEngine:
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
         """Hold the model between engine steps (for a weight update); decoding resumes on exit. Cached
-        prefixes were computed with the old weights, so they are dropped."""
+        prefixes were computed with the old weights, so they are dropped. With nothing decoding, the KV buffers
+        are given back first, so that a training step's activations and the sampler's cache never add up."""
         with self._model_lock:
+            if not self._running:
+                self.cache.release()
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
+            release_free_memory()
             try:
                 yield
             finally:
                 if self.prefix_cache is not None:
                     self.prefix_cache.clear()
+                release_free_memory()
 
     def close(self) -> None:
         with self._wake:
@@ -257,7 +285,10 @@ class InferenceEngine:
                 gen = None
                 if seed is not None:
                     gen = torch.Generator(device=device).manual_seed(seed + i)
-                seqs.append(_Sequence(index=i, request=req, generator=gen, row=row + i, length=len(req.prompt)))
+                seq = _Sequence(index=i, request=req, generator=gen, row=row + i, length=len(req.prompt))
+                if req.params.guide is not None:
+                    seq.matcher = req.params.guide.matcher()
+                seqs.append(seq)
             seqs_per_request.append(seqs)
             reused, known = 0, None
             if self.prefix_cache is not None:
@@ -305,6 +336,7 @@ class InferenceEngine:
     def _accept(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
         """Sample the next token of each sequence, emit it, and retire finished sequences."""
         params = [s.request.params for s in seqs]
+        constrain(logits, [s.matcher for s in seqs])
         drawn = sample(logits, params, [s.generator for s in seqs])
         outbox: list[tuple[_Request, TokenEvent]] = []
         for i, seq in enumerate(seqs):
@@ -312,6 +344,9 @@ class InferenceEngine:
             seq.output.append(token)
             p = seq.request.params
             if token in self.eos_ids and not p.ignore_eos:
+                seq.finish_reason = "stop"
+            elif seq.matcher is not None and not seq.matcher.consume_token(token):
+                log.warning("grammar refused token %d: %s", token, seq.matcher.get_error())
                 seq.finish_reason = "stop"
             else:
                 self._update_text(seq)

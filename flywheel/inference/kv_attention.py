@@ -25,9 +25,13 @@ ATTN_IMPLEMENTATION = "flywheel"
 class SlotKVCache:
     """Per-layer K/V buffers of shape [rows, kv_heads, capacity, head_dim]; grown by doubling when needed."""
 
-    def __init__(self, n_layers: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self, n_layers: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype, device: torch.device | str,
+        max_rows: int | None = None, max_capacity: int | None = None,
+    ):
         self.n_layers, self.kv_heads, self.head_dim = n_layers, kv_heads, head_dim
         self.dtype, self.device = dtype, device
+        self.max_rows, self.max_capacity = max_rows, max_capacity  # growth by doubling stops there
         self.rows, self.capacity = 0, 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -36,8 +40,8 @@ class SlotKVCache:
         """Make room for ``rows`` sequences of up to ``capacity`` tokens, keeping what is stored."""
         if rows <= self.rows and capacity <= self.capacity:
             return
-        new_rows = max(rows, self.rows * 2 if rows > self.rows else self.rows, 1)
-        new_cap = max(capacity, self.capacity * 2 if capacity > self.capacity else self.capacity, 64)
+        new_rows = max(rows, min(self.rows * 2, self.max_rows or rows) if rows > self.rows else self.rows, 1)
+        new_cap = max(capacity, min(self.capacity * 2, self.max_capacity or capacity) if capacity > self.capacity else self.capacity, 64)
         shape = (new_rows, self.kv_heads, new_cap, self.head_dim)
         for store in (self.k, self.v):
             for layer in range(self.n_layers):
@@ -48,6 +52,11 @@ class SlotKVCache:
                 else:
                     store.append(fresh)
         self.rows, self.capacity = new_rows, new_cap
+
+    def release(self) -> None:
+        """Give the buffers back (nothing stored survives); the next ``reserve`` allocates afresh."""
+        self.k, self.v = [], []
+        self.rows, self.capacity = 0, 0
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of row ``src`` into row ``dst`` (prefix sharing, compaction)."""

@@ -28,7 +28,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class PrefixCache:
     def __init__(self, like: SlotKVCache, max_entries: int = 32):
-        self.store = SlotKVCache(like.n_layers, like.kv_heads, like.head_dim, dtype=like.dtype, device=like.device)
+        self.store = SlotKVCache(
+            like.n_layers, like.kv_heads, like.head_dim, dtype=like.dtype, device=like.device,
+            max_rows=max_entries, max_capacity=like.max_capacity,
+        )
         self.max_entries = max_entries
         self.entries: OrderedDict[int, list[int]] = OrderedDict()  # store row -> tokens, least recent first
         self.logits: dict[int, torch.Tensor] = {}  # store row -> next-token logits, for entries that were prompts
@@ -88,9 +91,10 @@ class PrefixCache:
         copy_rows(self.store, row, cache, dst_row, length)
 
     def clear(self) -> None:
-        self.free += list(self.entries)
         self.entries.clear()
         self.logits.clear()
+        self.free, self.allocated = [], 0
+        self.store.release()
 
 
 def copy_rows(src: SlotKVCache, src_row: int, dst: SlotKVCache, dst_row: int, length: int) -> None:

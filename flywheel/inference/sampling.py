@@ -1,14 +1,19 @@
 """Token sampling for a batch of rows with per-row parameters.
 
 Log-probabilities returned to callers are those of the model's own distribution (temperature 1, no top-p),
-which is what the trainer recomputes for the importance ratio; temperature and top-p only shape the draw.
+which is what the trainer recomputes for the importance ratio; temperature and top-p only shape the draw. For a
+constrained (guided) row the logits come in masked, so its log-probabilities are the constrained distribution's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from flywheel.inference.guided import Guide
 
 
 @dataclass
@@ -22,6 +27,7 @@ class SamplingParams:
     top_logprobs: int = 0
     n: int = 1
     ignore_eos: bool = False  # keep sampling past end-of-sequence (benchmarks: fixed-length work)
+    guide: Guide | None = None  # constrained decoding (response_format); its rows' logits arrive already masked
 
 
 @dataclass
@@ -66,5 +72,7 @@ def sample(
     if k > 0:
         values, ids = logprobs.topk(k, dim=-1)
         for row, p in enumerate(params):
-            top[row] = list(zip(ids[row, : p.top_logprobs].tolist(), values[row, : p.top_logprobs].tolist()))
+            # a constrained row may allow fewer than k tokens: the forbidden ones (-inf) are not alternatives
+            pairs = zip(ids[row, : p.top_logprobs].tolist(), values[row, : p.top_logprobs].tolist())
+            top[row] = [(t, v) for t, v in pairs if v != float("-inf")]
     return SampleOutput(tokens=tokens.tolist(), logprobs=chosen.tolist(), top=top)

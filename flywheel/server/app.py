@@ -7,6 +7,7 @@ re-tokenises what the model produced.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -25,9 +26,10 @@ from openai.types.completion_usage import CompletionUsage
 
 from flywheel.inference.chat import parse_tool_calls, render_prompt
 from flywheel.inference.engine import Completion, ContextOverflowError, InferenceEngine
+from flywheel.inference.guided import Guide, GrammarError, compile_guide
 from flywheel.inference.registry import ModelRegistry, UnknownModelError
 from flywheel.inference.sampling import SamplingParams
-from flywheel.server.protocol import ChatCompletionRequest, ErrorDetail, ErrorResponse
+from flywheel.server.protocol import ChatCompletionRequest, ErrorDetail, ErrorResponse, JsonSchemaFormat, TextFormat
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
@@ -57,7 +59,18 @@ def _message(c: Completion, tools: bool) -> tuple[ChatCompletionMessage, str]:
     return ChatCompletionMessage(role="assistant", content=content, tool_calls=tool_calls), finish
 
 
-def _sampling(req: ChatCompletionRequest, engine: InferenceEngine, prompt_len: int) -> SamplingParams:
+async def _guide(req: ChatCompletionRequest, engine: InferenceEngine) -> Guide | None:
+    fmt = req.response_format
+    if fmt is None or isinstance(fmt, TextFormat):
+        return None
+    schema = fmt.json_schema.schema_ if isinstance(fmt, JsonSchemaFormat) else None
+    # compiling takes the engine's tokenizer through llguidance once (a fraction of a second): off the event loop
+    return await asyncio.to_thread(compile_guide, engine.tokenizer, engine.eos_ids, schema)
+
+
+def _sampling(
+    req: ChatCompletionRequest, engine: InferenceEngine, prompt_len: int, guide: Guide | None = None
+) -> SamplingParams:
     max_tokens = req.max_completion_tokens or req.max_tokens or max(engine.context_length - prompt_len, 1)
     engine.check_fits(prompt_len, max_tokens)
     return SamplingParams(
@@ -70,6 +83,7 @@ def _sampling(req: ChatCompletionRequest, engine: InferenceEngine, prompt_len: i
         top_logprobs=req.top_logprobs if req.logprobs else 0,
         n=req.n,
         ignore_eos=req.ignore_eos,
+        guide=guide,
     )
 
 
@@ -91,6 +105,10 @@ def create_app(registry: ModelRegistry) -> FastAPI:
     @app.exception_handler(ContextOverflowError)
     async def _overflow(_: Request, exc: ContextOverflowError):
         return error_response(400, str(exc), "invalid_request_error", param="messages", code="context_length_exceeded")
+
+    @app.exception_handler(GrammarError)
+    async def _bad_schema(_: Request, exc: GrammarError):
+        return error_response(400, f"Invalid 'response_format': {exc}", "invalid_request_error", param="response_format")
 
     @app.exception_handler(ValueError)
     async def _bad_value(_: Request, exc: ValueError):
@@ -116,7 +134,7 @@ def create_app(registry: ModelRegistry) -> FastAPI:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = req.tools if req.tool_choice != "none" else None
         prompt = render_prompt(engine.tokenizer, messages, tools)
-        params = _sampling(req, engine, len(prompt))
+        params = _sampling(req, engine, len(prompt), await _guide(req, engine))
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:

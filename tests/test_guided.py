@@ -1,0 +1,113 @@
+"""Constrained decoding (``response_format``) on the real embedded model, through the real HTTP server, with the
+openai SDK and LiteLLM as clients."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import litellm
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from flywheel.backend import LocalBackend
+from flywheel.inference.loading import EMBEDDED_MODEL
+
+MODEL = EMBEDDED_MODEL
+MESSAGES = [{"role": "user", "content": "Describe a person called Ada as JSON."}]
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "languages": {"type": "array", "items": {"enum": ["en", "fr", "de"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "languages"],
+    "additionalProperties": False,
+}
+
+
+class Verdict(BaseModel):
+    passed: bool
+    confidence: float = Field(ge=0, le=1)
+
+
+@pytest.fixture
+def client(backend: LocalBackend) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=backend.base_url, api_key="unused", max_retries=0)
+
+
+def _schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+
+
+async def test_json_schema_output_validates_for_every_choice(client, tokenizer):
+    r = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, n=3, seed=7, temperature=1.0, max_tokens=80,
+        response_format=_schema_format(PERSON), logprobs=True, top_logprobs=3,
+    )  # fmt: skip
+    assert len(r.choices) == 3
+    for choice in r.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+        # Logprobs are the constrained distribution's: once the object is closed, end-of-sequence is the only
+        # token the grammar allows, so it has probability 1 (the unconstrained model never gives exactly that).
+        assert choice.token_ids[-1] == tokenizer.eos_token_id
+        assert choice.logprobs.content[-1].logprob == 0.0
+        assert [t.logprob for t in choice.logprobs.content[-1].top_logprobs] == [0.0]
+        assert all(t.logprob <= 0.0 and all(a.logprob > float("-inf") for a in t.top_logprobs) for t in choice.logprobs.content)
+
+
+async def test_json_object_mode_and_streaming(client):
+    r = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=60, response_format={"type": "json_object"}
+    )
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=60, response_format={"type": "json_object"}, stream=True
+    )
+    text = "".join([c.delta.content or "" async for chunk in stream for c in chunk.choices])
+    assert text == r.choices[0].message.content
+
+
+async def test_text_format_is_unconstrained(client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=12)
+    plain = await client.chat.completions.create(**kwargs)
+    text = await client.chat.completions.create(**kwargs, response_format={"type": "text"})
+    assert text.choices[0].message.content == plain.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    ("schema", "fragment"),
+    [({"type": "objekt"}, "objekt"), ({"type": "object", "properties": {"a": {"$ref": "#/defs/missing"}}}, "missing")],
+)
+async def test_a_schema_the_grammar_library_rejects_is_a_400_naming_it(client, schema, fragment):
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, response_format=_schema_format(schema))
+    assert caught.value.status_code == 400
+    assert caught.value.body["param"] == "response_format"
+    assert fragment in caught.value.body["message"]
+
+
+async def test_malformed_response_format_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={"type": "yaml"})
+    assert "response_format" in caught.value.body["message"]
+
+
+@pytest.mark.parametrize("provider", ["openai", "hosted_vllm"])
+async def test_litellm_passes_a_pydantic_response_format_through(backend: LocalBackend, provider):
+    response = await litellm.acompletion(
+        model=f"{provider}/{MODEL}",
+        api_base=backend.base_url,
+        api_key="unused",
+        messages=[{"role": "user", "content": "Did the test pass? Answer as JSON."}],
+        response_format=Verdict,
+        temperature=0,
+        max_tokens=40,
+        max_retries=0,
+    )
+    verdict = Verdict.model_validate_json(response.choices[0].message.content)
+    assert 0 <= verdict.confidence <= 1
+    assert response.usage.prompt_tokens > 0 and response.usage.completion_tokens > 0
