@@ -10,10 +10,17 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from flywheel.agents.transitions import export_app
+from flywheel.graders.cli import eval_command, graders_app
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.rewards.cli import app as judge_app
 
 app = typer.Typer(help="Flywheel: make LLM agents better with reinforcement learning from outcomes.", no_args_is_help=True)
 console = Console()
+app.add_typer(export_app, name="export")
+app.add_typer(graders_app, name="graders")
+app.add_typer(judge_app, name="judge")
+app.command("eval")(eval_command)
 
 DTYPES = {"auto": None, "bf16": "bfloat16", "fp32": "float32"}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import resource
 import time
 from pathlib import Path
 
@@ -122,17 +123,26 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
         rl = await evaluate(model, test, f"best checkpoint step {best[1]} (test)")
         report["rl"] = accuracy(rl, len(test))
         report["best_step"] = best[1]
+        report["by_level"] = {name: by_level(trajs) for name, trajs in (("base", base), ("sft", sft), ("rl", rl))}
         report["wall_seconds"] = time.perf_counter() - start
+        report["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
         out = backend.model_dir(model)
         (out / "report.json").write_text(json.dumps(report, indent=2))
-        plot(history, sft_step, out / "reward.png")
+        plot(history, sft_step, config.temperature, out / "reward.png")
         print_report(console, report, len(test), out)
         return report
     finally:
         await backend.close()
 
 
-def plot(history: list[dict], sft_step: int, path: Path) -> None:
+def by_level(trajectories: list[Trajectory]) -> dict[int, float]:
+    levels: dict[int, list[float]] = {}
+    for t in trajectories:
+        levels.setdefault(t.metadata["level"], []).append(t.reward)
+    return {level: sum(r) / len(r) for level, r in sorted(levels.items())}
+
+
+def plot(history: list[dict], sft_step: int, temperature: float, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -142,7 +152,7 @@ def plot(history: list[dict], sft_step: int, path: Path) -> None:
     val = [(r["step"], r["val/reward"]) for r in history if "val/reward" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
-        ax.plot(*zip(*train), marker="o", label="train reward (rollouts, T=1)")
+        ax.plot(*zip(*train), marker="o", label=f"train reward (rollouts, T={temperature})")
     if val:
         ax.plot(*zip(*val), marker="s", label="validation accuracy (greedy)")
     ax.axvline(sft_step, color="grey", linestyle=":", label="end of SFT warm start")
@@ -164,5 +174,5 @@ def print_report(console: Console, report: dict, n: int, out: Path) -> None:
         lo, hi = wilson(report[key] * n, n)
         table.add_row(label, f"{report[key]:.1%}", f"[{lo:.1%}, {hi:.1%}]")
     console.print(table)
-    console.print(f"RL lift over SFT: {100 * (report['rl'] - report['sft']):+.1f} points; wall time {report['wall_seconds'] / 60:.1f} min")
+    console.print(f"RL lift over SFT: {100 * (report['rl'] - report['sft']):+.1f} points; wall time {report['wall_seconds'] / 60:.1f} min; peak RSS {report['peak_rss_gb']:.1f} GB")
     console.print(f"report: {out / 'report.json'}  plot: {out / 'reward.png'}")

@@ -1,0 +1,195 @@
+"""RL step time: Flywheel vs TRL's GRPOTrainer on the same work, in one process, alternating.
+
+Same work on both sides: SmolLM2-135M-Instruct (the embedded model as safetensors, bf16 weights with bf16 autocast),
+the same prompts (tool-free calculator word problems), P prompts x G generations per step, exactly L new tokens per
+completion (EOS ignored on both sides), the same dense reward, LoRA r16/alpha32 on all seven projections, DAPO loss
+(clip 0.2/0.28, token mean), beta 0, one optimizer step per batch. A step is everything: sampling, reward, training.
+TRL runs with gradient checkpointing off (its default is on, which is slower) and without vLLM.
+
+    .venv/bin/python bench/step_time.py [--runs 3] [--steps 3] [--prompts 4] [--group 8] [--new-tokens 64] [--model DIR]
+
+On a machine with CUDA both sides run on the GPU (the same script, nothing else to change).
+
+Needs the `bench` extra (TRL). Writes bench/results/step_time-<time>.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import platform
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from examples.calculator.task import extract_answer, generate_problems
+from flywheel.backend import LocalBackend
+from flywheel.gather import gather_trajectory_groups
+from flywheel.inference.loading import EMBEDDED_MODEL, resolve_model
+from flywheel.model import TrainableModel
+from flywheel.train.config import LoraSettings, TrainConfig
+from flywheel.types import Trajectory, TrajectoryGroup
+
+LORA = LoraSettings(rank=16, alpha=32)
+LEARNING_RATE = 5e-5
+
+
+def prompts(n: int) -> list[tuple[str, int]]:
+    problems = generate_problems("train", n, levels=(1, 2), seed=1)
+    return [(f"{p.question} Reply with the number only.", p.answer) for p in problems]
+
+
+def closeness(text: str, answer: int) -> float:
+    """Dense reward, so that every group has variance and both sides train every completion: 1 for the exact number,
+    less the further off, plus a small share for distinct characters (which also separates the completions of a
+    random-weight model, used where the real weights cannot travel, e.g. to a GPU machine)."""
+    value = extract_answer(text)
+    variety = len(set(text)) / max(len(text), 1)
+    return (0.0 if value is None else 1.0 / (1.0 + abs(value - answer) / max(abs(answer), 1))) + 0.01 * variety
+
+
+# ---- Flywheel --------------------------------------------------------------------------------------------------
+
+
+async def flywheel_steps(
+    model: TrainableModel, batches: list[list[tuple[str, int]]], group: int, new_tokens: int
+) -> tuple[list[float], list[int]]:
+    """Seconds per step, and sequences trained per step (groups with all-equal rewards are dropped: less work)."""
+    client, config = model.openai_client(), TrainConfig(learning_rate=LEARNING_RATE, loss="dapo")
+
+    async def rollout(question: str, answer: int) -> Trajectory:
+        messages = [{"role": "user", "content": question}]
+        r = await client.chat.completions.create(
+            model=model.get_inference_name(), messages=messages, max_tokens=new_tokens, temperature=1.0,
+            logprobs=True, extra_body={"ignore_eos": True},
+        )
+        assert r.usage.completion_tokens == new_tokens
+        return Trajectory(messages_and_choices=[*messages, r.choices[0]], reward=closeness(r.choices[0].message.content or "", answer))
+
+    times, trained = [], []
+    for batch in batches:
+        start = time.perf_counter()
+        groups = await gather_trajectory_groups((TrajectoryGroup(rollout(q, a) for _ in range(group)) for q, a in batch), pbar_desc=None)
+        metrics = await model.train(groups, config=config)
+        times.append(time.perf_counter() - start)
+        trained.append(int(metrics.get("sequences", 0)))
+    return times, trained
+
+
+# ---- TRL -------------------------------------------------------------------------------------------------------
+
+
+def trl_steps(path: str, batches: list[list[tuple[str, int]]], group: int, new_tokens: int, out_dir: Path) -> list[float]:
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self.start)
+
+    def reward(completions, answer, **_):
+        return [closeness(c[-1]["content"], a) for c, a in zip(completions, answer)]
+
+    rows = [{"prompt": [{"role": "user", "content": q}], "answer": a} for batch in batches for q, a in batch]
+    config = GRPOConfig(
+        output_dir=str(out_dir), use_cpu=not torch.cuda.is_available(), bf16=True, max_steps=len(batches), learning_rate=LEARNING_RATE,
+        per_device_train_batch_size=len(batches[0]) * group, num_generations=group, gradient_accumulation_steps=1,
+        max_completion_length=new_tokens, generation_kwargs={"min_new_tokens": new_tokens}, temperature=1.0,
+        loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=0.0, scale_rewards="group", num_iterations=1,
+        gradient_checkpointing=False, shuffle_dataset=False, logging_steps=1, report_to=[], save_strategy="no",
+        dataloader_num_workers=0, seed=0,
+    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    peft_config = LoraConfig(r=LORA.rank, lora_alpha=LORA.alpha, lora_dropout=0.0, target_modules=LORA.targets, task_type="CAUSAL_LM")
+    timer = StepTimer()
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=[reward], args=config, train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer, peft_config=peft_config, callbacks=[timer],
+    )
+    trainer.train()
+    return timer.times
+
+
+# ---- driver ----------------------------------------------------------------------------------------------------
+
+
+def summary(xs: list[float]) -> dict:
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "runs": xs}
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3, help="alternating runs (each: TRL block, then Flywheel block)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per block (after one warm-up step)")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--model", default=EMBEDDED_MODEL, help="the embedded model (default) or a local HF checkpoint dir")
+    args = ap.parse_args()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+    path = str(resolve_model(args.model).path)
+    data = prompts((args.steps + 1) * args.prompts * args.runs)
+    blocks = [
+        [data[(r * (args.steps + 1) + s) * args.prompts : (r * (args.steps + 1) + s + 1) * args.prompts] for s in range(args.steps + 1)]
+        for r in range(args.runs)
+    ]
+    results_dir = Path(__file__).parent / "results"
+    results_dir.mkdir(exist_ok=True)
+    tokens_per_step = args.prompts * args.group * args.new_tokens
+    ours: list[float] = []
+    theirs: list[float] = []
+    sequences: list[int] = []
+    async with LocalBackend(path=results_dir / "step_time_home", serve_http=True) as backend:
+        for run, batches in enumerate(blocks):
+            # TRL first: a fresh trainer per run (its first step warms up); median over the timed steps
+            trl = await asyncio.to_thread(trl_steps, path, batches, args.group, args.new_tokens, results_dir / "trl_out")
+            model = TrainableModel(name=f"run{run}-{time.time_ns()}", project="bench", base_model=path, lora=LORA)
+            await model.register(backend)
+            fly, trained = await flywheel_steps(model, batches, args.group, args.new_tokens)
+            theirs.append(statistics.median(trl[1:]))
+            ours.append(statistics.median(fly[1:]))
+            sequences += trained[1:]
+            print(json.dumps({"run": run, "trl_seconds": trl, "flywheel_seconds": fly, "flywheel_trained": trained}), flush=True)
+
+    result = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+        "work": {"model": args.model, "prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens, "lora": LORA.model_dump(),
+                 "loss": "dapo", "dtype": "bf16 weights + bf16 autocast"},
+        "flywheel_step_seconds": summary(ours), "trl_step_seconds": summary(theirs),
+        "ratio_trl_over_flywheel": summary([t / o for t, o in zip(theirs, ours)]),
+        # TRL trains every completion; Flywheel drops groups whose rewards are all equal (no signal)
+        "flywheel_trained_fraction": sum(sequences) / (len(sequences) * args.prompts * args.group),
+    }
+    out = results_dir / f"step_time-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\n{result['machine']}\n{result['work']}\n")
+    print("| side | s/step median [min, max] | completion tokens trained/s (median) |")
+    print("|---|---|---|")
+    for side, key in (("Flywheel", "flywheel_step_seconds"), ("TRL GRPOTrainer", "trl_step_seconds")):
+        s = result[key]
+        print(f"| {side} | {s['median']:.2f} [{s['min']:.2f}, {s['max']:.2f}] | {tokens_per_step / s['median']:.0f} |")
+    ratio = result["ratio_trl_over_flywheel"]
+    print(f"\nTRL / Flywheel step time: {ratio['median']:.2f}x [{ratio['min']:.2f}, {ratio['max']:.2f}]; "
+          f"Flywheel trained {result['flywheel_trained_fraction']:.0%} of the completions (TRL: all); raw: {out}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
