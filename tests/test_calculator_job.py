@@ -9,7 +9,11 @@ import sys
 
 from rich.console import Console
 
-from examples.calculator.train import JobConfig, run, wilson
+import random
+
+from examples.calculator.task import generate_problems
+from examples.calculator.train import JobConfig, LevelCurriculum, run, wilson
+from flywheel.types import Trajectory, TrajectoryGroup
 from flywheel.train.config import SFTConfig
 
 
@@ -19,6 +23,21 @@ def test_wilson_interval():
     assert round(lo, 3) == 0.404 and round(hi, 3) == 0.596
     lo, hi = wilson(0, 40)
     assert lo == 0.0 and 0.08 < hi < 0.09
+
+
+def test_level_curriculum_favours_mixed_levels_and_uses_each_problem_once():
+    problems = generate_problems("train", 60, levels=(1, 2, 3), seed=0)
+    curriculum = LevelCurriculum(problems, random.Random(0))
+    assert set(curriculum.weights().values()) == {0.25}  # nothing seen yet: every level alike
+
+    def group(level: int, rewards: list[float]) -> TrajectoryGroup:
+        return TrajectoryGroup([Trajectory(messages_and_choices=[], reward=r, metadata={"level": level}) for r in rewards])
+
+    weights = curriculum.record([group(1, [1.0] * 8), group(2, [1.0, 0.0] * 4), group(3, [0.0] * 8)])
+    assert weights["level_weight/2"] > weights["level_weight/1"] and weights["level_weight/2"] > weights["level_weight/3"]
+    drawn = [p for _ in range(20) for p in curriculum.sample(3)]
+    assert len({p.id for p in drawn}) == 60  # all of them, none twice
+    assert [p.level for p in drawn[:30]].count(2) > 10  # level 2 (mixed outcomes) is drawn most while it lasts
 
 
 async def test_job_runs_end_to_end_and_writes_report_and_plot(tmp_path, monkeypatch):

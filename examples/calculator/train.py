@@ -41,6 +41,7 @@ class JobConfig(BaseModel):
     group_size: int = 8
     rl: TrainConfig = TrainConfig(learning_rate=1e-4, loss="dapo")
     temperature: float = 0.7  # a 135M model at T=1 mostly produces noise: no group would have a success
+    level_curriculum: bool = True  # draw RL problems by level, favouring the levels with mixed outcomes
     eval_every: int = 4
     val_problems: int = 32
     test_problems: int = 100
@@ -65,6 +66,41 @@ async def evaluate(model: TrainableModel, problems: list[Problem], desc: str) ->
 
 def accuracy(trajectories: list[Trajectory], n: int) -> float:
     return sum(t.reward for t in trajectories) / n if n else 0.0
+
+
+class LevelCurriculum:
+    """Draws RL problems by difficulty level with weight p (1 - p), p being the level's recent success rate at the
+    sampling temperature (uniform prior): a level the policy nearly always solves (or never does) gives groups
+    with equal rewards, which train nothing. Each problem is used once."""
+
+    def __init__(self, problems: list[Problem], rng: random.Random, window: int = 48):
+        self.rng, self.window = rng, window
+        self.unused: dict[int, list[Problem]] = {}
+        for p in problems:
+            self.unused.setdefault(p.level, []).append(p)
+        self.recent: dict[int, list[float]] = {level: [] for level in self.unused}
+
+    def weights(self) -> dict[int, float]:
+        rates = {level: (sum(r) + 1) / (len(r) + 2) for level, r in self.recent.items() if self.unused[level]}
+        return {level: p * (1 - p) for level, p in rates.items()}
+
+    def sample(self, n: int) -> list[Problem]:
+        """``n`` unused problems (fewer once the pool runs dry)."""
+        drawn = []
+        for _ in range(n):
+            weights = self.weights()  # a level drops out once its problems are used up
+            if not weights:
+                break
+            (level,) = self.rng.choices(list(weights), weights=list(weights.values()))
+            drawn.append(self.unused[level].pop(self.rng.randrange(len(self.unused[level]))))
+        return drawn
+
+    def record(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        for group in groups:
+            for t in group.trajectories:
+                level = t.metadata["level"]
+                self.recent[level] = [*self.recent[level], t.reward][-self.window :]
+        return {f"level_weight/{level}": w for level, w in self.weights().items()}
 
 
 async def run(config: JobConfig, console: Console | None = None) -> dict:
@@ -98,12 +134,13 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
 
         rng = random.Random(config.seed)
         pool = train[config.sft_examples :]
+        levels = LevelCurriculum(pool, rng) if config.level_curriculum else None
         rl_rows = []
         with Progress(TextColumn("GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"), console=console) as bar:
             task = bar.add_task("", total=config.rl_steps)
             for i in range(config.rl_steps):
                 t0 = time.perf_counter()
-                scenarios = rng.sample(pool, config.groups_per_step)
+                scenarios = levels.sample(config.groups_per_step) if levels else rng.sample(pool, config.groups_per_step)
                 groups = await gather_trajectory_groups(
                     (TrajectoryGroup(rollout(model, p, temperature=config.temperature) for _ in range(config.group_size)) for p in scenarios),
                     pbar_desc=None, max_exceptions=0.1,
@@ -111,6 +148,8 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
                 t1 = time.perf_counter()
                 metrics = await model.train(groups, config=config.rl)
                 row = {"step": await model.get_step(), "rollout_seconds": t1 - t0, **metrics}
+                if levels:
+                    row |= levels.record(groups)
                 if (i + 1) % config.eval_every == 0 or i + 1 == config.rl_steps:
                     row |= await model.log(await evaluate(model, val, "val"), split="val")
                 rl_rows.append(row)
