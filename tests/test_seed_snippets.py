@@ -1,15 +1,15 @@
 """The ART/RULER snippets of the mission's seed article, run with ``import flywheel as art``.
 
-Only the judge differs: instead of ``"openai/o3"`` it is the embedded model served by the backend, reached as
-``openai/<name>`` with ``extra_litellm_params={"api_base": ...}`` (and a short explanation cap to keep the test
-fast). ``from art.rewards import ruler`` is written ``from flywheel.rewards import ruler``, the same import under
-its real name. The tiny judge's scores are not meaningful; what is checked is that the code runs and that its
-results have the shape the article shows.
+Only the judge model string differs: instead of ``"openai/o3"`` it is ``"openai/smollm2-135m-instruct"``, the
+embedded model served by the backend, which LiteLLM reaches through its standard environment variables
+(``OPENAI_BASE_URL``, ``OPENAI_API_KEY``), so every call is written as in the article. ``from art.rewards import
+ruler`` is written ``from flywheel.rewards import ruler``, the same import under its real name. The tiny judge's
+scores are not meaningful; what is checked is that the code runs and that its results have the shape the article
+shows.
 """
 
 from __future__ import annotations
 
-from typing import Any
 
 import pytest
 from openai.types.chat import ChatCompletionMessage
@@ -24,12 +24,14 @@ JUDGE = f"openai/{EMBEDDED_MODEL}"
 
 
 @pytest.fixture
-def judge_params(backend: LocalBackend, tmp_path, monkeypatch) -> dict[str, Any]:
+def judge_env(backend: LocalBackend, tmp_path, monkeypatch) -> None:
+    """Configuration, not code: where LiteLLM finds the judge, and a fresh judge cache."""
+    monkeypatch.setenv("OPENAI_BASE_URL", backend.base_url)
+    monkeypatch.setenv("OPENAI_API_KEY", "unused")
     monkeypatch.setenv("FLYWHEEL_JUDGE_CACHE", str(tmp_path / "judge-cache"))
-    return {"api_base": backend.base_url, "api_key": "unused", "temperature": 0, "max_tokens": 500}
 
 
-async def test_snippet_ruler_on_message_lists(judge_params, capsys):
+async def test_snippet_ruler_on_message_lists(judge_env, capsys):
     message_lists = [
         # Good: uses retrieved context accurately
         [
@@ -51,7 +53,7 @@ async def test_snippet_ruler_on_message_lists(judge_params, capsys):
         ],
     ]  # fmt: skip
 
-    scores = await ruler(message_lists, JUDGE, judge_params)
+    scores = await ruler(message_lists, JUDGE)
     for label, score in zip(["Faithful", "Hallucinated", "Ignored context"], scores):
         print(label)
         print("→", score.score)
@@ -114,9 +116,9 @@ def _refund_group() -> art.TrajectoryGroup:
     return group
 
 
-async def test_snippet_ruler_score_group_with_debug_custom_rubric_and_independent_reward(judge_params, capsys):
+async def test_snippet_ruler_score_group_with_debug_custom_rubric_and_independent_reward(judge_env, capsys):
     group = _refund_group()
-    judged_group = await ruler_score_group(group, JUDGE, judge_params, debug=True)
+    judged_group = await ruler_score_group(group, JUDGE, debug=True)
 
     out = capsys.readouterr().out
     assert '"scores"' in out and "rank" in out  # the raw answer, then the ranked table
@@ -127,7 +129,7 @@ async def test_snippet_ruler_score_group_with_debug_custom_rubric_and_independen
 - Penalize responses that include emojis or informal language
 - Reward responses that cite sources
 """
-    judged_group = await ruler_score_group(group, JUDGE, judge_params, rubric=custom_rubric)
+    judged_group = await ruler_score_group(group, JUDGE, rubric=custom_rubric)
 
     def verify_correctness(traj: art.Trajectory) -> float:
         return 1.0 if "support@example.com" in (traj.messages()[-1]["content"] or "") else 0.0
@@ -139,7 +141,7 @@ async def test_snippet_ruler_score_group_with_debug_custom_rubric_and_independen
     assert all(t.metrics["independent_reward"] == 0.0 for t in judged_group.trajectories)
 
 
-async def test_snippet_full_training_loop(backend: LocalBackend, judge_params):
+async def test_snippet_full_training_loop(backend: LocalBackend, judge_env):
     model = art.TrainableModel(name="seed-rag", project="seed", base_model=EMBEDDED_MODEL)
     await model.register(backend)
     scenarios = ["What is the refund policy?"]
@@ -164,7 +166,7 @@ async def test_snippet_full_training_loop(backend: LocalBackend, judge_params):
                 for scenario in scenarios
             ),
             after_each=lambda g: ruler_score_group(
-                g, JUDGE, judge_params),
+                g, JUDGE),
         )  # fmt: skip
         metrics = await model.train(groups)  # GRPO updates LoRA weights
 

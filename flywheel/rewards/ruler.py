@@ -271,9 +271,13 @@ def _response_format(ids: list[str], max_explanation_chars: int | None, self_hos
 
 
 def is_local_judge(judge_model: str, extra_litellm_params: dict[str, Any] | None) -> bool:
-    """A self-hosted judge: a local provider, or any provider pointed at a loopback ``api_base``."""
+    """A self-hosted judge: a local provider, or any provider pointed at a loopback ``api_base`` (in the params,
+    or for ``openai/`` models in LiteLLM's ``OPENAI_BASE_URL`` / ``OPENAI_API_BASE`` environment variables)."""
     params = extra_litellm_params or {}
-    host = urlparse(str(params.get("api_base") or params.get("base_url") or "")).hostname
+    base = params.get("api_base") or params.get("base_url")
+    if base is None and judge_model.startswith("openai/"):
+        base = os.environ.get("OPENAI_BASE_URL") or os.environ.get("OPENAI_API_BASE")
+    host = urlparse(str(base or "")).hostname
     return judge_model.startswith(_LOCAL_PROVIDERS) or host in ("localhost", "127.0.0.1", "::1")
 
 
