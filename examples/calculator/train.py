@@ -35,11 +35,12 @@ class JobConfig(BaseModel):
     seed: int = 0
     levels: list[int] = [1, 2, 3]
     sft_examples: int = 64  # deliberately few: the warm start teaches the tool format, RL does the rest
-    sft: SFTConfig = SFTConfig(learning_rate=3e-4, epochs=2, batch_size=8)
+    # 1024-token micro-batches: the same gradients as 2048 in two halves, ~1 GB less peak memory, a little slower
+    sft: SFTConfig = SFTConfig(learning_rate=3e-4, epochs=2, batch_size=8, micro_batch_tokens=1024)
     rl_steps: int = 16
     groups_per_step: int = 6
     group_size: int = 8
-    rl: TrainConfig = TrainConfig(learning_rate=1e-4, loss="dapo")
+    rl: TrainConfig = TrainConfig(learning_rate=1e-4, loss="dapo", micro_batch_tokens=1024)
     temperature: float = 0.7  # a 135M model at T=1 mostly produces noise: no group would have a success
     level_curriculum: bool = True  # draw RL problems by level, favouring the levels with mixed outcomes
     eval_every: int = 4
@@ -121,12 +122,14 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
 
         base = await evaluate(model, test, "baseline (test)")
         report["base"] = accuracy(base, len(test))
+        report["peak_rss_gb_by_phase"] = {"baseline": peak_rss_gb()}
         console.print(f"baseline test accuracy: {report['base']:.1%}")
 
         demos = [Trajectory(messages_and_choices=demonstration(p), tools=[CALCULATOR_TOOL]) for p in train[: config.sft_examples]]
         sft_history = await model.train_sft(demos, config.sft)
         console.print(f"SFT warm start: {len(sft_history)} steps, loss {sft_history[0]['loss']:.3f} -> {sft_history[-1]['loss']:.3f}")
         sft_step = await model.get_step()
+        report["peak_rss_gb_by_phase"]["sft"] = peak_rss_gb()
         sft = await evaluate(model, test, "after SFT (test)")
         report["sft"] = accuracy(sft, len(test))
         console.print(f"SFT test accuracy: {report['sft']:.1%}")
@@ -147,7 +150,7 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
                 )
                 t1 = time.perf_counter()
                 metrics = await model.train(groups, config=config.rl)
-                row = {"step": await model.get_step(), "rollout_seconds": t1 - t0, **metrics}
+                row = {"step": await model.get_step(), "rollout_seconds": t1 - t0, **metrics, "peak_rss_gb": peak_rss_gb()}
                 if levels:
                     row |= levels.record(groups)
                 if (i + 1) % config.eval_every == 0 or i + 1 == config.rl_steps:
@@ -164,7 +167,7 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
         report["best_step"] = best[1]
         report["by_level"] = {name: by_level(trajs) for name, trajs in (("base", base), ("sft", sft), ("rl", rl))}
         report["wall_seconds"] = time.perf_counter() - start
-        report["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+        report["peak_rss_gb"] = peak_rss_gb()
         out = backend.model_dir(model)
         (out / "report.json").write_text(json.dumps(report, indent=2))
         plot(history, sft_step, config.temperature, out / "reward.png")
@@ -172,6 +175,11 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
         return report
     finally:
         await backend.close()
+
+
+def peak_rss_gb() -> float:
+    """The process's peak resident memory so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def by_level(trajectories: list[Trajectory]) -> dict[int, float]:
