@@ -9,7 +9,7 @@ history differently) starts a sequence of its own, so nothing is ever trained on
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from openai.types.chat.chat_completion import Choice
@@ -46,11 +46,6 @@ class MicroBatch:
     seq: torch.Tensor  # [K] sequence index within this micro-batch
     n_seqs: int
     seq_ids: list[int] = field(default_factory=list)  # batch-level sequence indices
-
-    def to(self, device: torch.device) -> MicroBatch:
-        """The same micro-batch with its tensors on ``device`` (packing happens on the host)."""
-        moved = {f: getattr(self, f).to(device) for f in ("input_ids", "position_ids", "positions", "targets", "old_logprobs", "advantages", "seq")}
-        return replace(self, **moved)
 
 
 def _turn_tokens(
@@ -159,10 +154,10 @@ def shared_prefix(sequences: list[Sequence]) -> int:
     return n if n >= MIN_SHARED_PREFIX else 0
 
 
-def pack(sequences: list[Sequence], max_tokens: int) -> list[MicroBatch]:
+def pack(sequences: list[Sequence], max_tokens: int, device: torch.device | str = "cpu") -> list[MicroBatch]:
     """First-fit-decreasing packing into rows of at most ``max_tokens`` (a longer sequence gets its own row).
     A prefix that all sequences share (the system prompt of a group of rollouts) is put once at the start of
-    every row instead of once per sequence."""
+    every row instead of once per sequence. The tensors are made on ``device`` (the model's)."""
     for i, s in enumerate(sequences):
         s.index = i
     prefix = shared_prefix(sequences)
@@ -179,10 +174,10 @@ def pack(sequences: list[Sequence], max_tokens: int) -> list[MicroBatch]:
         else:
             bins.append([s])
             sizes.append(size)
-    return [_micro_batch(b, prefix) for b in bins]
+    return [_micro_batch(b, prefix, device) for b in bins]
 
 
-def _micro_batch(seqs: list[Sequence], prefix: int) -> MicroBatch:
+def _micro_batch(seqs: list[Sequence], prefix: int, device: torch.device | str = "cpu") -> MicroBatch:
     ids, pos = list(seqs[0].tokens[:prefix]), list(range(prefix))
     positions, targets, old, adv, seq_of = [], [], [], [], []
     for j, s in enumerate(seqs):
@@ -198,15 +193,15 @@ def _micro_batch(seqs: list[Sequence], prefix: int) -> MicroBatch:
                 adv.append(s.advantage if s.turn_advantages is None else s.turn_advantages[s.turn[t]])
                 seq_of.append(j)
     return MicroBatch(
-        input_ids=torch.tensor([ids]),
-        position_ids=torch.tensor([pos]),
+        input_ids=torch.tensor([ids], device=device),
+        position_ids=torch.tensor([pos], device=device),
         lengths=[len(s.tokens) - prefix for s in seqs],
         prefix=prefix,
-        positions=torch.tensor(positions, dtype=torch.long),
-        targets=torch.tensor(targets, dtype=torch.long),
-        old_logprobs=torch.tensor(old, dtype=torch.float32),
-        advantages=torch.tensor(adv, dtype=torch.float32),
-        seq=torch.tensor(seq_of, dtype=torch.long),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        targets=torch.tensor(targets, dtype=torch.long, device=device),
+        old_logprobs=torch.tensor(old, dtype=torch.float32, device=device),
+        advantages=torch.tensor(adv, dtype=torch.float32, device=device),
+        seq=torch.tensor(seq_of, dtype=torch.long, device=device),
         n_seqs=len(seqs),
         seq_ids=[s.index for s in seqs],
     )

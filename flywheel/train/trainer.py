@@ -113,7 +113,7 @@ class Trainer:
         return metrics | {"skipped": 0.0, "train_seconds": time.perf_counter() - start}
 
     def _rl_update(self, sequences: list[Sequence], config: TrainConfig) -> dict[str, float]:
-        batches = [mb.to(self.engine.model.device) for mb in pack(sequences, config.micro_batch_tokens)]
+        batches = pack(sequences, config.micro_batch_tokens, self.engine.model.device)
         n_tokens = sum(len(mb.targets) for mb in batches)
         longest = max(sum(s.trained) for s in sequences)
         optimizer = self._optimizer(config.learning_rate, config.weight_decay)
@@ -181,7 +181,7 @@ class Trainer:
         return history
 
     def _sft_update(self, sequences: list[Sequence], config: SFTConfig) -> dict[str, float]:
-        batches = [mb.to(self.engine.model.device) for mb in pack(sequences, config.micro_batch_tokens)]
+        batches = pack(sequences, config.micro_batch_tokens, self.engine.model.device)
         n_tokens = sum(len(mb.targets) for mb in batches)
         optimizer = self._optimizer(config.learning_rate, config.weight_decay)
         self.engine.model.train()
