@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -290,6 +291,33 @@ async def test_unusable_answers_are_not_cached(scripted, tmp_path):
     with pytest.raises(JudgeError):
         await _rule(scripted, cache=tmp_path)
     assert len(JudgeCache(tmp_path)) == 0
+
+
+async def test_a_broken_cache_file_costs_a_warning_not_the_answer(scripted, tmp_path, caplog):
+    (tmp_path / "judge-responses.sqlite3").write_text("this is not a database")
+    scripted.play(("ok", GOOD), ("ok", GOOD))
+    usage = JudgeUsage()
+    first = await _rule(scripted, usage, cache=tmp_path)
+    assert await _rule(scripted, usage, cache=tmp_path) == first  # judged again: nothing could be stored
+    assert usage.calls == 2 and usage.cache_hits == 0
+    assert "judge cache" in caplog.text and "not a database" in caplog.text
+
+
+def test_caches_opened_at_once_on_a_new_file_all_work(tmp_path):
+    # several caches on one new file, set up at the same moment (as concurrent ruler calls do): SQLite refuses
+    # racing set-ups with "database is locked" at once, without waiting, unless the process shares a connection
+    for trial in range(10):
+        directory = tmp_path / str(trial)
+        start = threading.Barrier(8)
+
+        def put_then_get(i: int) -> str | None:
+            cache = JudgeCache(directory)
+            start.wait()
+            cache.put_sync(f"k{i}", f"v{i}", model="m")
+            return cache.get_sync(f"k{i}")
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(put_then_get, range(8))) == [f"v{i}" for i in range(8)]
 
 
 # cache.py needs only the standard library: loading it alone keeps the processes' start-up short

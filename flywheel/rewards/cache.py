@@ -1,7 +1,10 @@
 """A disk cache of judge responses, so that re-judging the same trajectories costs no judge call.
 
 Entries live in one SQLite file in WAL mode (readers never block the writer; concurrent writers from several
-threads or processes wait on SQLite's lock instead of corrupting anything). The key is a SHA-256 of everything
+threads or processes wait on SQLite's lock instead of corrupting anything). Each process keeps one connection per
+file, shared by its threads under a lock: SQLite answers "database is locked" at once, without waiting, when
+connections race to set up a new file or when one opens while the last one closes, so connections are not
+opened per request. The key is a SHA-256 of everything
 that determines the judge's answer: the judge model, the full request (which contains the rubric and the
 trajectories), the response schema and the sampling parameters. Only responses that passed validation are stored.
 
@@ -12,11 +15,11 @@ disable), else ``$FLYWHEEL_JUDGE_CACHE``, else ``$FLYWHEEL_HOME/judge-cache`` (`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import os
 import sqlite3
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -40,7 +43,6 @@ class JudgeCache:
     def __init__(self, directory: str | Path | None = None):
         self.directory = Path(directory) if directory is not None else default_cache_dir()
         self.path = self.directory / _FILE
-        self._ready = False
 
     @staticmethod
     def key(**parts: Any) -> str:
@@ -48,30 +50,19 @@ class JudgeCache:
         canonical = json.dumps(parts, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
         return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
-    def _connect(self) -> contextlib.closing[sqlite3.Connection]:
-        if not self._ready:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        connection = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None)
-        if not self._ready:
-            connection.execute("PRAGMA journal_mode=WAL")
-            connection.execute(
-                "CREATE TABLE IF NOT EXISTS responses "
-                "(key TEXT PRIMARY KEY, model TEXT NOT NULL, response TEXT NOT NULL, created REAL NOT NULL)"
-            )
-            self._ready = True
-        return contextlib.closing(connection)
+    def _execute(self, sql: str, parameters: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        with _LOCK:
+            return _connection(self.path).execute(sql, parameters).fetchall()
 
     def get_sync(self, key: str) -> str | None:
-        with self._connect() as db:
-            row = db.execute("SELECT response FROM responses WHERE key = ?", (key,)).fetchone()
-        return row[0] if row else None
+        rows = self._execute("SELECT response FROM responses WHERE key = ?", (key,))
+        return rows[0][0] if rows else None
 
     def put_sync(self, key: str, response: str, *, model: str) -> None:
-        with self._connect() as db:
-            db.execute(
-                "INSERT OR REPLACE INTO responses (key, model, response, created) VALUES (?, ?, ?, ?)",
-                (key, model, response, time.time()),
-            )
+        self._execute(
+            "INSERT OR REPLACE INTO responses (key, model, response, created) VALUES (?, ?, ?, ?)",
+            (key, model, response, time.time()),
+        )
 
     async def get(self, key: str) -> str | None:
         # off the event loop: a lookup may wait on another process's write lock
@@ -81,11 +72,37 @@ class JudgeCache:
         await asyncio.to_thread(self.put_sync, key, response, model=model)
 
     def __len__(self) -> int:
-        with self._connect() as db:
-            return int(db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
+        return int(self._execute("SELECT COUNT(*) FROM responses")[0][0])
 
     def __repr__(self) -> str:
         return f"JudgeCache({str(self.directory)!r})"
+
+
+_LOCK = threading.Lock()
+_CONNECTIONS: dict[tuple[int, Path], sqlite3.Connection] = {}  # keyed by pid too: a forked child opens its own
+
+
+def _connection(path: Path) -> sqlite3.Connection:
+    """This process's connection to ``path`` (call with ``_LOCK`` held), opened and set up on first use."""
+    key = (os.getpid(), path.resolve())
+    if key not in _CONNECTIONS:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        connection = sqlite3.connect(path, timeout=_BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+        for attempt in range(50):  # another process setting up the same new file: a short wait, then again
+            try:
+                connection.execute("PRAGMA journal_mode=WAL")
+                connection.execute(
+                    "CREATE TABLE IF NOT EXISTS responses "
+                    "(key TEXT PRIMARY KEY, model TEXT NOT NULL, response TEXT NOT NULL, created REAL NOT NULL)"
+                )
+                break
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or attempt == 49:
+                    connection.close()
+                    raise
+                time.sleep(0.02 * (attempt + 1))
+        _CONNECTIONS[key] = connection
+    return _CONNECTIONS[key]
 
 
 def resolve_cache(cache: JudgeCache | str | Path | bool | None) -> JudgeCache | None:

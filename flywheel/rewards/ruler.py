@@ -31,7 +31,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Sequence
+import sqlite3
+from collections.abc import Awaitable, Sequence
 from typing import Any, Literal
 from urllib.parse import urlparse
 
@@ -366,7 +367,7 @@ async def _judge(
         messages=request.messages,
         params={k: v for k, v in params.items() if k not in _NOT_IN_KEY},
     )
-    if cache is not None and (hit := await cache.get(key)) is not None:
+    if cache is not None and (hit := await _cached(cache.get(key), cache)) is not None:
         parsed, problem = _problem(hit, request.ids)
         if parsed is not None:
             usage.cache_hits += 1
@@ -391,8 +392,17 @@ async def _judge(
         if parsed is None:
             raise JudgeError(f"judge {judge_model} gave no usable answer after one repair request: {problem}")
     if cache is not None:
-        await cache.put(key, parsed.model_dump_json(), model=judge_model)
+        await _cached(cache.put(key, parsed.model_dump_json(), model=judge_model), cache)
     return parsed
+
+
+async def _cached(operation: Awaitable[str | None], cache: JudgeCache) -> str | None:
+    """A cache lookup or store; a broken cache (unreadable file, full disk) costs a warning, never the answer."""
+    try:
+        return await operation
+    except sqlite3.Error as exc:
+        log.warning("judge cache %s failed (%r); going on without it", cache.path, exc)
+        return None
 
 
 def _auto_explanation_chars(local: bool, n: int, max_tokens: int | None) -> int | None:
