@@ -150,3 +150,17 @@ async def test_abandoned_stream_frees_its_row(engine: InferenceEngine, tokenizer
     await asyncio.sleep(0.3)
     assert engine._running == []  # the engine dropped it instead of decoding 500 tokens for nobody
     assert (await engine.generate(p, GREEDY))[0].token_ids
+
+
+async def test_call_runs_on_the_engine_thread_between_steps(engine: InferenceEngine, tokenizer):
+    import threading
+
+    p = prompts(tokenizer)[2]
+    decoding = asyncio.ensure_future(engine.generate(p, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)))
+    await asyncio.sleep(0.05)
+    # while a request decodes, a call still runs, on the worker thread, and the request finishes afterwards
+    assert await engine.call(lambda a, b: (threading.current_thread() is engine._thread, a + b), 2, 3) == (True, 5)
+    with pytest.raises(ZeroDivisionError):  # the caller gets the call's exception; the engine keeps serving
+        await engine.call(lambda: 1 / 0)
+    assert len((await decoding)[0].token_ids) == 40
+    assert (await engine.generate(p, GREEDY))[0].token_ids
