@@ -82,6 +82,10 @@ async def test_two_steps_change_the_adapter_checkpoint_and_resume(fresh_backend:
     model = art.TrainableModel(name="smoke", project="tests", base_model=EMBEDDED_MODEL)
     await model.register(fresh_backend)
     trainer = fresh_backend.trainer(model)
+    # mixed precision: the sampler adds adapters in the model's dtype, the optimizer keeps fp32 masters
+    engine_dtype = trainer.engine.model.dtype
+    assert {p.dtype for p in trainer.params} == {engine_dtype}
+    assert {m.dtype for m in trainer.master} == {torch.float32}
     before = trainer.adapter_state()
     probe = [SYSTEM, {"role": "user", "content": "Name a fruit."}]
     client = model.openai_client()
@@ -93,9 +97,11 @@ async def test_two_steps_change_the_adapter_checkpoint_and_resume(fresh_backend:
         assert metrics["skipped"] == 0.0
         assert all(torch.isfinite(torch.tensor(metrics[k])) for k in ("loss", "entropy", "grad_norm"))
         assert metrics["tokens_trained"] > 0 and metrics["entropy"] > 0
+        assert metrics["rollout_seconds"] > 0 and metrics["score_seconds"] >= 0 and metrics["train_seconds"] > 0
         assert await model.get_step() == expected_step
     after = trainer.adapter_state()
     assert any(not torch.equal(before[k], after[k]) for k in before), "training must change the adapter"
+    assert all(torch.equal(p, m.to(p.dtype)) for p, m in zip(trainer.params, trainer.master)), "sampler adapters = masters"
 
     # the very next request samples from the new weights (shared model, no stale adapter)
     lp_after = (await client.chat.completions.create(model=model.get_inference_name(2), messages=probe, max_tokens=4, temperature=0, logprobs=True)).choices[0]
