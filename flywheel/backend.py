@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flywheel.gather import phase_seconds
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.loading import load_model
 from flywheel.inference.registry import ModelRegistry
@@ -24,6 +25,15 @@ from flywheel.types import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from flywheel.model import TrainableModel
+
+
+def metric_means(trajectories: list[Trajectory], split: str) -> dict[str, float]:
+    """``<split>/<name>``: the mean of each trajectory metric over the trajectories that have it."""
+    means = {}
+    for k in sorted({k for t in trajectories for k in t.metrics}):
+        values = [float(t.metrics[k]) for t in trajectories if k in t.metrics]
+        means[f"{split}/{k}"] = sum(values) / len(values)
+    return means
 
 
 def default_home() -> Path:
@@ -97,10 +107,11 @@ class LocalBackend:
         async with self._lock:
             if key not in self._trainers:
                 engine, _ = await self._engine(model.base_model)
-                trainer = await asyncio.to_thread(Trainer, engine, lora)
+                # model work runs on the engine's thread (see InferenceEngine.call)
+                trainer = await engine.call(Trainer, engine, lora)
                 latest = self._latest_checkpoint(model)
                 if latest is not None:
-                    await asyncio.to_thread(trainer.load, latest)
+                    await engine.call(trainer.load, latest)
                 self._trainers[key] = trainer
             self._serve()
         self._publish(model)
@@ -134,7 +145,8 @@ class LocalBackend:
         directory = self.model_dir(model) / "checkpoints" / f"{step:04d}"
         if not directory.exists():
             raise FileNotFoundError(f"No checkpoint for step {step} at {directory}.")
-        await asyncio.to_thread(self.trainer(model).load, directory)
+        trainer = self.trainer(model)
+        await trainer.engine.call(trainer.load, directory)
         self._publish(model)
 
     async def get_step(self, model: TrainableModel) -> int:
@@ -150,14 +162,16 @@ class LocalBackend:
     async def train(self, model: TrainableModel, groups: Iterable[TrajectoryGroup], config: TrainConfig) -> dict[str, float]:
         trainer = self.trainer(model)
         groups = list(groups)
-        metrics = await asyncio.to_thread(trainer.rl_step, groups, config)
+        trajectories = [t for g in groups for t in g.trajectories]
+        metrics = await trainer.engine.call(trainer.rl_step, groups, config)
+        metrics |= phase_seconds(groups) | metric_means(trajectories, "train")
         await self._after_step(model, trainer, metrics, "train", config.model_dump())
-        self._save_trajectories(model, "train", trainer.step, [t for g in groups for t in g.trajectories])
+        self._save_trajectories(model, "train", trainer.step, trajectories)
         return metrics
 
     async def train_sft(self, model: TrainableModel, trajectories: list[Trajectory], config: SFTConfig) -> list[dict[str, float]]:
         trainer = self.trainer(model)
-        history = await asyncio.to_thread(trainer.sft, trajectories, config)
+        history = await trainer.engine.call(trainer.sft, trajectories, config)
         for i, metrics in enumerate(history):
             self._append_history(model, {"step": trainer.step - len(history) + i + 1, "split": "sft", **metrics})
         await self._after_step(model, trainer, None, "sft", config.model_dump())
@@ -195,11 +209,7 @@ class LocalBackend:
         metrics: dict[str, float] = {}
         if trajectories:
             metrics[f"{split}/reward"] = sum(t.reward for t in trajectories) / len(trajectories)
-            keys = {k for t in trajectories for k in t.metrics}
-            for k in sorted(keys):
-                values = [float(t.metrics[k]) for t in trajectories if k in t.metrics]
-                metrics[f"{split}/{k}"] = sum(values) / len(values)
-            metrics[f"{split}/n"] = len(trajectories)
+            metrics |= metric_means(trajectories, split) | {f"{split}/n": len(trajectories)}
         self._append_history(model, {"step": step, "split": split, **metrics})
         self._save_trajectories(model, split, step, trajectories)
         return metrics

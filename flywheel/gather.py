@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
@@ -79,11 +80,14 @@ class _Gathering:
 
     async def group(self, index: int, item: TrajectoryGroup | Awaitable[TrajectoryGroup]) -> list[TrajectoryGroup]:
         """Finishes one group: resolves it, runs its pending rollouts, then applies ``after_each``."""
+        start = time.monotonic()
         group = item if isinstance(item, TrajectoryGroup) else await self.resolve(item)
         if group._pending:
             results = await asyncio.gather(*(self.spawn(self.rollout(r)) for r in group._pending))
             group._complete(results)
+        rolled = time.monotonic()
         if self.after_each is None:
+            group._timing = (start, rolled, rolled)
             return [group]
         try:
             kept = self.after_each(group)
@@ -91,7 +95,10 @@ class _Gathering:
                 kept = await kept
         except Exception as exc:
             raise RuntimeError(f"after_each failed on group {index}: {exc!r}") from exc
-        return [] if kept is None else kept if isinstance(kept, list) else [kept]
+        groups = [] if kept is None else kept if isinstance(kept, list) else [kept]
+        for g in groups:
+            g._timing = (start, rolled, time.monotonic())
+        return groups
 
     async def resolve(self, awaitable: Awaitable[TrajectoryGroup]) -> TrajectoryGroup:
         """Awaits something that makes a group. Its rollouts count once known; if it fails, it counts as one
@@ -206,3 +213,24 @@ async def gather_trajectories(
         max_concurrency=max_concurrency,
     )
     return group.trajectories
+
+
+def phase_seconds(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
+    """Wall time the gathering of these groups spent rolling out and scoring (``after_each``): the length of the
+    union of each phase's intervals over the groups, since groups run concurrently. Empty if none was gathered."""
+    timings = [g._timing for g in groups if g._timing is not None]
+    if not timings:
+        return {}
+    return {
+        "rollout_seconds": _covered([(t[0], t[1]) for t in timings]),
+        "score_seconds": _covered([(t[1], t[2]) for t in timings]),
+    }
+
+
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(intervals):
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total

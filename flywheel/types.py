@@ -158,6 +158,8 @@ class TrajectoryGroup(BaseModel):
 
     _pending: list[Awaitable[Trajectory]] = PrivateAttr(default_factory=list)
     _original_exceptions: list[BaseException] = PrivateAttr(default_factory=list)
+    # (start, rollouts done, scoring done) on time.monotonic(), set by gather_trajectory_groups
+    _timing: tuple[float, float, float] | None = PrivateAttr(default=None)
 
     def __init__(
         self,

@@ -55,6 +55,9 @@ async def test_job_runs_end_to_end_and_writes_report_and_plot(tmp_path, monkeypa
     assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     assert {"sft", "train", "val"} <= {r["split"] for r in history}
+    (step,) = saved["rl_history"]
+    assert step["rollout_seconds"] > 0 and step["train_seconds"] > 0  # the step's time, split by phase
+    assert 0.0 <= step["train/correct"] <= 1.0 and step["train/turns"] >= 1  # the rollouts' own metrics
     assert (out / "checkpoints" / f"{report['best_step']:04d}" / "adapter_model.safetensors").exists()
 
 

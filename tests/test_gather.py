@@ -9,7 +9,7 @@ import traceback
 
 import pytest
 
-from flywheel.gather import gather_trajectories, gather_trajectory_groups
+from flywheel.gather import _covered, gather_trajectories, gather_trajectory_groups, phase_seconds
 from flywheel.types import Trajectory, TrajectoryGroup
 
 USER = {"role": "user", "content": "q"}
@@ -49,6 +49,28 @@ async def test_groups_come_back_in_input_order():
         pbar_desc=None,
     )
     assert [[t.reward for t in g] for g in groups] == [[0, 1, 2], [10, 11, 12], [20, 21, 22]]
+
+
+def test_covered_time_is_the_union_of_intervals():
+    assert _covered([]) == 0.0
+    assert _covered([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (3.2, 3.5)]) == 3.0
+
+
+async def test_phase_seconds_count_concurrent_groups_once():
+    c = Counter()
+
+    async def score(group: TrajectoryGroup) -> TrajectoryGroup:
+        await asyncio.sleep(0.1)
+        return group
+
+    # four groups roll out (0.2 s) and are scored (0.1 s) concurrently: about 0.2 s and 0.1 s of wall time, not 4x
+    groups = await gather_trajectory_groups(
+        (TrajectoryGroup(c.rollout(i, delay=0.2) for i in range(3)) for _ in range(4)), pbar_desc=None, after_each=score
+    )
+    phases = phase_seconds(groups)
+    assert 0.2 <= phases["rollout_seconds"] < 0.6
+    assert 0.1 <= phases["score_seconds"] < 0.3
+    assert phase_seconds([TrajectoryGroup([Trajectory(messages_and_choices=[USER])])]) == {}  # not gathered
 
 
 @pytest.mark.parametrize("limit, peak", [(3, 3), (None, 20)])

@@ -44,7 +44,7 @@ class JobConfig(BaseModel):
     temperature: float = 0.7  # a 135M model at T=1 mostly produces noise: no group would have a success
     level_curriculum: bool = True  # draw RL problems by level, favouring the levels with mixed outcomes
     eval_every: int = 4
-    val_problems: int = 32
+    val_problems: int = 64  # picks the best checkpoint: 32 problems (+-17 points) made that choice mostly noise
     test_problems: int = 100
 
 
@@ -142,15 +142,13 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
         with Progress(TextColumn("GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"), console=console) as bar:
             task = bar.add_task("", total=config.rl_steps)
             for i in range(config.rl_steps):
-                t0 = time.perf_counter()
                 scenarios = levels.sample(config.groups_per_step) if levels else rng.sample(pool, config.groups_per_step)
                 groups = await gather_trajectory_groups(
                     (TrajectoryGroup(rollout(model, p, temperature=config.temperature) for _ in range(config.group_size)) for p in scenarios),
                     pbar_desc=None, max_exceptions=0.1,
                 )
-                t1 = time.perf_counter()
-                metrics = await model.train(groups, config=config.rl)
-                row = {"step": await model.get_step(), "rollout_seconds": t1 - t0, **metrics, "peak_rss_gb": peak_rss_gb()}
+                metrics = await model.train(groups, config=config.rl)  # with rollout_seconds and train/<metric> means
+                row = {"step": await model.get_step(), **metrics, "peak_rss_gb": peak_rss_gb()}
                 if levels:
                     row |= levels.record(groups)
                 if (i + 1) % config.eval_every == 0 or i + 1 == config.rl_steps:
