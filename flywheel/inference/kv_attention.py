@@ -11,7 +11,7 @@ The function is registered as the attention implementation ``"flywheel"``. When 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +83,23 @@ class PackedBatch:
 
     lengths: list[int]  # segments after the prefix
     prefix: int = 0
+    _layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
+
+    def layout(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(index, valid, mask) for attending all segments in one call, each padded to the longest (n):
+        index [S, n] of each segment's tokens in the row (0 where padded), valid [S, n], and the boolean mask
+        [S, 1, n, prefix + n] over the prefix and the segment itself (causal). Computed once for all layers."""
+        if self._layout is None:
+            lengths = torch.tensor(self.lengths, device=device)
+            n = max(self.lengths)
+            pos = torch.arange(n, device=device)
+            valid = pos[None] < lengths[:, None]
+            starts = self.prefix + torch.cumsum(lengths, 0) - lengths
+            index = torch.where(valid, starts[:, None] + pos[None], 0)
+            own = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # causal, real keys only
+            mask = torch.cat([own.new_ones(len(self.lengths), n, self.prefix), own], dim=2)[:, None]
+            self._layout = (index, valid, mask)
+        return self._layout
 
 
 @dataclass
@@ -133,21 +150,22 @@ def _decode(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch
 
 
 def _packed(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch, scaling: float):
-    p, out = batch.prefix, []
+    # One attention call for all segments (padded to the longest, masked) instead of one per segment: CPU flash
+    # attention's per-call cost dominates at these sizes (~2x faster fwd+bwd in bf16 for a typical micro-batch).
+    p = batch.prefix
+    index, valid, mask = batch.layout(q.device)
+    segments = index.shape[0]
+    query = q[0][:, index].transpose(0, 1)  # [S, heads, n, head_dim]
+    keys, values = k[0][:, index].transpose(0, 1), v[0][:, index].transpose(0, 1)
     if p:
-        out.append(F.scaled_dot_product_attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], is_causal=True, scale=scaling, enable_gqa=True))
-    offset = p
-    for n in batch.lengths:
-        part = slice(offset, offset + n)
-        if p:
-            keys, values = torch.cat([k[:, :, :p], k[:, :, part]], dim=2), torch.cat([v[:, :, :p], v[:, :, part]], dim=2)
-            mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(diagonal=p)
-            o = F.scaled_dot_product_attention(q[:, :, part], keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
-        else:
-            o = F.scaled_dot_product_attention(q[:, :, part], k[:, :, part], v[:, :, part], is_causal=True, scale=scaling, enable_gqa=True)
-        out.append(o)
-        offset += n
-    return torch.cat(out, dim=2).transpose(1, 2)
+        keys = torch.cat([k[:, :, :p].expand(segments, -1, -1, -1), keys], dim=2)
+        values = torch.cat([v[:, :, :p].expand(segments, -1, -1, -1), values], dim=2)
+    o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
+    out = o.transpose(0, 1)[:, valid][None]  # back to row order: [1, heads, sum(lengths), head_dim]
+    if p:
+        head = F.scaled_dot_product_attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], is_causal=True, scale=scaling, enable_gqa=True)
+        out = torch.cat([head, out], dim=2)
+    return out.transpose(1, 2)
 
 
 def flywheel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
