@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from flywheel.inference.loading import EMBEDDED_MODEL, load_model
 from flywheel.inference.registry import ModelRegistry
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
+from machine import describe  # bench/machine.py
 
 TOPICS = ["cats", "the sea", "a robot", "winter", "a library", "trains", "the moon", "a market"]
 
@@ -101,10 +101,7 @@ def main() -> None:
     server.stop()
     engine.close()
 
-    machine = {
-        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-        "cpus": torch.get_num_threads(), "torch": torch.__version__, "dtype": str(model.dtype),
-    }
+    machine = describe() | {"dtype": str(model.dtype)}
     out = Path(__file__).parent / "results" / f"sampler-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"machine": machine, "new_tokens": args.new_tokens, "results": results}, indent=2))

@@ -1,4 +1,4 @@
-"""RL step time: Flywheel vs TRL's GRPOTrainer on the same work, in one process, alternating.
+"""RL step time: Flywheel vs TRL's GRPOTrainer on the same work, alternating blocks of steps, each in a fresh process.
 
 Same work on both sides: SmolLM2-135M-Instruct (the embedded model as safetensors, bf16 weights with bf16 autocast),
 the same prompts (tool-free calculator word problems), P prompts x G generations per step, exactly L new tokens per
@@ -19,8 +19,9 @@ import argparse
 import asyncio
 import json
 import logging
-import platform
 import statistics
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -34,6 +35,7 @@ from flywheel.inference.loading import EMBEDDED_MODEL, resolve_model
 from flywheel.model import TrainableModel
 from flywheel.train.config import LoraSettings, TrainConfig
 from flywheel.types import Trajectory, TrajectoryGroup
+from machine import describe  # bench/machine.py
 
 LORA = LoraSettings(rank=16, alpha=32)
 LEARNING_RATE = 5e-5
@@ -127,8 +129,32 @@ def trl_steps(path: str, batches: list[list[tuple[str, int]]], group: int, new_t
 # ---- driver ----------------------------------------------------------------------------------------------------
 
 
+BLOCK_RESULT = "block result: "
+
+
+def run_block(side: str, run: int) -> dict:
+    """Run one block in a child process (this script with ``--block``) and return what it printed."""
+    out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--block", side, str(run)], capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith(BLOCK_RESULT)]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"the {side} block of run {run} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix(BLOCK_RESULT))
+
+
 def summary(xs: list[float]) -> dict:
     return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "runs": xs}
+
+
+async def block(side: str, batches: list[list[tuple[str, int]]], args: argparse.Namespace) -> dict:
+    """One side's block of steps (the first warms up), in this process."""
+    path, results_dir = str(resolve_model(args.model).path), Path(__file__).parent / "results"
+    if side == "trl":
+        return {"seconds": trl_steps(path, batches, args.group, args.new_tokens, results_dir / "trl_out")}
+    async with LocalBackend(path=results_dir / "step_time_home", serve_http=True) as backend:
+        model = TrainableModel(name=f"run-{time.time_ns()}", project="bench", base_model=path, lora=LORA)
+        await model.register(backend)
+        seconds, trained = await flywheel_steps(model, batches, args.group, args.new_tokens)
+    return {"seconds": seconds, "trained": trained}
 
 
 async def main() -> None:
@@ -139,38 +165,37 @@ async def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--model", default=EMBEDDED_MODEL, help="the embedded model (default) or a local HF checkpoint dir")
+    ap.add_argument("--block", nargs=2, metavar=("SIDE", "RUN"), help=argparse.SUPPRESS)  # internal: one block
     args = ap.parse_args()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
 
-    path = str(resolve_model(args.model).path)
     data = prompts((args.steps + 1) * args.prompts * args.runs)
     blocks = [
         [data[(r * (args.steps + 1) + s) * args.prompts : (r * (args.steps + 1) + s + 1) * args.prompts] for s in range(args.steps + 1)]
         for r in range(args.runs)
     ]
+    if args.block:
+        side, run = args.block[0], int(args.block[1])
+        print(BLOCK_RESULT + json.dumps(await block(side, blocks[run], args)), flush=True)
+        return
     results_dir = Path(__file__).parent / "results"
     results_dir.mkdir(exist_ok=True)
     tokens_per_step = args.prompts * args.group * args.new_tokens
     ours: list[float] = []
     theirs: list[float] = []
     sequences: list[int] = []
-    async with LocalBackend(path=results_dir / "step_time_home", serve_http=True) as backend:
-        for run, batches in enumerate(blocks):
-            # TRL first: a fresh trainer per run (its first step warms up); median over the timed steps
-            trl = await asyncio.to_thread(trl_steps, path, batches, args.group, args.new_tokens, results_dir / "trl_out")
-            model = TrainableModel(name=f"run{run}-{time.time_ns()}", project="bench", base_model=path, lora=LORA)
-            await model.register(backend)
-            fly, trained = await flywheel_steps(model, batches, args.group, args.new_tokens)
-            theirs.append(statistics.median(trl[1:]))
-            ours.append(statistics.median(fly[1:]))
-            sequences += trained[1:]
-            print(json.dumps({"run": run, "trl_seconds": trl, "flywheel_seconds": fly, "flywheel_trained": trained}), flush=True)
+    for run in range(args.runs):
+        # Each block in a fresh process, TRL first: neither side inherits the other's threads (a second thread's
+        # OpenMP team slows the first's parallel regions on a small machine) or memory.
+        trl, fly = (run_block(side, run) for side in ("trl", "flywheel"))
+        theirs.append(statistics.median(trl["seconds"][1:]))
+        ours.append(statistics.median(fly["seconds"][1:]))
+        sequences += fly["trained"][1:]
+        print(json.dumps({"run": run, "trl_seconds": trl["seconds"], "flywheel_seconds": fly["seconds"], "flywheel_trained": fly["trained"]}), flush=True)
 
     result = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+        "machine": describe(),
         "work": {"model": args.model, "prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens, "lora": LORA.model_dump(),
                  "loss": "dapo", "dtype": "bf16 weights + bf16 autocast"},
         "flywheel_step_seconds": summary(ours), "trl_step_seconds": summary(theirs),

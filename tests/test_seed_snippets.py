@@ -137,7 +137,7 @@ async def test_snippet_ruler_score_group_with_debug_custom_rubric_and_independen
     for traj in judged_group.trajectories:
         independent_reward = verify_correctness(traj)  # binary 0/1
         traj.reward += independent_reward
-    assert [t.reward - t.metrics["ruler_score"] for t in judged_group.trajectories] == [1.0, 0.0, 0.0, 1.0]
+    assert [t.reward - t.metrics["ruler_score"] for t in judged_group.trajectories] == pytest.approx([1.0, 0.0, 0.0, 1.0])
     assert all(t.metrics["independent_reward"] == 0.0 for t in judged_group.trajectories)
 
 
