@@ -1,9 +1,12 @@
 """Sampler throughput: concurrent chat requests through Flywheel's HTTP server vs plain batched ``generate``.
 
 Same model, same prompts, 64 new tokens per request (EOS ignored, so every side does the same work), in one
-run, alternating sides. Writes bench/results/sampler-<time>.json and prints a markdown table.
+run, alternating sides. With ``--turns T`` each concurrent client is a multi-turn agent: T requests, each
+followed by an environment message, the whole conversation sent again every turn (as agents over the OpenAI API
+do); plain ``generate`` runs the same agents turn by turn as one batch. Writes bench/results/sampler-<time>.json
+and prints a markdown table.
 
-    .venv/bin/python bench/sampler.py [--concurrency 1 8 32] [--runs 3] [--new-tokens 64]
+    .venv/bin/python bench/sampler.py [--concurrency 1 8 32] [--runs 3] [--new-tokens 64] [--turns 1]
 """
 
 from __future__ import annotations
@@ -32,35 +35,51 @@ def questions(n: int) -> list[str]:
     return [f"Tell me a short story about {TOPICS[i % len(TOPICS)]} (story {i})." for i in range(n)]
 
 
-async def http_run(base_url: str, n: int, new_tokens: int) -> float:
+def follow_up(turn: int) -> dict:
+    """What an agent's environment says between turns (a tool result, as a user turn so no tools are needed)."""
+    return {"role": "user", "content": f"The tool returned {turn * 37 + 11}. Go on."}
+
+
+async def http_run(base_url: str, n: int, new_tokens: int, turns: int) -> float:
+    """n concurrent agents, each a conversation of ``turns`` requests; completion tokens per second."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0)
 
-    async def one(q: str) -> int:
-        r = await client.chat.completions.create(
-            model=EMBEDDED_MODEL, messages=[{"role": "user", "content": q}], max_tokens=new_tokens,
-            temperature=1.0, extra_body={"ignore_eos": True},
-        )
-        return r.usage.completion_tokens
+    async def agent(q: str) -> int:
+        messages, tokens = [{"role": "user", "content": q}], 0
+        for turn in range(turns):
+            r = await client.chat.completions.create(
+                model=EMBEDDED_MODEL, messages=messages, max_tokens=new_tokens, temperature=1.0,
+                extra_body={"ignore_eos": True},
+            )
+            tokens += r.usage.completion_tokens
+            messages += [{"role": "assistant", "content": r.choices[0].message.content or ""}, follow_up(turn)]
+        return tokens
 
     start = time.perf_counter()
-    tokens = sum(await asyncio.gather(*(one(q) for q in questions(n))))
+    tokens = sum(await asyncio.gather(*(agent(q) for q in questions(n))))
     elapsed = time.perf_counter() - start
     await client.close()
-    assert tokens == n * new_tokens, tokens
+    assert tokens == n * new_tokens * turns, tokens
     return tokens / elapsed
 
 
-def generate_run(model, tokenizer, n: int, new_tokens: int) -> float:
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False) for q in questions(n)]
+def generate_run(model, tokenizer, n: int, new_tokens: int, turns: int) -> float:
+    """The same agents with plain ``generate``: every turn, all conversations as one left-padded batch."""
     tokenizer.padding_side = "left"
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    conversations = [[{"role": "user", "content": q}] for q in questions(n)]
     start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
-                             pad_token_id=tokenizer.pad_token_id)
+    for turn in range(turns):
+        texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations]
+        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.inference_mode():
+            out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
+                                 pad_token_id=tokenizer.pad_token_id)
+        assert out.shape[1] - batch["input_ids"].shape[1] == new_tokens
+        replies = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        for c, reply in zip(conversations, replies):
+            c += [{"role": "assistant", "content": reply}, follow_up(turn)]
     elapsed = time.perf_counter() - start
-    assert out.shape[1] - batch["input_ids"].shape[1] == new_tokens
-    return n * new_tokens / elapsed
+    return n * new_tokens * turns / elapsed
 
 
 def summary(xs: list[float]) -> dict:
@@ -72,6 +91,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--turns", type=int, default=1, help="requests per agent (>1: multi-turn conversations)")
     args = ap.parse_args()
 
     model, tokenizer, _ = load_model(EMBEDDED_MODEL)  # bf16 where the CPU has it
@@ -85,15 +105,15 @@ def main() -> None:
     for m in plain.values():
         m.set_attn_implementation("sdpa")
 
-    asyncio.run(http_run(server.base_url, 4, 8))  # warm-up
+    asyncio.run(http_run(server.base_url, 4, 8, 1))  # warm-up
     results = []
     for n in args.concurrency:
         ours: list[float] = []
         theirs: dict[str, list[float]] = {k: [] for k in plain}
         for _ in range(args.runs):  # alternate sides so drift on the machine hits both
-            ours.append(asyncio.run(http_run(server.base_url, n, args.new_tokens)))
+            ours.append(asyncio.run(http_run(server.base_url, n, args.new_tokens, args.turns)))
             for k, m in plain.items():
-                theirs[k].append(generate_run(m, tokenizer, n, args.new_tokens))
+                theirs[k].append(generate_run(m, tokenizer, n, args.new_tokens, args.turns))
         row = {"concurrency": n, "flywheel_http": summary(ours)}
         row.update({f"generate_{k}": summary(v) for k, v in theirs.items()})
         results.append(row)
@@ -104,10 +124,11 @@ def main() -> None:
     machine = describe() | {"dtype": str(model.dtype)}
     out = Path(__file__).parent / "results" / f"sampler-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"machine": machine, "new_tokens": args.new_tokens, "results": results}, indent=2))
+    out.write_text(json.dumps({"machine": machine, "new_tokens": args.new_tokens, "turns": args.turns, "results": results}, indent=2))
     keys = [k for k in results[0] if k != "concurrency"]
     print(f"\n{machine}\n")
-    print("| concurrent requests | " + " | ".join(f"{k} tok/s (median [min, max])" for k in keys) + " | flywheel / generate |")
+    print(f"{args.turns} turn(s) of {args.new_tokens} new tokens per agent")
+    print("| concurrent agents | " + " | ".join(f"{k} tok/s (median [min, max])" for k in keys) + " | flywheel / generate |")
     print("|---" * (len(keys) + 2) + "|")
     for r in results:
         cells = [f"{r[k]['median']:.0f} [{r[k]['min']:.0f}, {r[k]['max']:.0f}]" for k in keys]

@@ -107,11 +107,14 @@ class LocalBackend:
         async with self._lock:
             if key not in self._trainers:
                 engine, _ = await self._engine(model.base_model)
-                # model work runs on the engine's thread (see InferenceEngine.call)
-                trainer = await engine.call(Trainer, engine, lora)
-                latest = self._latest_checkpoint(model)
-                if latest is not None:
-                    await engine.call(trainer.load, latest)
+                try:  # model work runs on the engine's thread (see InferenceEngine.call)
+                    trainer = await engine.call(Trainer, engine, lora)
+                    latest = self._latest_checkpoint(model)
+                    if latest is not None:
+                        await engine.call(trainer.load, latest)
+                except BaseException:
+                    engine.close()
+                    raise
                 self._trainers[key] = trainer
             self._serve()
         self._publish(model)

@@ -148,6 +148,7 @@ def train(
     name: Annotated[str, typer.Option(help="Run name (checkpoints under $FLYWHEEL_HOME/calculator/models/NAME).")] = "",
     model: Annotated[str, typer.Option()] = EMBEDDED_MODEL,
     seed: Annotated[int, typer.Option()] = 0,
+    full_finetune: Annotated[bool, typer.Option("--full-finetune/--lora", help="Train every weight (default) or a LoRA adapter.")] = True,
 ):
     """The main job: train the calculator agent (baseline, SFT warm start, GRPO, best checkpoint, report, plot)."""
     from examples.calculator.train import JobConfig, run
@@ -156,6 +157,8 @@ def train(
         base_model=model, seed=seed, rl_steps=steps, groups_per_step=groups, group_size=group_size,
         sft_examples=sft_examples, test_problems=test_problems, name=name or time.strftime("run-%Y%m%d-%H%M%S"),
     )
+    if not full_finetune:
+        config = config.with_lora()
     asyncio.run(run(config, console))
 
 

@@ -42,10 +42,12 @@ def test_level_curriculum_favours_mixed_levels_and_uses_each_problem_once():
 
 async def test_job_runs_end_to_end_and_writes_report_and_plot(tmp_path, monkeypatch):
     monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
+    # the LoRA variant keeps CI light (full fine-tuning, the job's default, is tested in test_train.py)
     config = JobConfig(
-        name="toy", sft_examples=4, sft=SFTConfig(learning_rate=3e-4, epochs=1, batch_size=4),
-        rl_steps=1, groups_per_step=2, group_size=2, eval_every=1, val_problems=4, test_problems=4, levels=[1],
-    )
+        name="toy", sft_examples=4, rl_steps=2, groups_per_step=2, group_size=2, eval_every=1, val_problems=4,
+        test_problems=4, levels=[1],
+    ).with_lora()
+    config.sft = SFTConfig(learning_rate=3e-4, epochs=1, batch_size=4)
     report = await run(config, Console(file=open(os.devnull, "w")))
     for key in ("base", "sft", "rl"):
         assert 0.0 <= report[key] <= 1.0
@@ -55,10 +57,13 @@ async def test_job_runs_end_to_end_and_writes_report_and_plot(tmp_path, monkeypa
     assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     assert {"sft", "train", "val"} <= {r["split"] for r in history}
-    (step,) = saved["rl_history"]
+    step = saved["rl_history"][0]
     assert step["rollout_seconds"] > 0 and step["train_seconds"] > 0  # the step's time, split by phase
     assert 0.0 <= step["train/correct"] <= 1.0 and step["train/turns"] >= 1  # the rollouts' own metrics
     assert (out / "checkpoints" / f"{report['best_step']:04d}" / "adapter_model.safetensors").exists()
+    kept = sorted(int(p.name) for p in (out / "checkpoints").iterdir())
+    latest = max(r["step"] for r in history)
+    assert len(kept) <= 2 and kept[-1] == latest and report["best_step"] in kept  # the latest and the best only
 
 
 def test_cli_refuses_a_hub_id_with_a_clear_message(tmp_path):

@@ -12,7 +12,7 @@ from openai.types.chat.chat_completion import Choice
 import flywheel as art
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.train.batch import pack, trajectory_sequences
-from flywheel.train.config import SFTConfig, TrainConfig
+from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
 
 SYSTEM = {"role": "system", "content": "You answer with one word."}
 
@@ -128,6 +128,41 @@ async def test_two_steps_change_the_adapter_checkpoint_and_resume(fresh_backend:
         assert resumed.trainer(again).optimizer is not None
         metrics = await again.train(await sample_groups(again, n_groups=1), config=config)
         assert await again.get_step() == 3 and metrics["skipped"] == 0.0
+    finally:
+        await resumed.close()
+
+
+async def test_full_fine_tuning_trains_every_weight_checkpoints_and_resumes(fresh_backend: art.LocalBackend, tmp_path):
+    model = art.TrainableModel(name="full", project="tests", base_model=EMBEDDED_MODEL, lora=LoraSettings(full_finetune=True))
+    await model.register(fresh_backend)
+    trainer = fresh_backend.trainer(model)
+    assert trainer.peft is None and "lora" not in " ".join(trainer.names)
+    assert sum(p.numel() for p in trainer.params) == sum(p.numel() for p in trainer.engine.model.parameters())
+    before = trainer.adapter_state()
+    config = TrainConfig(learning_rate=1e-4, beta=0.05)  # KL against the weights as they were before training
+    first = await model.train(await sample_groups(model), config=config)
+    second = await model.train(await sample_groups(model), config=config)
+    assert first["skipped"] == second["skipped"] == 0.0
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6) and second["kl"] > 1e-6  # the reference did not move
+    after = trainer.adapter_state()
+    assert set(after) == set(before) and "model.embed_tokens.weight" in after
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert "model.embed_tokens.weight" in changed and any("mlp" in k for k in changed) and any("self_attn" in k for k in changed)
+
+    ckpt = tmp_path / "tests" / "models" / "full" / "checkpoints" / "0002"
+    assert (ckpt / "model.safetensors").exists() and not (ckpt / "adapter_model.safetensors").exists()
+    resumed = art.LocalBackend(path=tmp_path)
+    try:
+        again = art.TrainableModel(name="full", project="tests", base_model=EMBEDDED_MODEL, lora=LoraSettings(full_finetune=True))
+        await again.register(resumed)
+        assert await again.get_step() == 2
+        state = resumed.trainer(again).adapter_state()
+        assert all(torch.equal(state[k], after[k]) for k in after)
+        as_lora = art.TrainableModel(name="full", project="tests", base_model=EMBEDDED_MODEL)  # the same run, as LoRA
+        other = art.LocalBackend(path=tmp_path, serve_http=False)
+        with pytest.raises(ValueError, match="0002 has no adapter_model.safetensors"):
+            await as_lora.register(other)
+        await other.close()
     finally:
         await resumed.close()
 

@@ -1,17 +1,21 @@
-"""The trainer: LoRA (via peft) on the very model object the engine samples from, one optimizer step per call."""
+"""The trainer: LoRA (via peft) or full fine-tuning on the very model object the engine samples from, one optimizer
+step per call."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
 
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.kv_attention import PackedBatch
@@ -24,6 +28,8 @@ from flywheel.types import Trajectory, TrajectoryGroup
 log = logging.getLogger(__name__)
 
 
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file name
+FULL_WEIGHTS = "model.safetensors"
 ENTROPY_CHUNK = 256  # rows per entropy chunk: [256, V] temporaries instead of [K, V]
 
 
@@ -31,28 +37,34 @@ class Trainer:
     def __init__(self, engine: InferenceEngine, lora: LoraSettings | None = None):
         self.engine = engine
         self.lora = lora or LoraSettings()
-        config = LoraConfig(
-            r=self.lora.rank, lora_alpha=self.lora.alpha, lora_dropout=self.lora.dropout,
-            target_modules=self.lora.targets, task_type="CAUSAL_LM",
-        )
+        self.peft: PeftModel | None = None  # None: full fine-tuning of the engine's model itself
         with engine.exclusive():
-            # peft swaps the target Linear layers in place, so the engine's forward uses the adapter too
-            self.peft = get_peft_model(engine.model, config)
-        named = [(n, p) for n, p in self.peft.named_parameters() if p.requires_grad]
+            if self.lora.full_finetune:
+                engine.model.requires_grad_(True)
+            else:
+                config = LoraConfig(
+                    r=self.lora.rank, lora_alpha=self.lora.alpha, lora_dropout=self.lora.dropout,
+                    target_modules=self.lora.targets, task_type="CAUSAL_LM",
+                )
+                # peft swaps the target Linear layers in place, so the engine's forward uses the adapter too
+                self.peft = get_peft_model(engine.model, config)
+        named = [(n, p) for n, p in (self.peft or engine.model).named_parameters() if p.requires_grad]
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.master: list[torch.Tensor] = [torch.empty_like(p, dtype=torch.float32) for p in self.params]
         self._adopt_params()
+        # full fine-tuning's KL reference is the weights as they were (LoRA's: the adapter switched off)
+        self._base = [p.detach().clone() for p in self.params] if self.peft is None else None
         self.optimizer: torch.optim.Optimizer | None = None
         self.step = 0
         self.autocast = engine.model.dtype == torch.bfloat16
 
     # ---- mixed precision ---------------------------------------------------------------------------------------
-    # The adapters live in the model's dtype, so the sampler adds them without casting activations to fp32 and
-    # back at every layer (a quarter of bf16 decode time on a CPU); the optimizer updates fp32 master copies, and
-    # gradients accumulate into those in fp32.
+    # The trained weights (adapters, or all weights) live in the model's dtype, so the sampler uses them without
+    # casting activations to fp32 and back at every layer (a quarter of bf16 decode time on a CPU); the optimizer
+    # updates fp32 master copies, and gradients accumulate into those in fp32.
 
     def _adopt_params(self) -> None:
-        """Masters <- the adapters' current values; the adapters -> the model's dtype."""
+        """Masters <- the trained weights' current values; the trained weights -> the model's dtype."""
         with torch.no_grad():
             for p, m in zip(self.params, self.master):
                 m.copy_(p)
@@ -184,8 +196,24 @@ class Trainer:
 
     @torch.no_grad()
     def _reference(self, mb: MicroBatch) -> torch.Tensor:
-        with self.peft.disable_adapter():
+        with self._base_weights():
             return self._token_logprobs(mb)[0]
+
+    @contextlib.contextmanager
+    def _base_weights(self) -> Iterator[None]:
+        """The model as it was before training, for the duration of the block."""
+        if self.peft is not None:
+            with self.peft.disable_adapter():
+                yield
+            return
+        trained = [p.data for p in self.params]
+        for p, base in zip(self.params, self._base):
+            p.data = base
+        try:
+            yield
+        finally:
+            for p, data in zip(self.params, trained):
+                p.data = data
 
     # ---- SFT ---------------------------------------------------------------------------------------------------
 
@@ -228,11 +256,14 @@ class Trainer:
     # ---- checkpoints -------------------------------------------------------------------------------------------
 
     def save(self, directory: Path, extra: dict | None = None) -> Path:
-        """Write adapter, optimizer and trainer state to ``directory`` atomically (temp dir, then rename)."""
+        """Write the trained weights, optimizer and trainer state to ``directory`` atomically (temp dir, then rename)."""
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         try:
-            self.peft.save_pretrained(tmp, state_dict=self._master_state())  # fp32: resuming is exact
+            if self.peft is not None:  # fp32 masters: resuming is exact
+                self.peft.save_pretrained(tmp, state_dict=self._master_state())
+            else:
+                save_file(self._master_state(), str(tmp / FULL_WEIGHTS))
             if self.optimizer is not None:
                 torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
             state = {"step": self.step, "lora": self.lora.model_dump()} | (extra or {})
@@ -246,22 +277,36 @@ class Trainer:
         return directory
 
     def load(self, directory: Path) -> None:
-        from safetensors.torch import load_file
-
         state = json.loads((directory / "trainer_state.json").read_text())
-        weights = load_file(str(directory / "adapter_model.safetensors"))
+        weights_file = directory / (ADAPTER_WEIGHTS if self.peft is not None else FULL_WEIGHTS)
+        if not weights_file.exists():
+            kind = "a LoRA adapter" if self.peft is not None else "full fine-tuning"
+            raise ValueError(f"checkpoint {directory} has no {weights_file.name}: it was not written by {kind}, as this model trains")
+        weights = load_file(str(weights_file))
         with self.engine.exclusive():
-            for p in self.params:  # load the fp32 values unrounded, then hand them to the masters
-                p.data = p.data.float()
-            result = set_peft_model_state_dict(self.peft, weights)
-            self._adopt_params()
-            if result.unexpected_keys:
-                raise ValueError(f"checkpoint {directory} does not match this adapter: {result.unexpected_keys[:3]}")
+            if self.peft is not None:
+                for p in self.params:  # load the fp32 values unrounded, then hand them to the masters
+                    p.data = p.data.float()
+                unexpected = set_peft_model_state_dict(self.peft, weights).unexpected_keys
+                self._adopt_params()
+            else:
+                unexpected = sorted(set(weights) ^ set(self.names))
+                if not unexpected:
+                    with torch.no_grad():
+                        for name, p, m in zip(self.names, self.params, self.master):
+                            m.copy_(weights[name])
+                            p.copy_(m)
+            if unexpected:
+                raise ValueError(f"checkpoint {directory} does not match this model's trained weights: {unexpected[:3]}")
         if (directory / "optimizer.pt").exists():
             opt = self._optimizer(1e-5, 0.0)
             opt.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
         self.step = int(state["step"])
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
-        """The adapter as saved (fp32 masters), keyed like peft's adapter files."""
-        return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.peft, state_dict=self._master_state()).items()}
+        """The trained weights as saved (fp32 masters): keyed like peft's adapter files, or like the model's own
+        parameters with full fine-tuning."""
+        state = self._master_state()
+        if self.peft is not None:
+            state = get_peft_model_state_dict(self.peft, state_dict=state)
+        return {k: v.detach().clone() for k, v in state.items()}
