@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -16,15 +17,17 @@ import torch
 from flywheel.gather import phase_seconds
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.loading import load_model
-from flywheel.inference.registry import ModelRegistry
+from flywheel.inference.registry import ModelRegistry, ServedModel
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
 from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
-from flywheel.train.trainer import Trainer
+from flywheel.train.trainer import Trainer, load_for_serving
 from flywheel.types import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from flywheel.model import TrainableModel
+
+MAX_CHECKPOINT_ENGINES = 2  # earlier checkpoints served at once (each holds a copy of the base weights)
 
 
 def metric_means(trajectories: list[Trajectory], split: str) -> dict[str, float]:
@@ -59,8 +62,10 @@ class LocalBackend:
         max_batch: int = 64,
     ):
         self.path = Path(path) if path is not None else default_home()
-        self.registry = ModelRegistry()
+        self.registry = ModelRegistry(loader=self._serve_checkpoint)
         self._engines: dict[str, InferenceEngine] = {}
+        self._checkpoint_engines: dict[str, InferenceEngine] = {}  # "name@step" of earlier steps, oldest first
+        self._checkpoint_lock = threading.Lock()
         self._trainers: dict[tuple[str, str], Trainer] = {}  # (project, name) -> trainer on its own engine
         self._dtype, self._max_batch = dtype, max_batch
         self._host, self._port, self._serve_http = host, port, serve_http
@@ -126,7 +131,8 @@ class LocalBackend:
             raise RuntimeError(f"Model '{model.name}' is not registered with this backend.") from None
 
     def _publish(self, model: TrainableModel) -> None:
-        """Serve the live weights as ``name`` and ``name@<step>``; older ``name@k`` would lie, so they go."""
+        """Serve the live weights as ``name`` and ``name@<step>``; an older ``name@k`` on the live engine would
+        lie, so it goes (a request for it then loads checkpoint k: ``_serve_checkpoint``)."""
         trainer = self.trainer(model)
         prefix = f"{model.name}@"
         for served in self.registry.all():
@@ -134,6 +140,29 @@ class LocalBackend:
                 self.registry.remove(served.name)
         for name in (model.name, model.get_inference_name(trainer.step)):
             self.registry.add(name, trainer.engine, owned_by=model.project)
+
+    def _serve_checkpoint(self, served_name: str) -> ServedModel | None:
+        """The registry's loader: ``name@step`` of a registered model at an earlier checkpoint gets an engine of
+        its own (a fresh base model with that checkpoint's weights); the last ``MAX_CHECKPOINT_ENGINES`` stay."""
+        name, _, step = served_name.rpartition("@")
+        owners = [(key, t) for key, t in self._trainers.items() if key[1] == name]
+        if not step.isdigit() or len(owners) != 1:
+            return None
+        (project, _), trainer = owners[0]
+        directory = self.path / project / "models" / name / "checkpoints" / f"{int(step):04d}"
+        if not directory.is_dir():
+            return None
+        with self._checkpoint_lock:  # one load at a time; a second request for the same step waits for the first
+            if served_name not in self._checkpoint_engines:
+                base, tokenizer, _ = load_model(trainer.engine.model.name_or_path, dtype=self._dtype)
+                load_for_serving(base, directory)
+                self._checkpoint_engines[served_name] = InferenceEngine(base, tokenizer, max_batch=self._max_batch)
+                self.registry.add(served_name, self._checkpoint_engines[served_name], owned_by=project)
+                while len(self._checkpoint_engines) > MAX_CHECKPOINT_ENGINES:
+                    oldest = next(iter(self._checkpoint_engines))
+                    self.registry.remove(oldest)
+                    self._checkpoint_engines.pop(oldest).close()
+            return self.registry.get(served_name)
 
     def model_dir(self, model: TrainableModel) -> Path:
         return self.path / model.project / "models" / model.name
@@ -235,10 +264,11 @@ class LocalBackend:
         if self._server is not None:
             self._server.stop()
             self._server = None
-        for engine in [*self._engines.values(), *(t.engine for t in self._trainers.values())]:
+        for engine in [*self._engines.values(), *(t.engine for t in self._trainers.values()), *self._checkpoint_engines.values()]:
             engine.close()
         self._engines.clear()
         self._trainers.clear()
+        self._checkpoint_engines.clear()
 
     async def __aenter__(self) -> LocalBackend:
         return self

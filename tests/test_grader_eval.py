@@ -15,7 +15,7 @@ from flywheel.cli import app
 from flywheel.graders.evaluation import mean_interval, parse_model_spec, wilson
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.model import TrainableModel
-from flywheel.train import SFTConfig
+from flywheel.train import LoraSettings, SFTConfig
 from flywheel.types import Trajectory
 
 QUESTIONS = [("What is the capital of France?", "Paris"), ("What is 2 + 2?", "4"), ("Name a primary colour.", "red")]
@@ -65,27 +65,31 @@ def test_eval_base_model(files):
     assert summary["sub_scores"]["has"]["method"] == "wilson"
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def trained(files) -> str:
-    """A model whose checkpoint 2 answers "banana" to anything (two SFT steps at a high learning rate)."""
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=["lora", "full"])
+async def trained(files, request) -> str:
+    """A model whose checkpoint 2 answers "banana" to anything (two SFT steps at a high learning rate), trained
+    as a LoRA adapter or on every weight: eval must load it as it was trained."""
+    full = request.param == "full"
     async with LocalBackend(path=files["home"], serve_http=False) as backend:
-        model = TrainableModel(name="fruit", project="evaltest", base_model=EMBEDDED_MODEL)
+        model = TrainableModel(
+            name=f"fruit-{request.param}", project="evaltest", base_model=EMBEDDED_MODEL, lora=LoraSettings(full_finetune=full)
+        )
         await model.register(backend)
         demos = [Trajectory(messages_and_choices=[{"role": "user", "content": q}, {"role": "assistant", "content": "banana"}])
                  for q, _ in QUESTIONS]  # fmt: skip
-        await model.train_sft(demos, SFTConfig(learning_rate=2e-2, epochs=2))
+        await model.train_sft(demos, SFTConfig(learning_rate=1e-3 if full else 2e-2, epochs=2))
         assert await model.get_step() == 2
-    return "fruit"
+    return model.name
 
 
 def test_eval_checkpoint(files, trained):
-    output, report = _eval(files, f"{trained}@2", "trained.json")
-    assert report["model"] == "fruit@2"
+    output, report = _eval(files, f"{trained}@2", f"{trained}.json")
+    assert report["model"] == f"{trained}@2"
     assert all("banana" in row["output"].lower() for row in report["rows"]), [r["output"] for r in report["rows"]]
     assert report["summaries"][0]["score"]["mean"] == 1.0
     missing = CliRunner().invoke(app, ["eval", "--model", f"{trained}@7", "--data", str(files["data"]),
                                        "--grader", str(files["banana"]), "--home", str(files["home"])])  # fmt: skip
-    assert missing.exit_code == 1 and "fruit@7: no such checkpoint; available steps: [2]" in missing.output
+    assert missing.exit_code == 1 and f"{trained}@7: no such checkpoint; available steps: [2]" in missing.output
 
 
 def test_eval_refuses_bad_inputs_before_loading_a_model(files):

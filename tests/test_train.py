@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 import torch
 from openai.types.chat import ChatCompletionMessage
@@ -78,6 +79,11 @@ async def sample_groups(model: art.TrainableModel, n_groups: int = 2, size: int 
     return await art.gather_trajectory_groups((art.TrajectoryGroup(rollout(q) for _ in range(size)) for q in questions), pbar_desc=None)
 
 
+async def _greedy_logprobs(client, model: str, messages: list[dict]) -> list[float]:
+    r = await client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0, logprobs=True)
+    return [t.logprob for t in r.choices[0].logprobs.content]
+
+
 async def test_two_steps_change_the_adapter_checkpoint_and_resume(fresh_backend: art.LocalBackend, tmp_path):
     model = art.TrainableModel(name="smoke", project="tests", base_model=EMBEDDED_MODEL)
     await model.register(fresh_backend)
@@ -99,6 +105,8 @@ async def test_two_steps_change_the_adapter_checkpoint_and_resume(fresh_backend:
         assert metrics["tokens_trained"] > 0 and metrics["entropy"] > 0
         assert metrics["rollout_seconds"] > 0 and metrics["score_seconds"] >= 0 and metrics["train_seconds"] > 0
         assert await model.get_step() == expected_step
+        if expected_step == 1:
+            lp_step1 = await _greedy_logprobs(client, "smoke", probe)
     after = trainer.adapter_state()
     assert any(not torch.equal(before[k], after[k]) for k in before), "training must change the adapter"
     assert all(torch.equal(p, m.to(p.dtype)) for p, m in zip(trainer.params, trainer.master)), "sampler adapters = masters"
@@ -108,6 +116,11 @@ async def test_two_steps_change_the_adapter_checkpoint_and_resume(fresh_backend:
     assert [t.logprob for t in lp_after.logprobs.content] != [t.logprob for t in lp_before.logprobs.content]
     served = [m.id for m in (await client.models.list()).data]
     assert "smoke" in served and "smoke@2" in served and "smoke@0" not in served and "smoke@1" not in served
+    # an earlier step is served from its checkpoint, on an engine of its own, exactly as it was sampled then
+    assert await _greedy_logprobs(client, "smoke@1", probe) == lp_step1
+    assert "smoke@1" in [m.id for m in (await client.models.list()).data]
+    with pytest.raises(openai.NotFoundError, match="smoke@7"):  # no such checkpoint
+        await client.chat.completions.create(model="smoke@7", messages=probe, max_tokens=2)
 
     ckpt = tmp_path / "tests" / "models" / "smoke" / "checkpoints"
     assert sorted(p.name for p in ckpt.iterdir()) == ["0001", "0002"]
@@ -141,7 +154,10 @@ async def test_full_fine_tuning_trains_every_weight_checkpoints_and_resumes(fres
     before = trainer.adapter_state()
     config = TrainConfig(learning_rate=1e-4, beta=0.05)  # KL against the weights as they were before training
     first = await model.train(await sample_groups(model), config=config)
+    client, probe = model.openai_client(), [SYSTEM, {"role": "user", "content": "Name a fruit."}]
+    lp_step1 = await _greedy_logprobs(client, "full", probe)
     second = await model.train(await sample_groups(model), config=config)
+    assert await _greedy_logprobs(client, "full@1", probe) == lp_step1  # step 1, served from its checkpoint
     assert first["skipped"] == second["skipped"] == 0.0
     assert first["kl"] == pytest.approx(0.0, abs=1e-6) and second["kl"] > 1e-6  # the reference did not move
     after = trainer.adapter_state()

@@ -27,6 +27,8 @@ from flywheel.graders.sandbox import PythonSandbox, SandboxLimits
 from flywheel.graders.spec import Grader, MultiGrader, load_grader
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.model import Model, TrainableModel
+from flywheel.train.config import LoraSettings
+from flywheel.train.trainer import checkpoint_settings
 from flywheel.types import Trajectory
 
 ROLLOUT_ERROR = "rollout_error"
@@ -125,12 +127,13 @@ async def _policy(config: EvalConfig, backend: LocalBackend) -> Model:
             )
         await backend.load(name)  # a base model as it is
         return Model(name=name, project="eval", inference_model_name=name, inference_base_url=backend.base_url)
-    model = TrainableModel(name=name, project=project, base_model=config.base_model)
-    if step is not None:
-        checkpoints = home / project / "models" / name / "checkpoints"
-        available = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
-        if step not in available:
-            raise ValueError(f"{name}@{step}: no such checkpoint; available steps: {available or 'none'}")
+    checkpoints = home / project / "models" / name / "checkpoints"
+    available = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    if step is not None and step not in available:
+        raise ValueError(f"{name}@{step}: no such checkpoint; available steps: {available or 'none'}")
+    # trained as it was: a LoRA adapter of the saved shape, or every weight
+    lora = checkpoint_settings(checkpoints / f"{available[-1]:04d}") if available else LoraSettings()
+    model = TrainableModel(name=name, project=project, base_model=config.base_model, lora=lora)
     await model.register(backend)
     if step is not None:
         await backend.restore(model, step)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flywheel.inference.engine import InferenceEngine
@@ -27,11 +29,15 @@ class ServedModel:
 
 
 class ModelRegistry:
-    """Thread-safe map from public model names (``base``, ``name``, ``name@step``) to engines."""
+    """Thread-safe map from public model names (``base``, ``name``, ``name@step``) to engines.
 
-    def __init__(self) -> None:
+    ``loader``, if given, is asked (in a worker thread) for a name that is not served yet, e.g. an earlier
+    checkpoint ``name@3``; it serves it (``add``) and returns it, or returns None for a name it does not know."""
+
+    def __init__(self, loader: Callable[[str], ServedModel | None] | None = None) -> None:
         self._models: dict[str, ServedModel] = {}
         self._lock = threading.Lock()
+        self._loader = loader
 
     def add(self, name: str, engine: InferenceEngine, owned_by: str = "flywheel") -> None:
         with self._lock:
@@ -46,6 +52,15 @@ class ModelRegistry:
             served = self._models.get(name)
             if served is None:
                 raise UnknownModelError(name, sorted(self._models))
+            return served
+
+    async def resolve(self, name: str) -> ServedModel:
+        """``get``, falling back on the loader (off the event loop: loading a model takes seconds)."""
+        try:
+            return self.get(name)
+        except UnknownModelError:
+            if self._loader is None or (served := await asyncio.to_thread(self._loader, name)) is None:
+                raise
             return served
 
     def all(self) -> list[ServedModel]:

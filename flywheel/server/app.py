@@ -129,7 +129,7 @@ def create_app(registry: ModelRegistry) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest):
-        served = registry.get(req.model)
+        served = await registry.resolve(req.model)
         engine = served.engine
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = req.tools if req.tool_choice != "none" else None

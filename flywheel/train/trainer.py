@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel
 
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.kv_attention import PackedBatch
@@ -33,6 +34,34 @@ FULL_WEIGHTS = "model.safetensors"
 ENTROPY_CHUNK = 256  # rows per entropy chunk: [256, V] temporaries instead of [K, V]
 
 
+def checkpoint_settings(directory: Path) -> LoraSettings:
+    """What a checkpoint's run trains (a LoRA adapter and its shape, or every weight), from its trainer state."""
+    return LoraSettings(**json.loads((directory / "trainer_state.json").read_text())["lora"])
+
+
+def _lora_config(settings: LoraSettings) -> LoraConfig:
+    return LoraConfig(
+        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+        target_modules=settings.targets, task_type="CAUSAL_LM",
+    )
+
+
+def load_for_serving(model: PreTrainedModel, directory: Path) -> None:
+    """Put a checkpoint's trained weights into a fresh copy of its base model, in place and in the model's dtype,
+    exactly as the trainer's live model held them at that step (LoRA unmerged, as there)."""
+    settings = checkpoint_settings(directory)
+    if settings.full_finetune:
+        unexpected = model.load_state_dict(load_file(str(directory / FULL_WEIGHTS)), strict=False).unexpected_keys
+    else:
+        peft = get_peft_model(model, _lora_config(settings))  # injects the adapter into ``model`` in place
+        unexpected = set_peft_model_state_dict(peft, load_file(str(directory / ADAPTER_WEIGHTS))).unexpected_keys
+    if unexpected:
+        raise ValueError(f"checkpoint {directory} does not match model {model.name_or_path}: {unexpected[:3]}")
+    for p in model.parameters():
+        p.data = p.data.to(model.dtype)
+    model.requires_grad_(False)
+
+
 class Trainer:
     def __init__(self, engine: InferenceEngine, lora: LoraSettings | None = None):
         self.engine = engine
@@ -42,13 +71,10 @@ class Trainer:
             if self.lora.full_finetune:
                 engine.model.requires_grad_(True)
             else:
-                config = LoraConfig(
-                    r=self.lora.rank, lora_alpha=self.lora.alpha, lora_dropout=self.lora.dropout,
-                    target_modules=self.lora.targets, task_type="CAUSAL_LM",
-                )
                 # peft swaps the target Linear layers in place, so the engine's forward uses the adapter too
-                self.peft = get_peft_model(engine.model, config)
-        named = [(n, p) for n, p in (self.peft or engine.model).named_parameters() if p.requires_grad]
+                self.peft = get_peft_model(engine.model, _lora_config(self.lora))
+        trained = self.peft if self.peft is not None else engine.model
+        named = [(n, p) for n, p in trained.named_parameters() if p.requires_grad]
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.master: list[torch.Tensor] = [torch.empty_like(p, dtype=torch.float32) for p in self.params]
         self._adopt_params()
