@@ -269,6 +269,8 @@ class LocalBackend:
         self._engines.clear()
         self._trainers.clear()
         self._checkpoint_engines.clear()
+        for served in self.registry.all():  # drop the last references to the engines' models
+            self.registry.remove(served.name)
 
     async def __aenter__(self) -> LocalBackend:
         return self
