@@ -29,11 +29,13 @@ from flywheel.graders import (
     score_trajectory,
 )
 from flywheel.graders.formula import FormulaError, parse_formula
+from flywheel.graders.model_graders import _response_format, score_grid
 from flywheel.graders.rewards import after_each, sample_of
 from flywheel.graders.similarity import meteor_uses_synonyms
 from flywheel.graders.templates import check_template, render
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.model import Model
+from flywheel.rewards.ruler import is_local_judge
 from flywheel.server.background import BackgroundServer
 from flywheel.types import Trajectory, TrajectoryGroup
 
@@ -399,9 +401,28 @@ async def test_score_model_sends_rendered_prompt_schema_and_sampling(judge):
     )
     assert "a number from 0 to 1" in request["messages"][0]["content"]
     assert request["messages"][1] == {"role": "user", "content": "Reference: Paris\nAnswer: Paris"}
+    # the scripted judge listens on 127.0.0.1, so it gets the bounded schema of a self-hosted judge
     schema = request["response_format"]["json_schema"]["schema"]
-    assert schema["properties"]["result"] == {"type": "number", "minimum": 0.0, "maximum": 1.0}
+    assert schema["properties"]["result"] == {"type": "number", "enum": score_grid(0, 1)}
+    steps = schema["properties"]["steps"]
+    assert steps["maxItems"] == 2 and steps["items"]["properties"]["description"]["maxLength"] == (100 - 48) // 4
     assert (request["temperature"], request["seed"], request["max_tokens"]) == (0, 3, 100)
+
+
+def test_hosted_judges_get_the_plain_schema():
+    """Strict mode of hosted APIs accepts only a subset of JSON Schema: no bounds on the free text for them."""
+    schema = _response_format("score", {"type": "number", "minimum": 0, "maximum": 1}, {"max_tokens": 100}, False)
+    steps = schema["json_schema"]["schema"]["properties"]["steps"]
+    assert "maxItems" not in steps and steps["items"]["properties"]["conclusion"] == {"type": "string"}
+    assert is_local_judge("openai/gpt-4o-mini", {}) is False
+
+
+@pytest.mark.parametrize(("low", "high", "size", "step"), [(0, 1, 101, 0.01), (1, 5, 401, 0.01), (0, 10, 101, 0.1),
+                                                           (-1, 1, 201, 0.01), (0, 0.5, 501, 0.001)])  # fmt: skip
+def test_score_grid_spans_the_range_in_round_steps(low, high, size, step):
+    grid = score_grid(low, high)
+    assert (grid[0], grid[-1], len(grid)) == (low, high, size)
+    assert grid[1] - grid[0] == pytest.approx(step) and len(set(grid)) == size
 
 
 @pytest.mark.parametrize(
@@ -464,6 +485,19 @@ async def test_label_model_on_the_real_engine(backend: LocalBackend):
     assert result.details["tone"]["label"] in LABEL["labels"]
     assert result.reward == float(result.details["tone"]["label"] in LABEL["passing_labels"])
     assert isinstance(result.details["tone"]["steps"], list)
+
+
+async def test_score_model_on_the_real_engine(backend: LocalBackend):
+    """The embedded model as score_model's judge: without bounds it wrote steps until max_tokens and never reached
+    the result (a parse error); the bounded schema makes it close the JSON with a score from the range."""
+    served = Model(
+        name="judge", project="tests", inference_model_name=EMBEDDED_MODEL, inference_base_url=backend.base_url
+    )
+    spec = {**SCORE, "range": [1, 5], "sampling_params": {"temperature": 0, "max_completions_tokens": 160}}
+    result = await grade(parse_grader(spec), "Paris", {"answer": "Paris"}, judge=JudgeSettings.from_model(served))
+    assert result.errors == {}, result.error_details
+    assert 1.0 <= result.reward <= 5.0 and result.reward in score_grid(1, 5)
+    assert 1 <= len(result.details["quality"]["steps"]) <= 2
 
 
 # ---- rewards on trajectories ------------------------------------------------------------------------------------

@@ -26,20 +26,14 @@ from pydantic import BaseModel
 from flywheel.graders.errors import MODEL_GRADER_PARSE, MODEL_GRADER_REFUSAL, MODEL_GRADER_SERVER, GraderError
 from flywheel.graders.spec import LabelModelGrader, ScoreModelGrader
 from flywheel.graders.templates import render
+from flywheel.rewards.ruler import is_local_judge
 
 if TYPE_CHECKING:
     from flywheel.model import Model
 
 _FENCE = re.compile(r"^\s*```(?:json)?\s*(.*?)\s*```\s*$", re.DOTALL)
-_STEPS_SCHEMA = {
-    "type": "array",
-    "items": {
-        "type": "object",
-        "properties": {"description": {"type": "string"}, "conclusion": {"type": "string"}},
-        "required": ["description", "conclusion"],
-        "additionalProperties": False,
-    },
-}
+LOCAL_MAX_STEPS = 2
+LOCAL_STEP_CHARS = 160
 
 
 class JudgeSettings(BaseModel):
@@ -78,10 +72,36 @@ def _sampling(grader: ScoreModelGrader) -> dict[str, Any]:
     return {key: value for key, value in kwargs.items() if value is not None}
 
 
-def _response_format(name: str, result: dict[str, Any]) -> dict[str, Any]:
+def _steps_schema(local: bool, max_tokens: int | None) -> dict[str, Any]:
+    text: dict[str, Any] = {"type": "string"}
+    steps: dict[str, Any] = {"type": "array"}
+    if local:  # 2 strings per step, a character at most a token, ~48 tokens of JSON around them
+        budget = LOCAL_STEP_CHARS if max_tokens is None else (int(max_tokens) - 48) // (2 * LOCAL_MAX_STEPS)
+        text["maxLength"] = max(8, min(LOCAL_STEP_CHARS, budget))
+        steps["maxItems"] = LOCAL_MAX_STEPS
+    steps["items"] = {
+        "type": "object",
+        "properties": {"description": text, "conclusion": text},
+        "required": ["description", "conclusion"],
+        "additionalProperties": False,
+    }
+    return steps
+
+
+def score_grid(low: float, high: float) -> list[float]:
+    """The scores a self-hosted judge may give: ~100 to ~1,000 round numbers from low to high (a step of
+    1/100 of the range's order of magnitude: 0.01 for [0, 1] or [1, 5], 0.1 for [0, 10]), both ends included."""
+    step = 10.0 ** math.floor(math.log10(high - low)) / 100 if high > low else 1.0
+    decimals = max(0, -math.floor(math.log10(step)))
+    count = math.floor((high - low) / step + 1e-9)
+    return sorted({round(low + i * step, decimals) for i in range(count + 1)} | {low, high})
+
+
+def _response_format(name: str, result: dict[str, Any], kwargs: dict[str, Any], local: bool) -> dict[str, Any]:
+    max_tokens = kwargs.get("max_tokens") or kwargs.get("max_completion_tokens")
     schema = {
         "type": "object",
-        "properties": {"steps": _STEPS_SCHEMA, "result": result},
+        "properties": {"steps": _steps_schema(local, max_tokens), "result": result},
         "required": ["steps", "result"],
         "additionalProperties": False,
     }
@@ -134,9 +154,13 @@ async def score_model(
         '{"steps": [{"description": "...", "conclusion": "..."}], "result": <number>}, '
         f"where steps is your reasoning and result your score, a number from {low:g} to {high:g}."
     )
-    kwargs = {"response_format": _response_format("score", {"type": "number", "minimum": low, "maximum": high})}
-    kwargs |= _sampling(grader) | judge.params
-    answer, details = await _ask(judge.model or grader.model, _messages(grader, namespaces, instruction), kwargs)
+    model, kwargs = judge.model or grader.model, _sampling(grader) | judge.params
+    local = is_local_judge(model, judge.params)
+    result_schema: dict[str, Any] = {"type": "number", "minimum": low, "maximum": high}
+    if local:  # digits could otherwise run on forever
+        result_schema = {"type": "number", "enum": score_grid(low, high)}
+    kwargs["response_format"] = _response_format("score", result_schema, kwargs, local)
+    answer, details = await _ask(model, _messages(grader, namespaces, instruction), kwargs)
     result = answer["result"]
     if isinstance(result, bool) or not isinstance(result, (int, float)) or not math.isfinite(result):
         raise GraderError(MODEL_GRADER_PARSE, f"the judge's result {result!r} is not a number")
@@ -155,8 +179,10 @@ async def label_model(
         '{"steps": [{"description": "...", "conclusion": "..."}], "result": <label>}, '
         f"where steps is your reasoning and result exactly one of these labels: {labels}."
     )
-    kwargs = {"response_format": _response_format("label", {"type": "string", "enum": grader.labels})} | judge.params
-    answer, details = await _ask(judge.model or grader.model, _messages(grader, namespaces, instruction), kwargs)
+    model, kwargs = judge.model or grader.model, dict(judge.params)
+    result_schema = {"type": "string", "enum": grader.labels}
+    kwargs["response_format"] = _response_format("label", result_schema, kwargs, is_local_judge(model, judge.params))
+    answer, details = await _ask(model, _messages(grader, namespaces, instruction), kwargs)
     label = answer["result"]
     if label not in grader.labels:
         raise GraderError(MODEL_GRADER_PARSE, f"the judge's label {label!r} is not one of {grader.labels}")
