@@ -3,14 +3,17 @@ kind) while this process carries on. Real processes, real limits, no mocks."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from flywheel.graders import PythonSandbox, Sample, SandboxLimits, grade, parse_grader
-from flywheel.graders.sandbox import isolation
+from flywheel.graders.sandbox import _python_dirs, isolation
 
 SECRET = "flywheel-test-secret-4b1d"
 
@@ -216,13 +219,46 @@ async def test_kernel_isolation_where_available(sandbox):
         "    if item['root']:\n"
         "        assert os.getuid() == item['nobody'], os.getuid()\n"
         "        caps = int(open('/proc/self/status').read().split('CapEff:')[1].split()[0], 16)\n"
-        "        assert caps & ~(1 << 2) == 0, hex(caps)  # CAP_DAC_READ_SEARCH at most\n"
+        "        assert caps & ~item['allowed_caps'] == 0, hex(caps)\n"
         "    return 1.0\n"
     )
     import pwd
 
-    result = await run(sandbox, source, item={"root": os.geteuid() == 0, "nobody": pwd.getpwnam("nobody").pw_uid})
+    # CAP_DAC_READ_SEARCH only where Python cannot be made reachable otherwise (see the sandbox's docstring)
+    allowed = (1 << 2) if any("dac_read_search" in arg for arg in prefix) else 0
+    item = {"root": os.geteuid() == 0, "nobody": pwd.getpwnam("nobody").pw_uid, "allowed_caps": allowed}
+    result = await run(sandbox, source, item=item)
     assert (result.reward, result.errors) == (1.0, {}), result.error_details
+
+
+def test_the_kernel_alone_keeps_private_files_private(tmp_path: Path):
+    """Layer 2 without the audit hook (plain ``python -c`` under the isolation prefix): a file only its owner may
+    read stays closed, and a directory closed to others on the way to Python shows nothing but that way."""
+    prefix, description = isolation()
+    if not prefix or os.geteuid() != 0:
+        pytest.skip(f"needs kernel isolation as root; here: {description}")
+    if any("dac_read_search" in arg for arg in prefix):
+        pytest.skip("a Python directory itself is closed to others here, so the grader keeps read-search")
+    secret = tmp_path / "secret.txt"
+    secret.write_text(SECRET)
+    secret.chmod(0o600)
+    assert secret.read_text() == SECRET  # readable to us, outside the sandbox
+    closed = sorted({d for p in _python_dirs() for d in p.parents if not os.stat(d).st_mode & 0o001})
+    code = (
+        "import json, os, sys\n"
+        "try:\n    open(sys.argv[1]).read(); read = 'read'\n"
+        "except PermissionError:\n    read = 'refused'\n"
+        "print(json.dumps({'read': read, 'listing': {d: sorted(os.listdir(d)) for d in sys.argv[2:]}}))\n"
+    )
+    with tempfile.TemporaryDirectory() as stage:
+        done = subprocess.run([*prefix, sys.executable, "-I", "-c", code, str(secret), *map(str, closed)],
+                              capture_output=True, text=True, timeout=60, env={**os.environ, "TMPDIR": stage})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["read"] == "refused"
+    for directory, listing in seen["listing"].items():  # only the first step towards each Python directory
+        towards = {p.relative_to(directory).parts[0] for p in _python_dirs() if Path(directory) in p.parents}
+        assert set(listing) == towards, (directory, listing)
 
 
 async def test_concurrency_is_limited_and_temporary_directories_removed():

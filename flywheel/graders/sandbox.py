@@ -12,9 +12,12 @@ changes, no network traffic leaves, and the grade counts as 0 with an error kind
    process kills everything in it) and mount namespace, via util-linux ``unshare``. Run as root, the grader
    process also drops to user ``nobody`` with no capabilities (``setpriv``), so the kernel refuses it other
    users' files, signals to our processes, and new processes or threads (RLIMIT_NPROC, enforced for non-root).
-   When Python is installed where ``nobody`` cannot read (e.g. under /root), it keeps one capability,
-   CAP_DAC_READ_SEARCH, to import it; file reads are then limited by layer 4 alone. Unprivileged, a user
-   namespace provides the same namespaces. If neither works, a warning is logged and layers 1, 3, 4 remain.
+   When Python is installed below a directory ``nobody`` cannot enter (e.g. /root, mode 0700), that directory
+   is covered by an empty tmpfs in the grader's mount namespace and only Python's own directories are bound
+   back into it: the grader can import Python and sees nothing else of /root. (Only if a Python directory itself
+   is closed to others does it keep one capability, CAP_DAC_READ_SEARCH, leaving reads to layer 4.)
+   Unprivileged, a user namespace provides the same namespaces, but the grader keeps the user's own rights, so
+   file reads are limited by layer 4. If neither works, a warning is logged and layers 1, 3, 4 remain.
 3. Resource limits: wall-clock timeout (default 2 min, the process group is killed), CPU seconds (same),
    address space (default 2 GiB), file size (1 GiB), 64 open files, no core dumps.
 4. A ``sys.addaudithook`` hook installed before the grader's code runs refuses sockets, process creation and
@@ -37,6 +40,7 @@ import logging
 import math
 import os
 import pwd
+import shlex
 import shutil
 import signal
 import stat
@@ -83,31 +87,65 @@ def _nobody() -> tuple[int, int]:
         return 65534, 65534
 
 
-def _readable_by_others(path: Path) -> bool:
-    """Whether a user with no rights here could reach ``path``: every ancestor searchable by others."""
-    for directory in [path, *path.parents]:
-        try:
-            if not directory.stat().st_mode & stat.S_IXOTH:
-                return False
-        except OSError:
-            return False
-    return True
+def _searchable_by_others(path: Path) -> bool:
+    try:
+        return bool(path.stat().st_mode & stat.S_IXOTH)
+    except OSError:
+        return False
+
+
+def _python_dirs() -> list[Path]:
+    """What the grader process must reach: the interpreter, its libraries, site-packages and the runner."""
+    paths = {Path(sys.base_prefix), Path(sys.prefix), _RUNNER.parent}
+    paths |= {Path(sysconfig.get_paths()[key]) for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    resolved = {path.resolve() for path in paths}
+    return sorted(path for path in resolved if not any(other in path.parents for other in resolved))
+
+
+def _hiding_script(python_dirs: list[Path]) -> str | None:
+    """A shell script, run as root in the grader's mount namespace, that covers each directory closed to others
+    on the way to Python with an empty tmpfs and binds Python's directories back (staged in $TMPDIR, which is
+    mounted nowhere else). None if nothing needs hiding, or if a Python directory itself is closed to others."""
+    hidden: set[Path] = set()
+    for path in python_dirs:
+        closed = [d for d in [*reversed(path.parents), path] if not _searchable_by_others(d)]
+        if not closed:
+            continue
+        if closed[0] == path:
+            return None
+        hidden.add(closed[0])
+    hidden = {d for d in hidden if not any(other in d.parents for other in hidden)}
+    if not hidden:
+        return None
+    rebound = [path for path in python_dirs if any(d in path.parents for d in hidden)]
+    q = shlex.quote
+    lines = ["set -e", "umask 022", 'stage="$TMPDIR/.flywheel-binds"', 'mkdir "$stage"']
+    lines += [f'mkdir "$stage/{i}"; mount --rbind {q(str(path))} "$stage/{i}"' for i, path in enumerate(rebound)]
+    lines += [f"mount -t tmpfs -o mode=0755,size=1m flywheel-hidden {q(str(d))}" for d in sorted(hidden)]
+    lines += [f'mkdir -p {q(str(path))}; mount --rbind "$stage/{i}" {q(str(path))}; umount -l "$stage/{i}"'
+              for i, path in enumerate(rebound)]  # fmt: skip
+    lines += ['rm -r "$stage"', 'unset PWD OLDPWD', 'exec "$@"']  # the grader's environment stays as given
+    return "\n".join(lines)
 
 
 def _isolation_candidates() -> list[tuple[list[str], str]]:
-    unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
+    unshare, setpriv, sh = shutil.which("unshare"), shutil.which("setpriv"), shutil.which("sh")
     namespaces = ["--net", "--pid", "--fork", "--mount-proc", "--kill-child"]
     candidates: list[tuple[list[str], str]] = []
-    if unshare and setpriv and os.geteuid() == 0:
+    if unshare and setpriv and sh and os.geteuid() == 0:
         uid, gid = _nobody()
-        python_dirs = [Path(sysconfig.get_paths()[key]) for key in ("stdlib", "platstdlib", "purelib", "platlib")]
-        # Only where nobody could not import Python: read-search is the one capability kept (see the docstring).
-        keep = "" if all(_readable_by_others(d) for d in [*python_dirs, _RUNNER.parent]) else ",+dac_read_search"
+        python_dirs = _python_dirs()
+        script = _hiding_script(python_dirs)
+        hide = [sh, "-c", script, "sh"] if script else []
+        reachable = all(all(_searchable_by_others(d) for d in [*p.parents, p]) for p in python_dirs)
+        # Read-search is the one capability kept, only where hiding cannot make Python reachable (see docstring).
+        keep = "" if script or reachable else ",+dac_read_search"
         drop = [setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--no-new-privs",
                 f"--inh-caps=-all{keep}", f"--bounding-set=-all{keep}"]  # fmt: skip
         if keep:
             drop.append(f"--ambient-caps=-all{keep}")
-        candidates.append(([unshare, *namespaces, "--", *drop, "--"], "network, PID and mount namespaces; user nobody"))
+        what = "network, PID and mount namespaces; user nobody" + (", closed directories hidden" if script else "")
+        candidates.append(([unshare, *namespaces, "--", *hide, *drop, "--"], what))
     if unshare and os.geteuid() != 0:
         candidates.append(
             ([unshare, "--user", "--map-root-user", *namespaces, "--"], "user, network, PID and mount namespaces")
@@ -120,9 +158,9 @@ def isolation() -> tuple[tuple[str, ...], str]:
     """The command prefix that isolates grader processes on this machine, and what it provides (probed once)."""
     for prefix, description in _isolation_candidates():
         try:
-            probe = subprocess.run(
-                [*prefix, sys.executable, "-I", "-c", "import json"], capture_output=True, timeout=30
-            )
+            with tempfile.TemporaryDirectory(prefix="flywheel-grader-probe-") as tmpdir:
+                probe = subprocess.run([*prefix, sys.executable, "-I", "-c", "import json"], capture_output=True,
+                                       timeout=30, env={**os.environ, "TMPDIR": tmpdir})  # fmt: skip
         except (OSError, subprocess.TimeoutExpired):
             continue
         if probe.returncode == 0:
