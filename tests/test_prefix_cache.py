@@ -34,6 +34,22 @@ def test_rows_are_reused_evicted_and_never_shared():
     assert torch.equal(cache.store.k[1][row, :, :40], like.k[1][0, :, :40])
 
 
+def test_the_kv_cache_grows_close_to_its_need_and_keeps_its_contents():
+    """48 rows of ~700 tokens get 48 x 768 slots, not the 64 x 1024 that doubling gave (half the memory)."""
+    cache = SlotKVCache(2, 1, 4, dtype=torch.float32, device="cpu", max_rows=64, max_capacity=2048)
+    cache.reserve(5, 300)
+    assert (cache.rows, cache.capacity) == (8, 384)
+    cache.k[1][4, 0, :300] = torch.arange(300.0)[:, None]
+    cache.reserve(48, 700)
+    assert (cache.rows, cache.capacity) == (48, 768)
+    assert torch.equal(cache.k[1][4, 0, :300], torch.arange(300.0)[:, None].expand(300, 4))
+    assert not cache.k[1][4, 0, 300:].any() and not cache.k[1][5:].any()
+    cache.reserve(48, 769)  # one token more: 25% more capacity, so a slowly growing need does not copy every step
+    assert cache.capacity == 1024
+    cache.reserve(70, 4000)  # beyond the limits: what is asked for, no rounding past it
+    assert (cache.rows, cache.capacity) == (70, 4000)
+
+
 async def test_shared_system_prompt_is_reused_without_changing_results(fp32_engine: InferenceEngine, tokenizer):
     engine = fp32_engine
     pc = engine.prefix_cache
