@@ -230,8 +230,7 @@ def train_trl(out: Path, args: argparse.Namespace) -> dict:
             clock.begin()
 
         def on_step_end(self, targs, state, control, model=None, **kwargs):
-            logged = [h for h in state.log_history if "reward" in h]
-            steps.append({"step": state.global_step, "elapsed": clock.elapsed(), "reward_mean": logged[-1]["reward"] if logged else None})
+            steps.append({"step": state.global_step, "elapsed": clock.elapsed()})
             with clock.excluding():
                 if clock.due():
                     directory = out / "trl" / f"step-{state.global_step}"
@@ -241,6 +240,10 @@ def train_trl(out: Path, args: argparse.Namespace) -> dict:
                     snaps.append({"step": state.global_step, "elapsed": steps[-1]["elapsed"], "dir": str(directory)})
             if not clock.marks:
                 control.should_training_stop = True
+
+        def on_log(self, targs, state, control, logs=None, **kwargs):  # after on_step_end of the same step
+            if steps and logs and "reward" in logs:
+                steps[-1]["reward_mean"] = logs["reward"]
 
     rows = [{"prompt": [{"role": "system", "content": task.SYSTEM_PROMPT}, {"role": "user", "content": p.question}],
              "problem_id": p.id} for p in pool]  # fmt: skip
