@@ -251,8 +251,10 @@ def train_trl(out: Path, args: argparse.Namespace) -> dict:
     config = GRPOConfig(
         output_dir=str(out / "trl_out"), use_cpu=True, bf16=bf16, max_steps=len(pool) // args.groups,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        per_device_train_batch_size=args.groups * args.group_size, num_generations=args.group_size,
-        gradient_accumulation_steps=1, temperature=args.temperature, top_p=1.0, max_completion_length=4 * 96,
+        # all 48 completions generated at once, trained in micro-batches of 8 (one batch of 48 at fp32 with a 49k
+        # vocabulary needs ~7 GB for the logits alone: it was killed for memory), one optimizer step per 48
+        per_device_train_batch_size=args.group_size, num_generations=args.group_size,
+        gradient_accumulation_steps=args.groups, steps_per_generation=args.groups, temperature=args.temperature, top_p=1.0, max_completion_length=4 * 96,
         max_tool_calling_iterations=3, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=0.0,
         scale_rewards="group", num_iterations=1, gradient_checkpointing=False, shuffle_dataset=False,
         logging_steps=1, report_to=[], save_strategy="no", dataloader_num_workers=0, seed=args.seed,
