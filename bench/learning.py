@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import shutil
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -99,19 +101,14 @@ class Clock:
         self.marks = [m for m in self.marks if m > elapsed]
         return len(self.marks) < before
 
-    def excluding(self) -> _Excluded:
-        return _Excluded(self)
-
-
-class _Excluded:
-    def __init__(self, clock: Clock) -> None:
-        self.clock = clock
-
-    def __enter__(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *_: object) -> None:
-        self.clock.excluded += time.perf_counter() - self.t0
+    @contextlib.contextmanager
+    def excluding(self) -> Iterator[None]:
+        """Time spent inside does not count."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excluded += time.perf_counter() - t0
 
 
 async def train_flywheel(out: Path, args: argparse.Namespace) -> dict:

@@ -102,21 +102,21 @@ def _python_dirs() -> list[Path]:
     return sorted(path for path in resolved if not any(other in path.parents for other in resolved))
 
 
-def _hiding_script(python_dirs: list[Path]) -> str | None:
-    """A shell script, run as root in the grader's mount namespace, that covers each directory closed to others
-    on the way to Python with an empty tmpfs and binds Python's directories back (staged in $TMPDIR, which is
-    mounted nowhere else). None if nothing needs hiding, or if a Python directory itself is closed to others."""
+def _closed_tops(python_dirs: list[Path]) -> set[Path] | None:
+    """The outermost directories closed to others on the way to Python's directories (empty: none), or None if
+    a Python directory itself is closed to others, which hiding cannot help."""
     hidden: set[Path] = set()
     for path in python_dirs:
         closed = [d for d in [*reversed(path.parents), path] if not _searchable_by_others(d)]
-        if not closed:
-            continue
-        if closed[0] == path:
+        if closed and closed[0] == path:
             return None
-        hidden.add(closed[0])
-    hidden = {d for d in hidden if not any(other in d.parents for other in hidden)}
-    if not hidden:
-        return None
+        hidden.update(closed[:1])
+    return {d for d in hidden if not any(other in d.parents for other in hidden)}
+
+
+def _hiding_script(python_dirs: list[Path], hidden: set[Path]) -> str:
+    """A shell script, run as root in the grader's mount namespace, that covers each ``hidden`` directory with an
+    empty tmpfs and binds Python's directories back (staged in $TMPDIR, which is mounted nowhere else)."""
     rebound = [path for path in python_dirs if any(d in path.parents for d in hidden)]
     q = shlex.quote
     lines = ["set -e", "umask 022", 'stage="$TMPDIR/.flywheel-binds"', 'mkdir "$stage"']
@@ -135,16 +135,15 @@ def _isolation_candidates() -> list[tuple[list[str], str]]:
     if unshare and setpriv and sh and os.geteuid() == 0:
         uid, gid = _nobody()
         python_dirs = _python_dirs()
-        script = _hiding_script(python_dirs)
-        hide = [sh, "-c", script, "sh"] if script else []
-        reachable = all(all(_searchable_by_others(d) for d in [*p.parents, p]) for p in python_dirs)
+        hidden = _closed_tops(python_dirs)
+        hide = [sh, "-c", _hiding_script(python_dirs, hidden), "sh"] if hidden else []
         # Read-search is the one capability kept, only where hiding cannot make Python reachable (see docstring).
-        keep = "" if script or reachable else ",+dac_read_search"
+        keep = ",+dac_read_search" if hidden is None else ""
         drop = [setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--no-new-privs",
                 f"--inh-caps=-all{keep}", f"--bounding-set=-all{keep}"]  # fmt: skip
         if keep:
             drop.append(f"--ambient-caps=-all{keep}")
-        what = "network, PID and mount namespaces; user nobody" + (", closed directories hidden" if script else "")
+        what = "network, PID and mount namespaces; user nobody" + (", closed directories hidden" if hidden else "")
         candidates.append(([unshare, *namespaces, "--", *hide, *drop, "--"], what))
     if unshare and os.geteuid() != 0:
         candidates.append(

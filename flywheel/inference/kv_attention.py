@@ -21,8 +21,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTN_IMPLEMENTATION = "flywheel"
-
-
 ROW_STEP, CAPACITY_STEP, CAPACITY_GROWTH = 8, 128, 1.25
 
 
