@@ -123,6 +123,16 @@ class DecodeBatch:
     cache: SlotKVCache
     lengths: torch.Tensor  # [B] long
     max_length: int  # max(lengths) + 1, kept on the host to avoid a device sync
+    _layout: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
+
+    def layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row index [B], mask [B, 1, 1, max_length] of the cache positions past each row's new token), computed
+        once for all layers."""
+        if self._layout is None:
+            rows = torch.arange(len(self.lengths), device=self.lengths.device)
+            past_end = torch.arange(self.max_length, device=self.lengths.device)[None, :] > self.lengths[:, None]
+            self._layout = (rows, past_end[:, None, None, :])
+        return self._layout
 
 
 def _prefill(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PrefillBatch, scaling: float):
@@ -147,7 +157,7 @@ def _decode(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch
     cache = batch.cache
     b, heads, _, dim = q.shape
     kv_heads = k.shape[1]
-    rows = torch.arange(b, device=q.device)
+    rows, past_end = batch.layout()
     cache.k[layer][rows, :, batch.lengths] = k[:, :, 0]
     cache.v[layer][rows, :, batch.lengths] = v[:, :, 0]
     keys = cache.k[layer][:b, :, : batch.max_length]  # views: no copy
@@ -156,8 +166,7 @@ def _decode(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch
     # this is several times faster on CPU than SDPA's flash kernel, and never repeats K/V per head.
     grouped = q.view(b, kv_heads, heads // kv_heads, dim)
     scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scaling
-    invalid = torch.arange(batch.max_length, device=q.device)[None, :] > batch.lengths[:, None]
-    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+    scores.masked_fill_(past_end, float("-inf"))
     probs = scores.softmax(dim=-1).to(values.dtype)
     out = torch.matmul(probs, values)  # [B, kvh, group, d]
     return out.reshape(b, 1, heads, dim)
