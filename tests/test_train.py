@@ -270,3 +270,47 @@ async def test_packed_rows_with_a_shared_prefix_give_the_same_log_probs(fp32_eng
             lp = torch.log_softmax(lg, -1).gather(-1, torch.tensor(s.tokens[1:])[:, None])[:, 0]
             alone += [v for v, m in zip(lp.tolist(), s.trained[1:]) if m]
     assert torch.allclose(logprobs(shared), torch.tensor(alone), atol=1e-4)
+
+
+def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradients(tokenizer):
+    from flywheel.inference.engine import InferenceEngine
+    from flywheel.inference.loading import load_model
+    from flywheel.train.batch import Sequence, _micro_batch
+    from flywheel.train.trainer import Trainer
+
+    model, tok, _ = load_model(EMBEDDED_MODEL, dtype=torch.float32)
+    engine = InferenceEngine(model, tok)
+    try:
+        trainer = Trainer(engine, LoraSettings(rank=4))
+        with torch.no_grad():  # adapters away from their zero init, so every adapter weight gets a gradient
+            for name, p in zip(trainer.names, trainer.params):
+                if "lora_B" in name:
+                    p.normal_(std=0.02)
+        tokens = tokenizer.encode("Question: what is 2+3? Answer: 5, because two plus three is five.")
+        mb = _micro_batch([Sequence(tokens=tokens, trained=[False] * 6 + [True] * (len(tokens) - 6), old_logprobs=[0.0] * len(tokens))], 0)
+        # HF checkpoints a layer's forward inside its hooks, and the recompute stops once it has what backward
+        # needs, so count entries into a module within the layer
+        calls = []
+        model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+        embedding_hooks = len(model.model.embed_tokens._forward_hooks)
+
+        def gradients(checkpointing: bool) -> list[torch.Tensor]:
+            calls.clear()
+            with trainer._training_mode(checkpointing):
+                trainer._token_logprobs(mb)[0].sum().backward()
+            grads = [p.grad.clone() for p in trainer.params]
+            for p in trainer.params:
+                p.grad = None
+            return grads
+
+        plain, checkpointed = gradients(False), len(calls)
+        recomputed, with_checkpointing = gradients(True), len(calls)
+        assert (checkpointed, with_checkpointing) == (1, 2)  # the layer ran again in the backward pass
+        assert all(g.abs().sum() > 0 for g in plain)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, recomputed))
+        # the sampler gets its model back as it was, and a second step adds nothing
+        assert not model.is_activation_checkpointing and not model.training
+        assert len(model.model.embed_tokens._forward_hooks) == embedding_hooks
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(recomputed, gradients(True)))
+    finally:
+        engine.close()

@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import ctypes
-import gc
 import itertools
 import logging
 import threading
@@ -29,6 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from flywheel.inference.guided import constrain
 from flywheel.inference.kv_attention import ATTN_IMPLEMENTATION, DecodeBatch, PrefillBatch, SlotKVCache
+from flywheel.inference.memory import release_free_memory
 from flywheel.inference.prefix_cache import MIN_REUSE, PrefixCache, common_prefix
 from flywheel.inference.sampling import SamplingParams, sample
 
@@ -37,18 +36,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-try:  # glibc keeps freed memory in per-thread arenas; trimming hands it back to the OS between phases
-    _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-except (OSError, AttributeError):  # not glibc: nothing to do
-    _malloc_trim = None
-
-
-def release_free_memory() -> None:
-    gc.collect()
-    if _malloc_trim is not None:
-        _malloc_trim(0)
-
 
 class ContextOverflowError(ValueError):
     """Prompt plus requested completion does not fit in the model's context window."""

@@ -20,6 +20,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from flywheel.inference.memory import trim_heap
+
 ATTN_IMPLEMENTATION = "flywheel"
 ROW_STEP, CAPACITY_STEP, CAPACITY_GROWTH = 8, 128, 1.25
 
@@ -66,11 +68,13 @@ class SlotKVCache:
                 else:
                     store.append(fresh)
         self.rows, self.capacity = new_rows, new_cap
+        trim_heap()  # the old buffers' memory, or it stays in the process (see flywheel/inference/memory.py)
 
     def release(self) -> None:
         """Give the buffers back (nothing stored survives); the next ``reserve`` allocates afresh."""
         self.k, self.v = [], []
         self.rows, self.capacity = 0, 0
+        trim_heap()
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of row ``src`` into row ``dst`` (prefix sharing, compaction)."""

@@ -42,6 +42,7 @@ class TrainConfig(BaseModel):
     beta: float = Field(0.0, ge=0.0)  # KL to the base model (adapter disabled), k3 estimator
     epochs: int = Field(1, ge=1)  # passes over the batch; >1 makes later passes off-policy (ratios matter)
     micro_batch_tokens: int = Field(2048, ge=64)  # packed tokens per forward/backward (bounds activation memory)
+    gradient_checkpointing: bool = False  # recompute each layer's activations in backward: less memory, more time
     max_grad_norm: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     dr_grpo_max_tokens: int | None = None  # Dr. GRPO's constant normaliser; None -> longest sequence in the batch
@@ -75,5 +76,6 @@ class SFTConfig(BaseModel):
     epochs: int = Field(1, ge=1)
     batch_size: int = Field(8, ge=1)  # trajectories per optimizer step
     micro_batch_tokens: int = Field(2048, ge=64)
+    gradient_checkpointing: bool = False
     max_grad_norm: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)

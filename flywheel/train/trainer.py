@@ -106,6 +106,23 @@ class Trainer:
     def _master_state(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.master))
 
+    @contextlib.contextmanager
+    def _training_mode(self, checkpointing: bool) -> Iterator[None]:
+        """Train mode for one update; with ``checkpointing``, each decoder layer keeps only its input and recomputes
+        the rest in the backward pass (activations of a 1024-token micro-batch: ~1.5 GB -> ~0.1 GB, ~30% more
+        compute). The engine samples in eval mode, where neither applies."""
+        model = self.engine.model
+        if checkpointing:
+            model.activation_checkpointing_enable()  # non-reentrant by default
+        model.train()
+        try:
+            yield
+        finally:
+            model.eval()
+            if checkpointing:
+                model.activation_checkpointing_disable()
+                model.disable_input_require_grads()  # the embedding hook enable() added; one more per step otherwise
+
     # ---- forward pieces --------------------------------------------------------------------------------------
 
     def _logits(self, mb: MicroBatch) -> torch.Tensor:
@@ -181,9 +198,8 @@ class Trainer:
         n_tokens = sum(len(mb.targets) for mb in batches)
         longest = max(sum(s.trained) for s in sequences)
         optimizer = self._optimizer(config.learning_rate, config.weight_decay)
-        self.engine.model.train()
         stats: dict[str, float] = {}
-        try:
+        with self._training_mode(config.gradient_checkpointing):
             refs = [self._reference(mb) for mb in batches] if config.beta > 0 else [None] * len(batches)
             # epoch 0 is on-policy: old log-probs = current ones (exact, immune to sampler/trainer rounding);
             # later epochs compare against those, so their ratios and clipping are real.
@@ -207,8 +223,6 @@ class Trainer:
                     kl_sum += s["kl"] * w
                 grad_norm = self._apply(config.max_grad_norm, optimizer)
                 stats = {"loss": loss_sum, "entropy": entropy_sum, "clip_fraction": clip_sum, "kl": kl_sum, "grad_norm": grad_norm}
-        finally:
-            self.engine.model.eval()
         sampler_gap = [
             float((olds[i] - mb.old_logprobs).abs().mean()) for i, mb in enumerate(batches) if olds[i] is not None
         ]
@@ -265,8 +279,7 @@ class Trainer:
         batches = pack(sequences, config.micro_batch_tokens, self.engine.model.device)
         n_tokens = sum(len(mb.targets) for mb in batches)
         optimizer = self._optimizer(config.learning_rate, config.weight_decay)
-        self.engine.model.train()
-        try:
+        with self._training_mode(config.gradient_checkpointing):
             loss_sum = 0.0
             for mb in batches:
                 logp, _ = self._token_logprobs(mb)
@@ -275,8 +288,6 @@ class Trainer:
                 self._accumulate()
                 loss_sum += float(loss.detach())
             grad_norm = self._apply(config.max_grad_norm, optimizer)
-        finally:
-            self.engine.model.eval()
         return {"loss": loss_sum, "grad_norm": grad_norm, "tokens_trained": n_tokens, "sequences": len(sequences)}
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
