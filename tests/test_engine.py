@@ -164,3 +164,41 @@ async def test_call_runs_on_the_engine_thread_between_steps(engine: InferenceEng
         await engine.call(lambda: 1 / 0)
     assert len((await decoding)[0].token_ids) == 40
     assert (await engine.generate(p, GREEDY))[0].token_ids
+
+
+async def test_packed_weights_give_the_models_own_numbers_and_follow_weight_changes(tokenizer):
+    """Sampling runs the linears on oneDNN-packed copies of their weights. Against an engine without them: the same
+    greedy tokens and log-probabilities, also after a weight changes in place behind the engine's back (the packed
+    copy is keyed on the weight's version, so it is repacked, never sampled stale)."""
+    from flywheel.inference.loading import EMBEDDED_MODEL, load_model
+    from flywheel.inference.packed_linear import packing_available
+
+    engines = []
+    try:
+        for pack in (True, False):
+            model, tok, _ = load_model(EMBEDDED_MODEL, dtype=torch.float32)  # fp32 packs on every x86 CPU
+            engines.append(InferenceEngine(model, tok, pack_weights=pack, prefix_cache_entries=0))
+        packed, plain = engines
+        assert packing_available(packed.model) and packed._packed is not None and plain._packed is None
+        params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=True)
+        ps = prompts(tokenizer)[:3]
+
+        async def both() -> tuple[list, list]:
+            return [[(await e.generate(p, params))[0] for p in ps] for e in engines]
+
+        async def agree() -> list[list[int]]:
+            a, b = await both()
+            assert [c.token_ids for c in a] == [c.token_ids for c in b]
+            for x, y in zip(a, b):
+                assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-3)
+            return [c.token_ids for c in a]
+
+        before = await agree()
+        for e in engines:  # an in-place update outside engine.exclusive(): only the version key can notice it
+            with torch.no_grad():
+                e.model.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+        after = await agree()
+        assert after != before
+    finally:
+        for e in engines:
+            e.close()

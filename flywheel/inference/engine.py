@@ -28,6 +28,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from flywheel.inference.guided import constrain
 from flywheel.inference.kv_attention import ATTN_IMPLEMENTATION, DecodeBatch, PrefillBatch, SlotKVCache
 from flywheel.inference.memory import release_free_memory
+from flywheel.inference.packed_linear import PackedLinears, packing_available
 from flywheel.inference.prefix_cache import MIN_REUSE, PrefixCache, common_prefix
 from flywheel.inference.sampling import SamplingParams, sample
 
@@ -108,8 +109,11 @@ class InferenceEngine:
         max_batch: int = 64,
         max_prefill_tokens: int = 4096,
         prefix_cache_entries: int = 32,
+        pack_weights: bool = True,
     ):
         self.model, self.tokenizer = model, tokenizer
+        # sampling on CPU with weights in the GEMM's own layout (see packed_linear.py); training is unaffected
+        self._packed = PackedLinears(model) if pack_weights and packing_available(model) else None
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         cfg = model.config.get_text_config()
@@ -184,19 +188,24 @@ class InferenceEngine:
     def exclusive(self) -> Iterator[None]:
         """Hold the model between engine steps (for a weight update); decoding resumes on exit. Cached
         prefixes were computed with the old weights, so they are dropped. With nothing decoding, the KV buffers
-        are given back first, so that a training step's activations and the sampler's cache never add up."""
+        are given back first, so that a training step's activations and the sampler's cache never add up. So are
+        the packed weights: the hold may change the weights, and they are packed again on the next forward."""
         with self._model_lock:
             if not self._running:
                 self.cache.release()
-            if self.prefix_cache is not None:
-                self.prefix_cache.clear()
-            release_free_memory()
+            self._drop_derived_state()
             try:
                 yield
             finally:
-                if self.prefix_cache is not None:
-                    self.prefix_cache.clear()
-                release_free_memory()
+                self._drop_derived_state()
+
+    def _drop_derived_state(self) -> None:
+        """Forget what was computed from the current weights (cached prefixes, packed weights)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        if self._packed is not None:
+            self._packed.clear()
+        release_free_memory()
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the engine's worker thread, between two decode steps, and return its result.
