@@ -1,7 +1,7 @@
 """Sampler throughput: concurrent chat requests through Flywheel's HTTP server vs plain batched ``generate``.
 
-Same model, same prompts, 64 new tokens per request (EOS ignored, so every side does the same work), in one
-run, alternating sides. With ``--turns T`` each concurrent client is a multi-turn agent: T requests, each
+Same model, same prompts, 64 new tokens per request (EOS ignored, so every side does the same work); each side
+runs in a fresh process of its own per run (see bench/blocks.py), sides alternating. With ``--turns T`` each concurrent client is a multi-turn agent: T requests, each
 followed by an environment message, the whole conversation sent again every turn (as agents over the OpenAI API
 do); plain ``generate`` runs the same agents turn by turn as one batch. Writes bench/results/sampler-<time>.json
 and prints a markdown table.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from flywheel.inference.loading import EMBEDDED_MODEL, load_model
 from flywheel.inference.registry import ModelRegistry
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
+from blocks import report, run_child, summary  # bench/blocks.py
 from machine import describe  # bench/machine.py
 
 TOPICS = ["cats", "the sea", "a robot", "winter", "a library", "trains", "the moon", "a market"]
@@ -82,8 +83,29 @@ def generate_run(model, tokenizer, n: int, new_tokens: int, turns: int) -> float
     return n * new_tokens * turns / elapsed
 
 
-def summary(xs: list[float]) -> dict:
-    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "runs": xs}
+SIDES = ("flywheel_http", "generate_engine_dtype", "generate_float32")
+
+
+def side_block(side: str, args: argparse.Namespace) -> dict:
+    """One side, in this (fresh) process: a warm-up, then each concurrency once; tokens per second."""
+    if side == "flywheel_http":
+        model, tokenizer, _ = load_model(EMBEDDED_MODEL)  # bf16 where the CPU has it
+        registry = ModelRegistry()
+        engine = InferenceEngine(model, tokenizer)
+        registry.add(EMBEDDED_MODEL, engine)
+        server = BackgroundServer(create_app(registry)).start()
+        try:
+            asyncio.run(http_run(server.base_url, 4, 8, 1))
+            rates = {n: asyncio.run(http_run(server.base_url, n, args.new_tokens, args.turns)) for n in args.concurrency}
+        finally:
+            server.stop()
+            engine.close()
+        return {"dtype": str(model.dtype), "rates": rates}
+    dtype = torch.float32 if side == "generate_float32" else None  # else the engine's dtype
+    model, tokenizer, _ = load_model(EMBEDDED_MODEL, dtype=dtype)
+    model.set_attn_implementation("sdpa")
+    generate_run(model, tokenizer, 4, 8, 1)
+    return {"dtype": str(model.dtype), "rates": {n: generate_run(model, tokenizer, n, args.new_tokens, args.turns) for n in args.concurrency}}
 
 
 def main() -> None:
@@ -92,47 +114,36 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--turns", type=int, default=1, help="requests per agent (>1: multi-turn conversations)")
+    ap.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: one side's block
     args = ap.parse_args()
+    if args.side:
+        report(side_block(args.side, args))
+        return
 
-    model, tokenizer, _ = load_model(EMBEDDED_MODEL)  # bf16 where the CPU has it
-    registry = ModelRegistry()
-    engine = InferenceEngine(model, tokenizer)
-    registry.add(EMBEDDED_MODEL, engine)
-    server = BackgroundServer(create_app(registry)).start()
-    # plain generate gets its own copies: in the dtype the engine uses, and fp32 (what from_pretrained gives)
-    plain = {str(model.dtype).removeprefix("torch."): load_model(EMBEDDED_MODEL, dtype=model.dtype)[0]}
-    plain["float32"] = load_model(EMBEDDED_MODEL, dtype=torch.float32)[0]
-    for m in plain.values():
-        m.set_attn_implementation("sdpa")
+    # each side in a fresh process per run, sides alternating, so drift on the machine hits all of them
+    rates: dict[str, dict[int, list[float]]] = {side: {n: [] for n in args.concurrency} for side in SIDES}
+    dtypes: dict[str, str] = {}
+    for run in range(args.runs):
+        for side in SIDES:
+            got = run_child(__file__, [*sys.argv[1:], "--side", side], f"{side} in run {run}")
+            dtypes[side] = got["dtype"]
+            for n, rate in got["rates"].items():
+                rates[side][int(n)].append(rate)
+            print(json.dumps({"run": run, "side": side, **got}), flush=True)
+    results = [{"concurrency": n, **{side: summary(rates[side][n]) for side in SIDES}} for n in args.concurrency]
 
-    asyncio.run(http_run(server.base_url, 4, 8, 1))  # warm-up
-    results = []
-    for n in args.concurrency:
-        ours: list[float] = []
-        theirs: dict[str, list[float]] = {k: [] for k in plain}
-        for _ in range(args.runs):  # alternate sides so drift on the machine hits both
-            ours.append(asyncio.run(http_run(server.base_url, n, args.new_tokens, args.turns)))
-            for k, m in plain.items():
-                theirs[k].append(generate_run(m, tokenizer, n, args.new_tokens, args.turns))
-        row = {"concurrency": n, "flywheel_http": summary(ours)}
-        row.update({f"generate_{k}": summary(v) for k, v in theirs.items()})
-        results.append(row)
-        print(json.dumps(row), flush=True)
-    server.stop()
-    engine.close()
-
-    machine = describe() | {"dtype": str(model.dtype)}
+    machine = describe() | {"dtype": dtypes["flywheel_http"], "dtypes": dtypes}
     out = Path(__file__).parent / "results" / f"sampler-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"machine": machine, "new_tokens": args.new_tokens, "turns": args.turns, "results": results}, indent=2))
-    keys = [k for k in results[0] if k != "concurrency"]
     print(f"\n{machine}\n")
     print(f"{args.turns} turn(s) of {args.new_tokens} new tokens per agent")
-    print("| concurrent agents | " + " | ".join(f"{k} tok/s (median [min, max])" for k in keys) + " | flywheel / generate |")
-    print("|---" * (len(keys) + 2) + "|")
+    names = {side: side.replace("engine_dtype", dtypes["generate_engine_dtype"].removeprefix("torch.")) for side in SIDES}
+    print("| concurrent agents | " + " | ".join(f"{names[k]} tok/s (median [min, max])" for k in SIDES) + " | flywheel / generate |")
+    print("|---" * (len(SIDES) + 2) + "|")
     for r in results:
-        cells = [f"{r[k]['median']:.0f} [{r[k]['min']:.0f}, {r[k]['max']:.0f}]" for k in keys]
-        ratios = ", ".join(f"{r['flywheel_http']['median'] / r[k]['median']:.2f}x vs {k[9:]}" for k in keys[1:])
+        cells = [f"{r[k]['median']:.0f} [{r[k]['min']:.0f}, {r[k]['max']:.0f}]" for k in SIDES]
+        ratios = ", ".join(f"{r['flywheel_http']['median'] / r[k]['median']:.2f}x vs {names[k][9:]}" for k in SIDES[1:])
         print(f"| {r['concurrency']} | " + " | ".join(cells) + f" | {ratios} |")
     print(f"\nraw results: {out}")
 

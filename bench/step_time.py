@@ -20,7 +20,6 @@ import asyncio
 import json
 import logging
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -35,6 +34,7 @@ from flywheel.inference.loading import EMBEDDED_MODEL, resolve_model
 from flywheel.model import TrainableModel
 from flywheel.train.config import LoraSettings, TrainConfig
 from flywheel.types import Trajectory, TrajectoryGroup
+from blocks import report, run_child, summary  # bench/blocks.py
 from machine import describe  # bench/machine.py
 
 LORA = LoraSettings(rank=16, alpha=32)
@@ -129,20 +129,9 @@ def trl_steps(path: str, batches: list[list[tuple[str, int]]], group: int, new_t
 # ---- driver ----------------------------------------------------------------------------------------------------
 
 
-BLOCK_RESULT = "block result: "
-
-
 def run_block(side: str, run: int) -> dict:
     """Run one block in a child process (this script with ``--block``) and return what it printed."""
-    out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--block", side, str(run)], capture_output=True, text=True)
-    lines = [line for line in out.stdout.splitlines() if line.startswith(BLOCK_RESULT)]
-    if out.returncode != 0 or not lines:
-        raise RuntimeError(f"the {side} block of run {run} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1].removeprefix(BLOCK_RESULT))
-
-
-def summary(xs: list[float]) -> dict:
-    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "runs": xs}
+    return run_child(__file__, [*sys.argv[1:], "--block", side, str(run)], f"the {side} block of run {run}")
 
 
 async def block(side: str, batches: list[list[tuple[str, int]]], args: argparse.Namespace) -> dict:
@@ -177,7 +166,7 @@ async def main() -> None:
     ]
     if args.block:
         side, run = args.block[0], int(args.block[1])
-        print(BLOCK_RESULT + json.dumps(await block(side, blocks[run], args)), flush=True)
+        report(await block(side, blocks[run], args))
         return
     results_dir = Path(__file__).parent / "results"
     results_dir.mkdir(exist_ok=True)

@@ -202,3 +202,4 @@ async def test_packed_weights_give_the_models_own_numbers_and_follow_weight_chan
     finally:
         for e in engines:
             e.close()
+

@@ -189,7 +189,7 @@ class InferenceEngine:
         """Hold the model between engine steps (for a weight update); decoding resumes on exit. Cached
         prefixes were computed with the old weights, so they are dropped. With nothing decoding, the KV buffers
         are given back first, so that a training step's activations and the sampler's cache never add up. So are
-        the packed weights: the hold may change the weights, and they are packed again on the next forward."""
+        the packed copies of trainable weights: they will change, and are packed again on the next forward."""
         with self._model_lock:
             if not self._running:
                 self.cache.release()
@@ -200,11 +200,11 @@ class InferenceEngine:
                 self._drop_derived_state()
 
     def _drop_derived_state(self) -> None:
-        """Forget what was computed from the current weights (cached prefixes, packed weights)."""
+        """Forget what was computed from weights that may change (cached prefixes, packed trainable weights)."""
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         if self._packed is not None:
-            self._packed.clear()
+            self._packed.drop_trainable()
         release_free_memory()
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:

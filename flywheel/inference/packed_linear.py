@@ -33,18 +33,21 @@ class PackedLinears:
     """Routes every ``nn.Linear`` of ``model`` through a packed copy of its weight under ``torch.inference_mode``.
 
     A packed copy is keyed on its weight's storage and version, so a weight replaced (``p.data = ...``) or updated
-    in place (``p.copy_(...)``) is packed again on next use; ``clear`` drops them all (the engine calls it after
-    every exclusive hold of the model, where weights change). Packing runs on the calling thread, which for the
-    engine is its worker thread (see ``InferenceEngine.call`` on why torch work stays on one thread)."""
+    in place (``p.copy_(...)``) is packed again on next use. Packing runs on the calling thread, which for the
+    engine is its worker thread (see ``InferenceEngine.call`` on why torch work stays on one thread). A LoRA
+    model samples through peft's layers, whose base layers are these."""
 
     def __init__(self, model: nn.Module):
         self._packed: dict[nn.Linear, tuple[tuple[int, int], torch.Tensor]] = {}
         for module in model.modules():
-            if type(module) is nn.Linear:  # not peft's adapter layers (subclasses); their base layers are plain
+            if type(module) is nn.Linear:  # not subclasses (quantised layers and the like); peft's wrap these
                 module.forward = self._forward_of(module)
 
-    def clear(self) -> None:
-        self._packed.clear()
+    def drop_trainable(self) -> None:
+        """Before a weight update (the engine's exclusive hold): drop the packed copies of trainable weights, which
+        are about to change (they are packed again on next use). Frozen ones, e.g. a LoRA model's base, stay."""
+        for module in [m for m in self._packed if m.weight.requires_grad]:
+            del self._packed[module]
 
     def _forward_of(self, module: nn.Linear):
         def forward(x: torch.Tensor) -> torch.Tensor:

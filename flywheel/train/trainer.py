@@ -73,6 +73,7 @@ class Trainer:
             else:
                 # peft swaps the target Linear layers in place, so the engine's forward uses the adapter too
                 self.peft = get_peft_model(engine.model, _lora_config(self.lora))
+                engine.model.eval()  # the new layers start in train mode: no adapter dropout while sampling
         trained = self.peft if self.peft is not None else engine.model
         named = [(n, p) for n, p in trained.named_parameters() if p.requires_grad]
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
