@@ -203,3 +203,24 @@ async def test_packed_weights_give_the_models_own_numbers_and_follow_weight_chan
         for e in engines:
             e.close()
 
+
+
+async def test_an_engine_whose_cpu_cannot_pack_falls_back_to_plain_linears(fp32_engine: InferenceEngine, tokenizer, monkeypatch, caplog):
+    """A oneDNN build or CPU that refuses to pack must cost speed, never a failed request. This machine packs
+    fine, so the refusal is simulated (a fault that cannot be caused for real here)."""
+    from flywheel.inference.packed_linear import PackedLinears
+
+    prompt = prompts(tokenizer)[0]
+    expected = (await fp32_engine.generate(prompt, GREEDY))[0]
+    packed = PackedLinears(fp32_engine.model)  # takes over the model's linears from the fixture's packer
+    try:
+        def refuse(*_):
+            raise RuntimeError("no kernel for this CPU")
+
+        monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+        got = (await fp32_engine.generate(prompt, GREEDY))[0]
+        assert packed.failed and "plain linears" in caplog.text
+        assert got.token_ids == expected.token_ids
+    finally:
+        monkeypatch.undo()
+        fp32_engine._packed = PackedLinears(fp32_engine.model)  # the fixture's engine packs again afterwards

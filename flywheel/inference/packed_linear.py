@@ -12,10 +12,13 @@ The packed copies cost one more copy of the linear weights in memory.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+log = logging.getLogger(__name__)
 ROWS_HINT = 32  # the kernel is chosen for this many rows; it runs any number (prefill, decode)
 
 
@@ -39,6 +42,7 @@ class PackedLinears:
 
     def __init__(self, model: nn.Module):
         self._packed: dict[nn.Linear, tuple[tuple[int, int], torch.Tensor]] = {}
+        self.failed = False  # oneDNN refused to pack on this machine: plain linears from then on
         for module in model.modules():
             if type(module) is nn.Linear:  # not subclasses (quantised layers and the like); peft's wrap these
                 module.forward = self._forward_of(module)
@@ -52,13 +56,19 @@ class PackedLinears:
     def _forward_of(self, module: nn.Linear):
         def forward(x: torch.Tensor) -> torch.Tensor:
             w = module.weight
-            if not torch.is_inference_mode_enabled() or x.dtype != w.dtype or x.device.type != "cpu":
+            if self.failed or not torch.is_inference_mode_enabled() or x.dtype != w.dtype or x.device.type != "cpu":
                 return F.linear(x, w, module.bias)
             key = (w.data_ptr(), w._version)
             entry = self._packed.get(module)
-            if entry is None or entry[0] != key:
-                entry = self._packed[module] = (key, torch.ops.mkldnn._reorder_linear_weight(w, ROWS_HINT))
-            out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), entry[1], module.bias, "none", [], "")
+            try:
+                if entry is None or entry[0] != key:
+                    entry = self._packed[module] = (key, torch.ops.mkldnn._reorder_linear_weight(w, ROWS_HINT))
+                out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), entry[1], module.bias, "none", [], "")
+            except RuntimeError as exc:  # a oneDNN build or CPU without this kernel: slower, never broken
+                log.warning("pre-packed linear weights unavailable (%s); sampling with plain linears", exc)
+                self.failed = True
+                self._packed.clear()
+                return F.linear(x, w, module.bias)
             return out.view(*x.shape[:-1], out.shape[-1])
 
         return forward
