@@ -24,7 +24,6 @@ import contextlib
 import json
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from blocks import report, run_child  # bench/blocks.py
 from credit import rollout, validate  # bench/credit.py: the calculator agent on run_agent, greedy validation
 from examples.calculator import task
 from flywheel.backend import LocalBackend
@@ -279,17 +279,9 @@ async def evaluate(out: Path, args: argparse.Namespace) -> dict:
 
 
 PHASES = {"warm": warm_start, "flywheel": train_flywheel, "trl": train_trl, "eval": evaluate}
-RESULT = "phase result: "
-
-
 def run_phase(phase: str, out: Path) -> dict:
     """One phase in a fresh process (this script with ``--phase``): no thread pools or allocator state shared."""
-    cmd = [sys.executable, __file__, *sys.argv[1:], "--phase", phase, "--work", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"phase {phase} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(lines[-1].removeprefix(RESULT))
+    return run_child(__file__, [*sys.argv[1:], "--phase", phase, "--work", str(out)], f"phase {phase}")
 
 
 def plot(report: dict, path: Path) -> None:
@@ -363,6 +355,6 @@ if __name__ == "__main__":
     if args.phase:
         phase = PHASES[args.phase]
         result = asyncio.run(phase(args.work, args)) if asyncio.iscoroutinefunction(phase) else phase(args.work, args)
-        print(RESULT + json.dumps(result), flush=True)
+        report(result)
     else:
         main(args)

@@ -1,8 +1,8 @@
 """Sampler throughput: concurrent chat requests through Flywheel's HTTP server vs plain batched ``generate``.
 
 Same model, same prompts, 64 new tokens per request (EOS ignored, so every side does the same work); each side
-runs in a fresh process of its own per run (see bench/blocks.py), sides alternating. With ``--turns T`` each concurrent client is a multi-turn agent: T requests, each
-followed by an environment message, the whole conversation sent again every turn (as agents over the OpenAI API
+runs in a fresh process of its own per run (see bench/blocks.py), sides alternating. With ``--turns T`` each
+concurrent client is a multi-turn agent: T requests, each followed by an environment message, the whole conversation sent again every turn (as agents over the OpenAI API
 do); plain ``generate`` runs the same agents turn by turn as one batch. Writes bench/results/sampler-<time>.json
 and prints a markdown table.
 
