@@ -193,12 +193,15 @@ async def test_packed_weights_give_the_models_own_numbers_and_follow_weight_chan
                 assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-3)
             return [c.token_ids for c in a]
 
-        before = await agree()
-        for e in engines:  # an in-place update outside engine.exclusive(): only the version key can notice it
-            with torch.no_grad():
-                e.model.model.layers[0].mlp.down_proj.weight.mul_(1.5)
-        after = await agree()
-        assert after != before
+        seen = [await agree()]
+        # in-place updates outside engine.exclusive(), which only the version key can notice: a linear packed
+        # alone (down_proj), then one packed stacked with others (up_proj, with gate_proj)
+        for name in ("down_proj", "up_proj"):
+            for e in engines:
+                with torch.no_grad():
+                    getattr(e.model.model.layers[0].mlp, name).weight.mul_(1.5)
+            seen.append(await agree())
+            assert seen[-1] != seen[-2]
     finally:
         for e in engines:
             e.close()
@@ -212,7 +215,7 @@ async def test_an_engine_whose_cpu_cannot_pack_falls_back_to_plain_linears(fp32_
 
     prompt = prompts(tokenizer)[0]
     expected = (await fp32_engine.generate(prompt, GREEDY))[0]
-    packed = PackedLinears(fp32_engine.model)  # takes over the model's linears from the fixture's packer
+    packed = fp32_engine._packed = PackedLinears(fp32_engine.model)  # takes over from the fixture's packer
     try:
         def refuse(*_):
             raise RuntimeError("no kernel for this CPU")
@@ -224,3 +227,53 @@ async def test_an_engine_whose_cpu_cannot_pack_falls_back_to_plain_linears(fp32_
     finally:
         monkeypatch.undo()
         fp32_engine._packed = PackedLinears(fp32_engine.model)  # the fixture's engine packs again afterwards
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_llama_forward_gives_the_hf_forwards_logits(tokenizer, dtype):
+    """The engine runs Llama models through llama_forward (its own layer loop; q/k/v and gate/up as one GEMM on
+    stacked packed weights). Prefill and decode logits must be exactly those of the HF forward over the same
+    modules, also with a LoRA adapter injected (whose layers cannot be stacked: they run module by module)."""
+    from peft import LoraConfig, get_peft_model
+
+    from flywheel.inference import llama_forward
+    from flywheel.inference.kv_attention import DecodeBatch, PrefillBatch
+    from flywheel.inference.loading import EMBEDDED_MODEL, load_model
+
+    model, tok, _ = load_model(EMBEDDED_MODEL, dtype=dtype)
+    engine = InferenceEngine(model, tok, prefix_cache_entries=0)
+    try:
+        assert llama_forward.supports(model)
+        ps = prompts(tokenizer)[:3]
+        ids = torch.tensor([t for p in ps for t in p])[None]
+        pos = torch.cat([torch.arange(len(p)) for p in ps])[None]
+        last = torch.tensor([len(p) for p in ps]).cumsum(0) - 1
+        lengths = torch.tensor([len(p) for p in ps])
+        step = torch.tensor([[11], [12], [13]])
+
+        def both() -> list[torch.Tensor]:
+            engine.cache.fit(len(ps), max(len(p) for p in ps) + 1)
+            out = []
+            with torch.inference_mode():
+                for fast in (True, False):  # each writes the same K/V into the same cache rows
+                    prefill = PrefillBatch(engine.cache, rows=[0, 1, 2], starts=[0, 0, 0], lengths=lengths.tolist())
+                    decode = DecodeBatch(engine.cache, lengths=lengths)
+                    if fast:
+                        out += [llama_forward.logits(model, ids, pos, prefill, last, engine._packed),
+                                llama_forward.logits(model, step, lengths[:, None], decode, 1, engine._packed)]
+                    else:
+                        out += [model(input_ids=ids, position_ids=pos, logits_to_keep=last, kv_batch=prefill).logits,
+                                model(input_ids=step, position_ids=lengths[:, None], logits_to_keep=1, kv_batch=decode).logits]
+            assert out[0].shape == (1, 3, model.config.vocab_size) and out[1].shape == (3, 1, model.config.vocab_size)
+            assert torch.equal(out[0], out[2]) and torch.equal(out[1], out[3])
+            return out
+
+        plain = both()
+        if engine._packed is not None:  # stacked copies were made (where this CPU packs this dtype)
+            assert any(len(group) == 3 for group in engine._packed._packed)
+        lora = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj"], init_lora_weights=False))
+        lora.eval()
+        adapted = both()
+        assert not torch.equal(adapted[0], plain[0])  # the adapter acts
+    finally:
+        engine.close()

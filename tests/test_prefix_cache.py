@@ -50,6 +50,29 @@ def test_the_kv_cache_grows_close_to_its_need_and_keeps_its_contents():
     assert (cache.rows, cache.capacity) == (70, 4000)
 
 
+def test_a_decoding_cache_keeps_its_capacity_close_to_the_longest_row():
+    """Decoding attends over the whole capacity (so the buffers are read in place, never copied per layer): it grows
+    in steps of WINDOW_STEP tokens, shrinks once two steps are unused, and keeps every stored token either way."""
+    from flywheel.inference.kv_attention import WINDOW_STEP as S
+
+    cache = SlotKVCache(2, 1, 4, dtype=torch.float32, device="cpu", max_rows=64, max_capacity=2048)
+    cache.fit(3, 40)
+    assert (cache.rows, cache.capacity) == (8, S)
+    cache.k[0][2, 0, :40] = torch.arange(40.0)[:, None]
+    buffer = cache.k[0]
+    cache.fit(3, S)  # still fits: nothing moves
+    assert cache.k[0] is buffer
+    cache.fit(3, S + 1)
+    assert cache.capacity == 2 * S and torch.equal(cache.k[0][2, 0, :40], torch.arange(40.0)[:, None].expand(40, 4))
+    cache.fit(3, 5 * S)
+    cache.fit(3, 3 * S + 1)  # 2 steps unused, less one token: kept
+    assert cache.capacity == 5 * S
+    cache.fit(3, 3 * S)  # 2 steps unused: shrunk to the need, contents kept
+    assert cache.capacity == 3 * S and torch.equal(cache.k[0][2, 0, :40], torch.arange(40.0)[:, None].expand(40, 4))
+    cache.fit(3, 2047)  # the limit bounds the rounding
+    assert cache.capacity == 2048
+
+
 async def test_shared_system_prompt_is_reused_without_changing_results(fp32_engine: InferenceEngine, tokenizer):
     engine = fp32_engine
     pc = engine.prefix_cache

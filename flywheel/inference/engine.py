@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from flywheel.inference import llama_forward
 from flywheel.inference.guided import constrain
 from flywheel.inference.kv_attention import ATTN_IMPLEMENTATION, DecodeBatch, PrefillBatch, SlotKVCache
 from flywheel.inference.memory import release_free_memory
@@ -115,6 +116,7 @@ class InferenceEngine:
         # sampling on CPU with weights in the GEMM's own layout (see packed_linear.py); training is unaffected
         self._packed = PackedLinears(model) if pack_weights and packing_available(model) else None
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
+        self._llama = llama_forward.supports(model)  # a faster forward for sampling (see llama_forward.py)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         cfg = model.config.get_text_config()
         self.context_length: int = int(getattr(cfg, "max_position_embeddings", 4096))
@@ -289,6 +291,8 @@ class InferenceEngine:
         return taken
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch, keep: torch.Tensor | int) -> torch.Tensor:
+        if self._llama:
+            return llama_forward.logits(self.model, input_ids, position_ids, batch, keep, self._packed)
         out = self.model(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep, kv_batch=batch
         )
@@ -298,7 +302,7 @@ class InferenceEngine:
         device = self.model.device
         first_row = len(self._running)
         rows_needed = first_row + sum(r.params.n for r in requests)
-        self.cache.reserve(rows_needed, max(len(r.prompt) + r.params.max_tokens for r in requests))
+        self.cache.fit(rows_needed, max([len(r.prompt) for r in requests] + [s.length + 1 for s in self._running]))
         rows, starts, seqs_per_request = [], [], []
         cached_logits: list[torch.Tensor | None] = []
         row = first_row
@@ -349,9 +353,9 @@ class InferenceEngine:
         device = self.model.device
         seqs = self._running
         lengths = torch.tensor([s.length for s in seqs], device=device)
-        self.cache.reserve(len(seqs), max(s.length for s in seqs) + 1)
+        self.cache.fit(len(seqs), max(s.length for s in seqs) + 1)
         ids = torch.tensor([s.output[-1] for s in seqs], device=device)[:, None]
-        batch = DecodeBatch(self.cache, lengths=lengths, max_length=max(s.length for s in seqs) + 1)
+        batch = DecodeBatch(self.cache, lengths=lengths)
         logits = self._forward(ids, lengths[:, None], batch, 1)[:, 0]
         for s in seqs:
             s.length += 1

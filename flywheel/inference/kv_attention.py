@@ -24,6 +24,7 @@ from flywheel.inference.memory import trim_heap
 
 ATTN_IMPLEMENTATION = "flywheel"
 ROW_STEP, CAPACITY_STEP, CAPACITY_GROWTH = 8, 128, 1.25
+WINDOW_STEP = 64  # a decoding cache's capacity stays within [need, need + 2 steps): see SlotKVCache.fit
 
 
 def _grown(current: int, needed: int, step: int, growth: float, limit: int | None) -> int:
@@ -58,12 +59,29 @@ class SlotKVCache:
             _grown(self.capacity, capacity, CAPACITY_STEP, CAPACITY_GROWTH, self.max_capacity)
             if capacity > self.capacity else self.capacity
         )  # fmt: skip
+        self._resize(new_rows, new_cap)
+
+    def fit(self, rows: int, length: int) -> None:
+        """Make room for ``rows`` sequences of up to ``length`` tokens with a capacity close to ``length``: grown
+        in steps of WINDOW_STEP, shrunk once 2 steps are unused. Decoding attends over the whole capacity (masked
+        past each row's length), which is then a contiguous block of the buffers: a slice of it would be copied
+        inside every attention matmul, which at 500 cached tokens costs twice the matmuls themselves. A resize
+        copies the cache once per WINDOW_STEP tokens instead of once per token."""
+        if self.capacity - WINDOW_STEP * 2 < length <= self.capacity and rows <= self.rows:
+            return
+        new_rows = _grown(self.rows, rows, ROW_STEP, 1.0, self.max_rows) if rows > self.rows else self.rows
+        new_cap = -(-length // WINDOW_STEP) * WINDOW_STEP
+        self._resize(new_rows, max(length, min(new_cap, self.max_capacity or new_cap)))
+
+    def _resize(self, new_rows: int, new_cap: int) -> None:
         shape = (new_rows, self.kv_heads, new_cap, self.head_dim)
+        kept = min(self.capacity, new_cap)
         for store in (self.k, self.v):
             for layer in range(self.n_layers):
+                # zeros, not empty: masked positions get probability 0, and 0 x NaN garbage would still be NaN
                 fresh = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 if layer < len(store):
-                    fresh[: self.rows, :, : self.capacity] = store[layer]
+                    fresh[: self.rows, :, :kept] = store[layer][:, :, :kept]
                     store[layer] = fresh
                 else:
                     store.append(fresh)
@@ -122,19 +140,20 @@ class PackedBatch:
 
 @dataclass
 class DecodeBatch:
-    """One new token for each of rows 0..B-1; ``lengths[b]`` tokens are already cached for row b."""
+    """One new token for each of rows 0..B-1; ``lengths[b]`` tokens are already cached for row b. Attention
+    reads all ``cache.capacity`` positions of a row (see ``SlotKVCache.fit``), masked past its new token."""
 
     cache: SlotKVCache
     lengths: torch.Tensor  # [B] long
-    max_length: int  # max(lengths) + 1, kept on the host to avoid a device sync
     _layout: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     def layout(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row index [B], mask [B, 1, 1, max_length] of the cache positions past each row's new token), computed
+        """(row index [B], mask [B, 1, 1, capacity] of the cache positions past each row's new token), computed
         once for all layers."""
         if self._layout is None:
             rows = torch.arange(len(self.lengths), device=self.lengths.device)
-            past_end = torch.arange(self.max_length, device=self.lengths.device)[None, :] > self.lengths[:, None]
+            positions = torch.arange(self.cache.capacity, device=self.lengths.device)
+            past_end = positions[None, :] > self.lengths[:, None]
             self._layout = (rows, past_end[:, None, None, :])
         return self._layout
 
@@ -164,8 +183,7 @@ def _decode(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch
     rows, past_end = batch.layout()
     cache.k[layer][rows, :, batch.lengths] = k[:, :, 0]
     cache.v[layer][rows, :, batch.lengths] = v[:, :, 0]
-    keys = cache.k[layer][:b, :, : batch.max_length]  # views: no copy
-    values = cache.v[layer][:b, :, : batch.max_length]
+    keys, values = cache.k[layer][:b], cache.v[layer][:b]  # contiguous views: neither is copied
     # Grouped-query attention as two batched matmuls: [B, kvh, group, d] x [B, kvh, d, L]. For one query token
     # this is several times faster on CPU than SDPA's flash kernel, and never repeats K/V per head.
     grouped = q.view(b, kv_heads, heads // kv_heads, dim)
@@ -200,8 +218,13 @@ def flywheel_attention(module, query, key, value, attention_mask, scaling=None, 
     if batch is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return attend(module.layer_idx, query, key, value, batch, scaling), None
+
+
+def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PrefillBatch | DecodeBatch | PackedBatch, scaling: float) -> torch.Tensor:
+    """Attention of ``q``/``k``/``v`` [1 or B, heads, T, head_dim] for one layer of ``batch``: [1 or B, T, heads, head_dim]."""
     fn = _decode if isinstance(batch, DecodeBatch) else _packed if isinstance(batch, PackedBatch) else _prefill
-    return fn(module.layer_idx, query, key, value, batch, scaling), None
+    return fn(layer, q, k, v, batch, scaling)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, flywheel_attention)
