@@ -136,6 +136,21 @@ async def test_top_p_restricts_to_the_nucleus(engine: InferenceEngine, tokenizer
     assert all(c.token_ids == greedy for c in await engine.generate(p, tiny))
 
 
+async def test_a_non_streaming_request_gets_one_event_per_choice(engine: InferenceEngine, tokenizer):
+    """``generate`` takes each choice whole when it finishes (fewer wake-ups of the caller's loop while decoding),
+    and loses nothing on the way: every token, log-probability and character of text."""
+    params = SamplingParams(max_tokens=12, n=2, ignore_eos=True, logprobs=True, top_logprobs=2, seed=5)
+    events = [e async for e in engine._events(prompts(tokenizer)[1], params, whole=True)]
+    assert sorted(e.index for e in events) == [0, 1]
+    for e in events:
+        assert len(e.token_ids) == len(e.logprobs) == len(e.top_logprobs) == 12 and e.finish_reason == "length"
+        assert e.text_delta == tokenizer.decode(e.token_ids)
+    streamed = [e async for e in engine.stream(prompts(tokenizer)[1], params)]
+    assert len(streamed) == 24  # a stream gets every token as it comes
+    for e in events:
+        assert [t for s in streamed if s.index == e.index for t in s.token_ids] == e.token_ids
+
+
 async def test_context_overflow_is_refused(engine: InferenceEngine):
     with pytest.raises(ContextOverflowError, match=str(engine.context_length)):
         await engine.generate([1, 2, 3], SamplingParams(max_tokens=engine.context_length))
