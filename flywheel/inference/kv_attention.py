@@ -148,13 +148,15 @@ class DecodeBatch:
     _layout: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     def layout(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row index [B], mask [B, 1, 1, capacity] of the cache positions past each row's new token), computed
-        once for all layers."""
+        """(where each row's new K/V go in a layer's buffer seen as [rows * kv_heads * capacity, head_dim], [B *
+        kv_heads]; mask [B, 1, 1, capacity] of the cache positions past each row's new token), computed once for
+        all layers."""
         if self._layout is None:
-            rows = torch.arange(len(self.lengths), device=self.lengths.device)
-            positions = torch.arange(self.cache.capacity, device=self.lengths.device)
-            past_end = positions[None, :] > self.lengths[:, None]
-            self._layout = (rows, past_end[:, None, None, :])
+            cache, device = self.cache, self.lengths.device
+            rows = torch.arange(len(self.lengths), device=device)
+            slots = (rows[:, None] * cache.kv_heads + torch.arange(cache.kv_heads, device=device)) * cache.capacity
+            past_end = torch.arange(cache.capacity, device=device)[None, :] > self.lengths[:, None]
+            self._layout = ((slots + self.lengths[:, None]).view(-1), past_end[:, None, None, :])
         return self._layout
 
 
@@ -180,9 +182,9 @@ def _decode(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch
     cache = batch.cache
     b, heads, _, dim = q.shape
     kv_heads = k.shape[1]
-    rows, past_end = batch.layout()
-    cache.k[layer][rows, :, batch.lengths] = k[:, :, 0]
-    cache.v[layer][rows, :, batch.lengths] = v[:, :, 0]
+    slots, past_end = batch.layout()
+    cache.k[layer].view(-1, dim).index_copy_(0, slots, k[:, :, 0].reshape(-1, dim))  # one copy, no index building
+    cache.v[layer].view(-1, dim).index_copy_(0, slots, v[:, :, 0].reshape(-1, dim))
     keys, values = cache.k[layer][:b], cache.v[layer][:b]  # contiguous views: neither is copied
     # Grouped-query attention as two batched matmuls: [B, kvh, group, d] x [B, kvh, d, L]. For one query token
     # this is several times faster on CPU than SDPA's flash kernel, and never repeats K/V per head.
