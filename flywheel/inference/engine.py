@@ -323,8 +323,12 @@ class InferenceEngine:
         self.cache.fit(rows_needed, max([len(r.prompt) for r in requests] + [s.length + 1 for s in self._running]))
         rows, starts, seqs_per_request = [], [], []
         cached_logits: list[torch.Tensor | None] = []
+        # A GRPO group sends the same prompt G times at once: each distinct prompt is prefilled once, and requests
+        # repeating it copy its cache rows (as the n choices of one request do).
+        first_with: dict[tuple[int, ...], int] = {}
+        repeats: dict[int, int] = {}  # request -> the earlier request of this batch with the same prompt
         row = first_row
-        for req in requests:
+        for r, req in enumerate(requests):
             seqs = []
             for i in range(req.params.n):
                 seed = req.params.seed
@@ -337,7 +341,9 @@ class InferenceEngine:
                 seqs.append(seq)
             seqs_per_request.append(seqs)
             reused, known = 0, None
-            if self.prefix_cache is not None:
+            if (first := first_with.setdefault(tuple(req.prompt), r)) != r:
+                repeats[r] = first
+            elif self.prefix_cache is not None:
                 cached_row, reused, known = self.prefix_cache.lookup(req.prompt)
                 if reused:
                     self.prefix_cache.restore(cached_row, reused, self.cache, row)
@@ -346,7 +352,7 @@ class InferenceEngine:
             cached_logits.append(known)
             row += req.params.n
         # prompts seen before in full need no forward at all (and give bit-identical results, seeds included)
-        todo = [i for i, known in enumerate(cached_logits) if known is None]
+        todo = [i for i, known in enumerate(cached_logits) if known is None and i not in repeats]
         logits: list[torch.Tensor | None] = list(cached_logits)
         if todo:
             lengths = [len(requests[i].prompt) - starts[i] for i in todo]
@@ -359,6 +365,9 @@ class InferenceEngine:
                 logits[i] = fresh[j]
                 if self.prefix_cache is not None:
                     self.prefix_cache.insert(requests[i].prompt, self.cache, rows[i], fresh[j])
+        for r, first in repeats.items():
+            logits[r] = logits[first]
+            self.cache.copy_row(rows[first], rows[r], len(requests[r].prompt))
         for req, seqs, base_row in zip(requests, seqs_per_request, rows):
             for seq in seqs[1:]:
                 self.cache.copy_row(base_row, seq.row, len(req.prompt))
