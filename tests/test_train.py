@@ -238,38 +238,71 @@ def test_sft_jsonl_rows_load_and_bad_rows_say_where(tmp_path):
         _read_jsonl(bad)
 
 
-async def test_packed_rows_with_a_shared_prefix_give_the_same_log_probs(fp32_engine, tokenizer):
+async def test_packed_rows_with_shared_prompts_give_the_same_log_probs(fp32_engine, tokenizer):
+    """Two groups of rollouts, each sharing its own prompt: packing stores each group's prompt once and its answers
+    as segments that continue it, and every trained token gets the log-probability of an ordinary forward pass of
+    its sequence alone."""
     from flywheel.inference.chat import render_prompt
     from flywheel.inference.kv_attention import PackedBatch
-    from flywheel.train.batch import Sequence, _micro_batch, shared_prefix
+    from flywheel.train.batch import Sequence, _micro_batch, families, pack
 
-    system = {"role": "system", "content": "You are a careful assistant who answers briefly. " * 4}
-    seqs = []
-    for q, a in [("Name a fruit.", "Apple"), ("Name a colour.", "Blue, like the sky"), ("Name a river.", "Nile")]:
+    system = {"role": "system", "content": "Be brief."}  # too short to share across the groups
+    seqs, prompt_lengths = [], []
+    questions = [("Fruit: name one that grows on trees and tastes sweet. " * 3, ["Apple", "Pear, a green one"]),
+                 ("River: name one that flows through a capital city. " * 3, ["Nile", "The Danube", "Rhine"])]
+    for q, answers in questions:
         prompt = render_prompt(tokenizer, [system, {"role": "user", "content": q}])
-        answer = tokenizer.encode(a, add_special_tokens=False) + [tokenizer.eos_token_id]
-        seqs.append(Sequence(tokens=prompt + answer, trained=[False] * len(prompt) + [True] * len(answer), old_logprobs=[0.0] * (len(prompt) + len(answer))))
-    prefix = shared_prefix(seqs)
-    assert prefix > 40
+        prompt_lengths.append(len(prompt))
+        for a in answers:
+            answer = tokenizer.encode(a, add_special_tokens=False) + [tokenizer.eos_token_id]
+            seqs.append(Sequence(tokens=prompt + answer, trained=[False] * len(prompt) + [True] * len(answer), old_logprobs=[0.0] * (len(prompt) + len(answer))))
+    for i, s in enumerate(seqs):
+        s.index = i
+    groups = families(seqs)
+    # one family per prompt (each shares its whole prompt), not one for all (which would share the system prompt)
+    assert sorted((len(members), prefix) for prefix, members in groups) == [(2, prompt_lengths[0]), (3, prompt_lengths[1])]
+    (mb,) = pack(seqs, max_tokens=4096)
+    plain = _micro_batch([(0, [s]) for s in seqs])
+    assert mb.input_ids.shape[1] == plain.input_ids.shape[1] - sum(p * (len(m) - 1) for p, m in groups)
+    prefixes = [i for i, c in enumerate(mb.context) if c < 0]
+    assert len(prefixes) == 2 and sorted(mb.context.count(i) for i in prefixes) == [2, 3]
 
-    def logprobs(mb):
+    def logprobs(mb) -> dict[int, list[float]]:
         with fp32_engine.exclusive(), torch.no_grad():
             out = fp32_engine.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-                                    logits_to_keep=mb.positions, kv_batch=PackedBatch(mb.lengths, mb.prefix))
-        return torch.log_softmax(out.logits[0].float(), -1).gather(-1, mb.targets[:, None])[:, 0]
+                                    logits_to_keep=mb.positions, kv_batch=PackedBatch(mb.lengths, mb.context))
+        lp = torch.log_softmax(out.logits[0].float(), -1).gather(-1, mb.targets[:, None])[:, 0]
+        by_seq: dict[int, list[float]] = {}
+        for value, j in zip(lp.tolist(), mb.seq.tolist()):
+            by_seq.setdefault(mb.seq_ids[j], []).append(value)
+        return by_seq
 
-    shared, plain = _micro_batch(seqs, prefix), _micro_batch(seqs, 0)
-    assert shared.input_ids.shape[1] == plain.input_ids.shape[1] - 2 * prefix  # the prefix is stored once
-    assert torch.equal(shared.targets, plain.targets)
-    assert torch.allclose(logprobs(shared), logprobs(plain), atol=1e-4)
-    # and both agree with an ordinary forward pass of each sequence alone
+    shared = logprobs(mb)
     with fp32_engine.exclusive(), torch.no_grad():
-        alone = []
-        for s in seqs:
+        for s in seqs:  # an ordinary forward pass of each sequence alone
             lg = fp32_engine.model(input_ids=torch.tensor([s.tokens])).logits[0, :-1].float()
             lp = torch.log_softmax(lg, -1).gather(-1, torch.tensor(s.tokens[1:])[:, None])[:, 0]
-            alone += [v for v, m in zip(lp.tolist(), s.trained[1:]) if m]
-    assert torch.allclose(logprobs(shared), torch.tensor(alone), atol=1e-4)
+            alone = [v for v, m in zip(lp.tolist(), s.trained[1:]) if m]
+            assert torch.allclose(torch.tensor(shared[s.index]), torch.tensor(alone), atol=1e-4)
+
+
+def test_families_share_the_longest_prefixes_and_split_to_fit_rows():
+    from flywheel.train.batch import MIN_SHARED_PREFIX, Sequence, families, pack
+
+    def seq(tokens: list[int]) -> Sequence:
+        return Sequence(tokens=tokens, trained=[False] * (len(tokens) - 1) + [True], old_logprobs=[0.0] * len(tokens))
+
+    common = list(range(1000, 1000 + MIN_SHARED_PREFIX))  # a system prompt every sequence has
+    a, b = common + list(range(100)), common + list(range(200, 300))
+    seqs = [seq(a + [7]), seq(a + [8, 9]), seq(b + [1]), seq(b + [2]), seq(b + [3]), seq([5] * 40)]
+    got = sorted((p, len(m)) for p, m in families(seqs))
+    assert got == [(0, 1), (len(a), 2), (len(b), 3)]  # not one family sharing only ``common``
+    # rows too small for a whole family: it is split, each part repeating its prefix; every sequence is packed once
+    assert sum(mb.input_ids.shape[1] for mb in pack(seqs, max_tokens=4096)) == 40 + len(a) + 3 + len(b) + 3
+    rows = pack(seqs, max_tokens=len(b) + 2)  # the b family (len(b) + 3 tokens) does not fit in one row
+    assert sorted(i for mb in rows for i in mb.seq_ids) == list(range(6))
+    assert all(mb.input_ids.shape[1] <= len(b) + 2 for mb in rows)
+    assert sorted(mb.n_seqs for mb in rows if -1 in mb.context and len(mb.context) > mb.n_seqs) == [2]  # b1 + b2
 
 
 def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradients(tokenizer):
@@ -287,7 +320,7 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradients(t
                 if "lora_B" in name:
                     p.normal_(std=0.02)
         tokens = tokenizer.encode("Question: what is 2+3? Answer: 5, because two plus three is five.")
-        mb = _micro_batch([Sequence(tokens=tokens, trained=[False] * 6 + [True] * (len(tokens) - 6), old_logprobs=[0.0] * len(tokens))], 0)
+        mb = _micro_batch([(0, [Sequence(tokens=tokens, trained=[False] * 6 + [True] * (len(tokens) - 6), old_logprobs=[0.0] * len(tokens))])])
         # HF checkpoints a layer's forward inside its hooks, and the recompute stops once it has what backward
         # needs, so count entries into a module within the layer
         calls = []

@@ -33,12 +33,14 @@ class Sequence:
 
 @dataclass
 class MicroBatch:
-    """Sequences packed into one row; ``targets`` are the trained tokens, predicted from ``positions``."""
+    """Sequences packed into one row; ``targets`` are the trained tokens, predicted from ``positions``. The row
+    holds segments: a prefix that several sequences share (stored once), then each of those sequences' own tokens
+    as a segment that continues it (``context``), or a whole sequence alone."""
 
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
-    lengths: list[int]  # of each sequence after the shared prefix
-    prefix: int  # tokens shared by all sequences, once at the start of the row
+    lengths: list[int]  # of each segment, in row order
+    context: list[int]  # per segment, the shared-prefix segment it continues, or -1
     positions: torch.Tensor  # [K] index of the position whose logits predict each trained token
     targets: torch.Tensor  # [K]
     old_logprobs: torch.Tensor  # [K]
@@ -140,68 +142,114 @@ def trajectory_sequences(
     return sequences
 
 
-MIN_SHARED_PREFIX = 32  # below this, sharing is not worth the extra attention calls
+MIN_SHARED_PREFIX = 32  # below this, sharing is not worth the extra segment
+
+Family = tuple[int, list[Sequence]]  # (shared prefix length, sequences starting with it); 0: none shared
 
 
-def shared_prefix(sequences: list[Sequence]) -> int:
-    """Tokens at the start of every sequence (each keeps at least one token of its own)."""
-    if len(sequences) < 2:
-        return 0
-    first = sequences[0].tokens
-    n = min(len(s.tokens) for s in sequences) - 1
-    for s in sequences[1:]:
-        n = min(n, common_prefix(first, s.tokens))
-    return n if n >= MIN_SHARED_PREFIX else 0
+def families(sequences: list[Sequence]) -> list[Family]:
+    """Sequences grouped by the prefix they share (the prompt of a group of rollouts), choosing the grouping that
+    stores the fewest prefix tokens: sorted by tokens, sequences sharing a prefix are neighbours, and a dynamic
+    programme splits that order where one long shared prompt per group saves more than a short one for all
+    (e.g. a system prompt common to every group). Each sequence keeps at least one token of its own."""
+    order = sorted(sequences, key=lambda s: s.tokens)
+    # shared[j]: what order[j] and order[j + 1] share, leaving each at least one token
+    shared = [min(common_prefix(a.tokens, b.tokens), len(a.tokens) - 1, len(b.tokens) - 1) for a, b in zip(order, order[1:])]
+    saved, start = [0] * (len(order) + 1), list(range(-1, len(order)))  # best over order[:i]; its last family's start
+    for i in range(1, len(order) + 1):
+        saved[i], start[i], prefix = saved[i - 1], i - 1, len(order[i - 1].tokens)
+        for j in range(i - 2, -1, -1):  # order[j:i] as one family
+            prefix = min(prefix, shared[j])
+            if prefix < MIN_SHARED_PREFIX:
+                break
+            if saved[j] + (i - j - 1) * prefix > saved[i]:
+                saved[i], start[i] = saved[j] + (i - j - 1) * prefix, j
+    out: list[Family] = []
+    i = len(order)
+    while i > 0:
+        members = order[start[i] : i]
+        prefix = min(shared[start[i] : i - 1]) if len(members) > 1 else 0
+        out.append((prefix, members))
+        i = start[i]
+    return out[::-1]
+
+
+def _split(family: Family, max_tokens: int) -> list[Family]:
+    """A family too long for one row as several, each repeating the prefix (a lone sequence is never split)."""
+    prefix, members = family
+    parts: list[Family] = [(prefix, [])]
+    for s in members:
+        if parts[-1][1] and prefix + sum(len(m.tokens) - prefix for m in parts[-1][1]) + len(s.tokens) - prefix > max_tokens:
+            parts.append((prefix, []))
+        parts[-1][1].append(s)
+    return [(p if len(m) > 1 else 0, m) for p, m in parts]
+
+
+def _size(family: Family) -> int:
+    prefix, members = family
+    return prefix + sum(len(s.tokens) - prefix for s in members)
 
 
 def pack(sequences: list[Sequence], max_tokens: int, device: torch.device | str = "cpu") -> list[MicroBatch]:
     """First-fit-decreasing packing into rows of at most ``max_tokens`` (a longer sequence gets its own row).
-    A prefix that all sequences share (the system prompt of a group of rollouts) is put once at the start of
-    every row instead of once per sequence. The tensors are made on ``device`` (the model's)."""
+    Sequences that share a prefix (the prompt of a group of rollouts) keep it once per row (``families``).
+    The tensors are made on ``device`` (the model's)."""
     for i, s in enumerate(sequences):
         s.index = i
-    prefix = shared_prefix(sequences)
-    budget = max(max_tokens - prefix, 1)
-    bins: list[list[Sequence]] = []
+    items = [part for family in families(sequences) for part in _split(family, max_tokens)]
+    bins: list[list[Family]] = []
     sizes: list[int] = []
-    for s in sorted(sequences, key=lambda s: len(s.tokens), reverse=True):
-        size = len(s.tokens) - prefix
+    for item in sorted(items, key=_size, reverse=True):
+        size = _size(item)
         for b, used in enumerate(sizes):
-            if used + size <= budget:
-                bins[b].append(s)
+            if used + size <= max_tokens:
+                bins[b].append(item)
                 sizes[b] += size
                 break
         else:
-            bins.append([s])
+            bins.append([item])
             sizes.append(size)
-    return [_micro_batch(b, prefix, device) for b in bins]
+    return [_micro_batch(b, device) for b in bins]
 
 
-def _micro_batch(seqs: list[Sequence], prefix: int, device: torch.device | str = "cpu") -> MicroBatch:
-    ids, pos = list(seqs[0].tokens[:prefix]), list(range(prefix))
+def _micro_batch(items: list[Family], device: torch.device | str = "cpu") -> MicroBatch:
+    ids: list[int] = []
+    pos: list[int] = []
+    lengths, context, seq_ids = [], [], []
     positions, targets, old, adv, seq_of = [], [], [], [], []
-    for j, s in enumerate(seqs):
-        start = len(ids)  # row index of this sequence's token ``prefix``
-        ids += s.tokens[prefix:]
-        pos += range(prefix, len(s.tokens))
-        for t in range(1, len(s.tokens)):  # token 0 has no prediction inside its sequence
-            if s.trained[t]:
-                before = t - 1  # the position whose logits predict token t
-                positions.append(before if before < prefix else start + before - prefix)
-                targets.append(s.tokens[t])
-                old.append(s.old_logprobs[t])
-                adv.append(s.advantage if s.turn_advantages is None else s.turn_advantages[s.turn[t]])
-                seq_of.append(j)
+    for prefix, members in items:
+        head = len(ids)  # row index of the shared prefix
+        if prefix:
+            ids += members[0].tokens[:prefix]
+            pos += range(prefix)
+            lengths.append(prefix)
+            context.append(-1)
+        parent = len(lengths) - 1 if prefix else -1
+        for s in members:
+            start = len(ids)  # row index of this sequence's token ``prefix``
+            ids += s.tokens[prefix:]
+            pos += range(prefix, len(s.tokens))
+            lengths.append(len(s.tokens) - prefix)
+            context.append(parent)
+            for t in range(1, len(s.tokens)):  # token 0 has no prediction inside its sequence
+                if s.trained[t]:
+                    before = t - 1  # the position whose logits predict token t
+                    positions.append(head + before if before < prefix else start + before - prefix)
+                    targets.append(s.tokens[t])
+                    old.append(s.old_logprobs[t])
+                    adv.append(s.advantage if s.turn_advantages is None else s.turn_advantages[s.turn[t]])
+                    seq_of.append(len(seq_ids))
+            seq_ids.append(s.index)
     return MicroBatch(
         input_ids=torch.tensor([ids], device=device),
         position_ids=torch.tensor([pos], device=device),
-        lengths=[len(s.tokens) - prefix for s in seqs],
-        prefix=prefix,
+        lengths=lengths,
+        context=context,
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         targets=torch.tensor(targets, dtype=torch.long, device=device),
         old_logprobs=torch.tensor(old, dtype=torch.float32, device=device),
         advantages=torch.tensor(adv, dtype=torch.float32, device=device),
         seq=torch.tensor(seq_of, dtype=torch.long, device=device),
-        n_seqs=len(seqs),
-        seq_ids=[s.index for s in seqs],
+        n_seqs=len(seq_ids),
+        seq_ids=seq_ids,
     )

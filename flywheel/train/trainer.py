@@ -131,7 +131,7 @@ class Trainer:
         with torch.autocast(self.engine.model.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = self.engine.model(
                 input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-                logits_to_keep=mb.positions, kv_batch=PackedBatch(mb.lengths, mb.prefix),
+                logits_to_keep=mb.positions, kv_batch=PackedBatch(mb.lengths, mb.context),
             )
         return out.logits[0].float()
 
