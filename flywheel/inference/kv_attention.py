@@ -119,7 +119,7 @@ class PackedBatch:
     is stored and computed once, and each rollout's own tokens follow it as segments of their own."""
 
     lengths: list[int]  # of each segment, in row order
-    context: list[int] | None = None  # per segment, the earlier segment it continues, or -1 (None: all -1)
+    context: list[int]  # per segment, the earlier segment it continues, or -1
     _layout: tuple[torch.Tensor, ...] | None = field(default=None, init=False, repr=False)
 
     def layout(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,19 +129,19 @@ class PackedBatch:
         [S, 1, n, c + n] over that context and the segment itself (causal). Computed once for all layers."""
         if self._layout is None:
             lengths = torch.tensor(self.lengths, device=device)
-            context = torch.tensor(self.context or [-1] * len(self.lengths), device=device)
+            context = torch.tensor(self.context, device=device)
             starts = torch.cumsum(lengths, 0) - lengths
             n = max(self.lengths)
             pos = torch.arange(n, device=device)
             valid = pos[None] < lengths[:, None]
             index = torch.where(valid, starts[:, None] + pos[None], 0)
             own = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # causal, real keys only
-            has = context >= 0
-            context_lengths = torch.where(has, lengths[context.clamp(min=0)], 0)
+            parent = context.clamp(min=0)  # -1 (none) reads segment 0, masked out below
+            context_lengths = torch.where(context >= 0, lengths[parent], 0)
             c = int(context_lengths.max())
             cpos = torch.arange(c, device=device)
             seen = cpos[None] < context_lengths[:, None]  # [S, c]
-            context_index = torch.where(seen, starts[context.clamp(min=0)][:, None] + cpos[None], 0)
+            context_index = torch.where(seen, starts[parent][:, None] + cpos[None], 0)
             mask = torch.cat([seen[:, None, :].expand(-1, n, -1), own], dim=2)[:, None]
             self._layout = (index, valid, context_index, mask)
         return self._layout

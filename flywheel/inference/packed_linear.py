@@ -118,7 +118,7 @@ class PackedLinears:
 
     def _forward_of(self, module: nn.Linear):
         def forward(x: torch.Tensor) -> torch.Tensor:
-            out = self.concat(x, (module,))
+            out = self._apply(x, (module,))  # one plain linear: none of concat's group checks apply
             return F.linear(x, module.weight, module.bias) if out is None else out
 
         return forward

@@ -155,7 +155,7 @@ def families(sequences: list[Sequence]) -> list[Family]:
     order = sorted(sequences, key=lambda s: s.tokens)
     # shared[j]: what order[j] and order[j + 1] share, leaving each at least one token
     shared = [min(common_prefix(a.tokens, b.tokens), len(a.tokens) - 1, len(b.tokens) - 1) for a, b in zip(order, order[1:])]
-    saved, start = [0] * (len(order) + 1), list(range(-1, len(order)))  # best over order[:i]; its last family's start
+    saved, start = [0] * (len(order) + 1), [0] * (len(order) + 1)  # best over order[:i]; its last family's start
     for i in range(1, len(order) + 1):
         saved[i], start[i], prefix = saved[i - 1], i - 1, len(order[i - 1].tokens)
         for j in range(i - 2, -1, -1):  # order[j:i] as one family
@@ -179,7 +179,7 @@ def _split(family: Family, max_tokens: int) -> list[Family]:
     prefix, members = family
     parts: list[Family] = [(prefix, [])]
     for s in members:
-        if parts[-1][1] and prefix + sum(len(m.tokens) - prefix for m in parts[-1][1]) + len(s.tokens) - prefix > max_tokens:
+        if parts[-1][1] and _size(parts[-1]) + len(s.tokens) - prefix > max_tokens:
             parts.append((prefix, []))
         parts[-1][1].append(s)
     return [(p if len(m) > 1 else 0, m) for p, m in parts]
