@@ -24,6 +24,8 @@ def trim_heap() -> None:
 
 
 def release_free_memory() -> None:
-    """Collect garbage, then trim the heap: between phases (sampling, a weight update)."""
-    gc.collect()
+    """Collect young garbage, then trim the heap: between phases (sampling, a weight update). Only generations 0
+    and 1: what a phase leaves in reference cycles is young, and a full collection walks every object of the
+    process (~540k with transformers and peft loaded: ~0.3 s, twice per training step, freeing nothing)."""
+    gc.collect(1)
     trim_heap()

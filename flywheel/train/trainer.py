@@ -23,6 +23,7 @@ from flywheel.inference.kv_attention import PackedBatch
 from flywheel.train.batch import MicroBatch, Sequence, pack, trajectory_sequences
 from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
 from flywheel.train.credit import credit_advantages, has_signal, total_reward
+from flywheel.train.logprobs import token_logprobs
 from flywheel.train.loss import policy_loss
 from flywheel.types import Trajectory, TrajectoryGroup
 
@@ -32,6 +33,17 @@ log = logging.getLogger(__name__)
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file name
 FULL_WEIGHTS = "model.safetensors"
 ENTROPY_CHUNK = 256  # rows per entropy chunk: [256, V] temporaries instead of [K, V]
+
+
+# models whose logits are exactly ``lm_head(model(...).last_hidden_state)``: no logit scaling or soft-capping
+PLAIN_HEAD_MODELS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+
+
+def fuses_head(model: PreTrainedModel) -> bool:
+    """Whether the trainer takes log-probs from hidden states and the output embedding (``token_logprobs``) rather
+    than from the model's logits: a known plain head, an ``nn.Linear`` without bias (not, e.g., a LoRA layer)."""
+    head = model.get_output_embeddings()
+    return type(model).__name__ in PLAIN_HEAD_MODELS and type(head) is torch.nn.Linear and head.bias is None
 
 
 def checkpoint_settings(directory: Path) -> LoraSettings:
@@ -84,6 +96,7 @@ class Trainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.step = 0
         self.autocast = engine.model.dtype == torch.bfloat16
+        self.fused_head = fuses_head(engine.model)
 
     # ---- mixed precision ---------------------------------------------------------------------------------------
     # The trained weights (adapters, or all weights) live in the model's dtype, so the sampler uses them without
@@ -126,23 +139,25 @@ class Trainer:
 
     # ---- forward pieces --------------------------------------------------------------------------------------
 
-    def _logits(self, mb: MicroBatch) -> torch.Tensor:
-        """Logits only at the positions that predict trained tokens: [K, V] in fp32."""
-        with torch.autocast(self.engine.model.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            out = self.engine.model(
-                input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-                logits_to_keep=mb.positions, kv_batch=PackedBatch(mb.lengths, mb.context),
-            )
-        return out.logits[0].float()
-
     def _token_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probabilities of the trained tokens (differentiable) and the entropy at each (a metric only, taken
-        in chunks without grad: [K, V] temporaries are ~0.4 GB each at K=2048)."""
-        logp_all = torch.log_softmax(self._logits(mb), dim=-1)
-        logp = logp_all.gather(-1, mb.targets[:, None])[:, 0]
-        with torch.no_grad():
+        """Log-probabilities of the trained tokens (differentiable, fp32) and the entropy at each (a metric only)."""
+        model = self.engine.model
+        inputs = dict(
+            input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, kv_batch=PackedBatch(mb.lengths, mb.context)
+        )
+        with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            if self.fused_head:  # hidden states only at the positions that predict trained tokens: [K, d]
+                hidden = model.model(**inputs).last_hidden_state[0, mb.positions]
+            else:
+                logits = model(**inputs, logits_to_keep=mb.positions).logits[0].float()  # [K, V]
+        if self.fused_head:
+            weight = model.lm_head.weight
+            dtype = torch.bfloat16 if self.autocast else weight.dtype
+            return token_logprobs(hidden.to(dtype), weight.to(dtype), mb.targets)
+        logp_all = torch.log_softmax(logits, dim=-1)
+        with torch.no_grad():  # in chunks: [K, V] temporaries are ~0.4 GB each at K=2048
             entropy = torch.cat([-(c.exp() * c).sum(-1) for c in logp_all.detach().split(ENTROPY_CHUNK)])
-        return logp, entropy
+        return logp_all.gather(-1, mb.targets[:, None])[:, 0], entropy
 
     def _optimizer(self, lr: float, weight_decay: float) -> torch.optim.Optimizer:
         if self.optimizer is None:
