@@ -347,3 +347,32 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradients(t
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(recomputed, gradients(True)))
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_training_attention_is_as_accurate_as_flash_attention(dtype):
+    """The matmul attention of small packed micro-batches against torch's SDPA, both measured from a float64
+    reference: outputs and all three input gradients, with padded, masked keys as the packing makes them."""
+    from flywheel.inference.kv_attention import _small_attention
+
+    gen = torch.Generator().manual_seed(0)
+    segments, heads, kv_heads, n, m, dim = 5, 9, 3, 20, 36, 64
+    q, k, v = (torch.randn(segments, h, length, dim, generator=gen, dtype=torch.float64) for h, length in ((heads, n), (kv_heads, m), (kv_heads, m)))
+    seen = torch.arange(m)[None, :] < torch.randint(n + 1, m + 1, (segments,), generator=gen)[:, None]  # [S, m]
+    mask = (seen[:, None, :] & (torch.arange(m)[None, :] <= torch.arange(n)[:, None] + m - n))[:, None]  # [S, 1, n, m]
+    out_grad = torch.randn(segments, heads, n, dim, generator=gen, dtype=torch.float64)
+
+    def run(fn, dt):
+        inputs = [t.to(dt, copy=True).requires_grad_() for t in (q, k, v)]
+        out = fn(*inputs)
+        out.backward(out_grad.to(dt))
+        return [out.detach().double()] + [t.grad.double() for t in inputs]
+
+    def sdpa(q_, k_, v_):
+        return torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=dim**-0.5, enable_gqa=True)
+
+    exact = run(sdpa, torch.float64)
+    small = run(lambda q_, k_, v_: _small_attention(q_, k_, v_, mask, dim**-0.5), dtype)
+    flash = run(sdpa, dtype)
+    for s, f, e in zip(small, flash, exact):
+        assert (s - e).norm() <= 2 * (f - e).norm() + 1e-9 * e.norm()
