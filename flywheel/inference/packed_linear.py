@@ -124,12 +124,17 @@ class PackedLinears:
         return forward
 
 
-def _adapter(module: nn.Module) -> str | None:
-    """The one adapter through which a peft LoRA layer would run now, if it is plain LoRA that ``concat`` can
-    stack: active, unmerged, no DoRA or other variant, no bias of its own, in eval mode (no dropout)."""
-    if type(module) is not LoraLinear or module.training or module.disable_adapters or module.merged:
+def plain_adapter(module: nn.Module) -> str | None:
+    """The one adapter through which a peft LoRA layer would run now, if it is plain LoRA: active, unmerged, no
+    DoRA or other variant, no bias of its own, over a plain linear. None for anything else."""
+    if type(module) is not LoraLinear or module.disable_adapters or module.merged:
         return None
     active = [a for a in module.active_adapters if a in module.lora_A]
     if len(active) != 1 or active[0] in module.lora_variant or type(module.base_layer) is not nn.Linear:
         return None
     return active[0] if module.lora_B[active[0]].bias is None else None
+
+
+def _adapter(module: nn.Module) -> str | None:
+    """``plain_adapter``, in eval mode (no dropout): what ``concat`` can stack."""
+    return None if module.training else plain_adapter(module)

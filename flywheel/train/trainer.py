@@ -24,6 +24,7 @@ from flywheel.train.batch import MicroBatch, Sequence, pack, trajectory_sequence
 from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
 from flywheel.train.credit import credit_advantages, has_signal, total_reward
 from flywheel.train.logprobs import token_logprobs
+from flywheel.train.lora import fuse_training_forward
 from flywheel.train.loss import policy_loss
 from flywheel.types import Trajectory, TrajectoryGroup
 
@@ -85,6 +86,7 @@ class Trainer:
             else:
                 # peft swaps the target Linear layers in place, so the engine's forward uses the adapter too
                 self.peft = get_peft_model(engine.model, _lora_config(self.lora))
+                fuse_training_forward(engine.model)
                 engine.model.eval()  # the new layers start in train mode: no adapter dropout while sampling
         trained = self.peft if self.peft is not None else engine.model
         named = [(n, p) for n, p in trained.named_parameters() if p.requires_grad]
