@@ -73,6 +73,22 @@ def test_a_decoding_cache_keeps_its_capacity_close_to_the_longest_row():
     assert cache.capacity == 2048
 
 
+def test_emptying_keeps_small_buffers_zeroed_and_gives_large_ones_back(monkeypatch):
+    """Around a training step the caches are emptied: small buffers stay (the next sampling phase would grow them
+    again), zeroed; buffers over KEEP_BYTES are released."""
+    from flywheel.inference import kv_attention
+
+    cache = SlotKVCache(2, 1, 4, dtype=torch.float32, device="cpu")
+    cache.fit(3, 40)
+    cache.k[1][2, 0, :40] = 1.0
+    buffer = cache.k[1]
+    cache.empty()
+    assert cache.k[1] is buffer and (cache.rows, cache.capacity) != (0, 0) and not any(t.any() for t in cache.k + cache.v)
+    monkeypatch.setattr(kv_attention, "KEEP_BYTES", buffer.nbytes * 4 - 1)  # 4 buffers: one byte too many
+    cache.empty()
+    assert (cache.rows, cache.capacity) == (0, 0) and cache.k == []
+
+
 async def test_shared_system_prompt_is_reused_without_changing_results(fp32_engine: InferenceEngine, tokenizer):
     engine = fp32_engine
     pc = engine.prefix_cache

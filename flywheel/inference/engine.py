@@ -207,12 +207,12 @@ class InferenceEngine:
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
         """Hold the model between engine steps (for a weight update); decoding resumes on exit. Cached
-        prefixes were computed with the old weights, so they are dropped. With nothing decoding, the KV buffers
+        prefixes were computed with the old weights, so they are dropped. With nothing decoding, large KV buffers
         are given back first, so that a training step's activations and the sampler's cache never add up. So are
         the packed copies of trainable weights: they will change, and are packed again on the next forward."""
         with self._model_lock:
             if not self._running:
-                self.cache.release()
+                self.cache.empty()
             self._drop_derived_state()
             try:
                 yield

@@ -94,7 +94,7 @@ class PrefixCache:
         self.entries.clear()
         self.logits.clear()
         self.free, self.allocated = [], 0
-        self.store.release()
+        self.store.empty()
 
 
 def copy_rows(src: SlotKVCache, src_row: int, dst: SlotKVCache, dst_row: int, length: int) -> None:
