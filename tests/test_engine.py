@@ -285,6 +285,7 @@ def test_llama_forward_gives_the_hf_forwards_logits(tokenizer, dtype):
 
     from flywheel.inference import llama_forward
     from flywheel.inference.kv_attention import DecodeBatch, PrefillBatch
+    from flywheel.inference.lora import fuse_lora_forward
     from flywheel.inference.loading import EMBEDDED_MODEL, load_model
 
     model, tok, _ = load_model(EMBEDDED_MODEL, dtype=dtype)
@@ -316,7 +317,7 @@ def test_llama_forward_gives_the_hf_forwards_logits(tokenizer, dtype):
                 if exact:
                     assert torch.equal(fast, hf)
                 else:
-                    torch.testing.assert_close(fast, hf, rtol=1e-5, atol=1e-4)
+                    torch.testing.assert_close(fast, hf, rtol=1e-5, atol=5e-4)
             return out
 
         stacks = engine._packed._packed if engine._packed is not None else {}  # where this CPU packs this dtype
@@ -335,8 +336,9 @@ def test_llama_forward_gives_the_hf_forwards_logits(tokenizer, dtype):
                 peft_model.set_adapter(name)
             for p in model.parameters():  # adapters in the model's dtype, as the trainer keeps them
                 p.data = p.data.to(dtype)
+            fuse_lora_forward(model)  # as the trainer does: the layers' forward is the stacked groups' addmm
             model.eval()
-            # peft runs A and B through torch's linear: oneDNN in bf16 (the same kernels, so exact), MKL in fp32
+            # the layers run A through torch's linear: oneDNN in bf16 (the same kernels, so exact), MKL in fp32
             # (another summation order than the stacked oneDNN GEMMs, so equal to rounding)
             adapted = both(exact=dtype == torch.bfloat16 or engine._packed is None)
             assert not torch.equal(adapted[0], plain[0])  # the adapter acts

@@ -7,9 +7,10 @@ and 44 ms with weights packed once (docs/benchmarks.md). The engine therefore pa
 samples with it and reuses the packed copy until the weight changes (a training step, a checkpoint load).
 
 Linears that read the same input (q/k/v, gate/up) can run as one GEMM on their stacked weights (``concat``), and
-so can peft's LoRA layers: their base weights and A matrices stacked, then one GEMM with the B matrices set out
-block-diagonally, instead of three small GEMMs per layer and peft's per-call Python (a LoRA decode step of
-SmolLM2-135M at 32 rows: 92 -> 68 ms in bf16, bit-identical to peft's forward).
+so can peft's LoRA layers: their base weights and A matrices stacked, then the B matrices, set out
+block-diagonally, in one ``addmm`` onto the base outputs (``inference/lora.py``, whose layer forward computes the
+same), instead of three small GEMMs per layer and peft's per-call Python (a LoRA decode step of SmolLM2-135M at
+32 rows: 92 -> ~65 ms in bf16).
 
 Only inference uses the packed copies: the packed op has no backward, so training runs the layers unchanged.
 The packed copies cost one more copy of the linear weights in memory.
@@ -21,8 +22,9 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from peft.tuners.lora import Linear as LoraLinear
 from torch import nn
+
+from flywheel.inference.lora import add_lora, plain_adapter
 
 log = logging.getLogger(__name__)
 ROWS_HINT = 32  # the kernel is chosen for this many rows; it runs any number (prefill, decode)
@@ -78,18 +80,24 @@ class PackedLinears:
         if joint is None:
             return None
         out = sum(m.out_features for m in group)
-        delta = self._apply(joint[..., out:], group, adapters, block_b=True)
-        return joint[..., :out] + delta * group[0].scaling[adapters[0]]
+        return add_lora(joint[..., :out], joint[..., out:], self._block_b(group, adapters), group[0].scaling[adapters[0]])
 
-    def _apply(
-        self, x: torch.Tensor, group: tuple[nn.Module, ...], adapters: list[str] | None = None, block_b: bool = False,
-    ) -> torch.Tensor | None:
+    def _block_b(self, group: tuple[nn.Module, ...], adapters: list[str]) -> torch.Tensor:
+        """The group's B matrices block-diagonal, transposed ([sum of ranks, sum of outputs]), cached like the
+        packed weights: the A outputs of each layer meet only its own B."""
+        weights = [m.lora_B[a].weight for m, a in zip(group, adapters)]
+        key = tuple((w.data_ptr(), w._version) for w in weights)
+        slot = (group, True)
+        entry = self._packed.get(slot)
+        if entry is None or entry[0] != key:
+            entry = self._packed[slot] = (key, torch.block_diag(*weights).T.contiguous(), None)
+        return entry[1]
+
+    def _apply(self, x: torch.Tensor, group: tuple[nn.Module, ...], adapters: list[str] | None = None) -> torch.Tensor | None:
         """``x`` through one packed GEMM: for plain linears their stacked weights; for LoRA layers the base weights
-        stacked over the A matrices, or (``block_b``) the B matrices block-diagonal."""
+        stacked over the A matrices."""
         if adapters is None:
             weights, biases = [m.weight for m in group], [m.bias for m in group]
-        elif block_b:
-            weights, biases = [m.lora_B[a].weight for m, a in zip(group, adapters)], [None]
         else:
             weights = [m.base_layer.weight for m in group] + [m.lora_A[a].weight for m, a in zip(group, adapters)]
             biases = [m.base_layer.bias for m in group]
@@ -99,11 +107,11 @@ class PackedLinears:
         if any(w.dtype != first.dtype for w in weights):
             return None
         key = tuple((w.data_ptr(), w._version) for w in weights)
-        slot = (group, block_b)
+        slot = (group, False)
         entry = self._packed.get(slot)
         try:
             if entry is None or entry[0] != key:
-                weight = torch.block_diag(*weights) if block_b else torch.cat(weights) if len(weights) > 1 else first
+                weight = torch.cat(weights) if len(weights) > 1 else first
                 bias = None if biases[0] is None else torch.cat(biases)
                 if bias is not None and adapters is not None:  # the A rows add nothing
                     bias = torch.cat([bias, bias.new_zeros(weight.shape[0] - bias.shape[0])])
@@ -124,17 +132,6 @@ class PackedLinears:
         return forward
 
 
-def plain_adapter(module: nn.Module) -> str | None:
-    """The one adapter through which a peft LoRA layer would run now, if it is plain LoRA: active, unmerged, no
-    DoRA or other variant, no bias of its own, over a plain linear. None for anything else."""
-    if type(module) is not LoraLinear or module.disable_adapters or module.merged:
-        return None
-    active = [a for a in module.active_adapters if a in module.lora_A]
-    if len(active) != 1 or active[0] in module.lora_variant or type(module.base_layer) is not nn.Linear:
-        return None
-    return active[0] if module.lora_B[active[0]].bias is None else None
-
-
 def _adapter(module: nn.Module) -> str | None:
-    """``plain_adapter``, in eval mode (no dropout): what ``concat`` can stack."""
+    """``plain_adapter``, in eval mode: what ``concat`` can stack."""
     return None if module.training else plain_adapter(module)

@@ -20,11 +20,11 @@ from transformers import PreTrainedModel
 
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.kv_attention import PackedBatch
+from flywheel.inference.lora import fuse_lora_forward
 from flywheel.train.batch import MicroBatch, Sequence, pack, trajectory_sequences
 from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
 from flywheel.train.credit import credit_advantages, has_signal, total_reward
 from flywheel.train.logprobs import token_logprobs
-from flywheel.train.lora import fuse_training_forward
 from flywheel.train.loss import policy_loss
 from flywheel.types import Trajectory, TrajectoryGroup
 
@@ -67,6 +67,7 @@ def load_for_serving(model: PreTrainedModel, directory: Path) -> None:
         unexpected = model.load_state_dict(load_file(str(directory / FULL_WEIGHTS)), strict=False).unexpected_keys
     else:
         peft = get_peft_model(model, _lora_config(settings))  # injects the adapter into ``model`` in place
+        fuse_lora_forward(model)
         unexpected = set_peft_model_state_dict(peft, load_file(str(directory / ADAPTER_WEIGHTS))).unexpected_keys
     if unexpected:
         raise ValueError(f"checkpoint {directory} does not match model {model.name_or_path}: {unexpected[:3]}")
@@ -86,7 +87,7 @@ class Trainer:
             else:
                 # peft swaps the target Linear layers in place, so the engine's forward uses the adapter too
                 self.peft = get_peft_model(engine.model, _lora_config(self.lora))
-                fuse_training_forward(engine.model)
+                fuse_lora_forward(engine.model)
                 engine.model.eval()  # the new layers start in train mode: no adapter dropout while sampling
         trained = self.peft if self.peft is not None else engine.model
         named = [(n, p) for n, p in trained.named_parameters() if p.requires_grad]
