@@ -207,17 +207,21 @@ class InferenceEngine:
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
         """Hold the model between engine steps (for a weight update); decoding resumes on exit. Cached
-        prefixes were computed with the old weights, so they are dropped. With nothing decoding, large KV buffers
+        prefixes were computed with the old weights, so they are dropped. With nothing decoding, the KV buffers
         are given back first, so that a training step's activations and the sampler's cache never add up. So are
         the packed copies of trainable weights: they will change, and are packed again on the next forward."""
         with self._model_lock:
             if not self._running:
-                self.cache.empty()
+                # released, not kept (SlotKVCache.empty): decoding attends over the whole capacity, and a kept one
+                # would start the next phase at the last phase's longest length (~2x the resizes' cost in attention)
+                self.cache.release()
             self._drop_derived_state()
+            release_free_memory()  # what sampling held goes back to the OS before the update allocates
             try:
                 yield
             finally:
                 self._drop_derived_state()
+                release_free_memory()  # the update's activations, before sampling grows its KV buffers
 
     def _drop_derived_state(self) -> None:
         """Forget what was computed from weights that may change (cached prefixes, packed trainable weights)."""
@@ -225,7 +229,6 @@ class InferenceEngine:
             self.prefix_cache.clear()
         if self._packed is not None:
             self._packed.drop_trainable()
-        release_free_memory()
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the engine's worker thread, between two decode steps, and return its result.

@@ -25,7 +25,7 @@ from flywheel.inference.memory import trim_heap
 ATTN_IMPLEMENTATION = "flywheel"
 ROW_STEP, CAPACITY_STEP, CAPACITY_GROWTH = 8, 128, 1.25
 WINDOW_STEP = 64  # a decoding cache's capacity stays within [need, need + 2 steps): see SlotKVCache.fit
-KEEP_BYTES = 256 << 20  # KV buffers up to this size stay allocated across a training step (SlotKVCache.empty)
+KEEP_BYTES = 256 << 20  # a prefix store up to this size stays allocated across a training step (SlotKVCache.empty)
 SMALL_SCORES = 1 << 22  # training attention with fewer scores than this per layer runs as plain matmuls (<= 24 MB held)
 
 
@@ -98,9 +98,9 @@ class SlotKVCache:
         self.rows, self.capacity = 0, 0
 
     def empty(self) -> None:
-        """Forget what is stored: buffers of up to KEEP_BYTES are kept, zeroed (growing them again, as every
-        sampling phase would after a training step, costs ~0.3 s: fresh pages, zeroing, copies); larger ones are
-        released, so that a training step's activations and a large cache never add up."""
+        """Forget what is stored: buffers of up to KEEP_BYTES are kept, zeroed (a prefix store grows one entry at
+        a time, and growing it again after every training step cost ~0.15 s: fresh pages, zeroing, copies); larger
+        ones are released, so that a training step's activations and a large cache never add up."""
         if sum(t.nbytes for t in self.k + self.v) > KEEP_BYTES:
             self.release()
             return
