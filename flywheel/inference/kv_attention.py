@@ -160,6 +160,7 @@ class PackedBatch:
             self._layout = (index, context_index, valid.flatten().nonzero()[:, 0], mask)
         return self._layout
 
+
 @dataclass
 class DecodeBatch:
     """One new token for each of rows 0..B-1; ``lengths[b]`` tokens are already cached for row b. Attention

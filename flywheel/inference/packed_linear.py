@@ -19,6 +19,7 @@ The packed copies cost one more copy of the linear weights in memory.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -86,12 +87,18 @@ class PackedLinears:
         """The group's B matrices block-diagonal, transposed ([sum of ranks, sum of outputs]), cached like the
         packed weights: the A outputs of each layer meet only its own B."""
         weights = [m.lora_B[a].weight for m, a in zip(group, adapters)]
+        return self._cached((group, True), weights, lambda: (torch.block_diag(*weights).T.contiguous(), None))[0]
+
+    def _cached(
+        self, slot: tuple, weights: list[torch.Tensor], build: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What ``build()`` made from ``weights`` for ``slot``, made again only once a weight was replaced or
+        updated in place (its storage or version changed)."""
         key = tuple((w.data_ptr(), w._version) for w in weights)
-        slot = (group, True)
         entry = self._packed.get(slot)
         if entry is None or entry[0] != key:
-            entry = self._packed[slot] = (key, torch.block_diag(*weights).T.contiguous(), None)
-        return entry[1]
+            entry = self._packed[slot] = (key, *build())
+        return entry[1:]
 
     def _apply(self, x: torch.Tensor, group: tuple[nn.Module, ...], adapters: list[str] | None = None) -> torch.Tensor | None:
         """``x`` through one packed GEMM: for plain linears their stacked weights; for LoRA layers the base weights
@@ -106,17 +113,17 @@ class PackedLinears:
             return None
         if any(w.dtype != first.dtype for w in weights):
             return None
-        key = tuple((w.data_ptr(), w._version) for w in weights)
-        slot = (group, False)
-        entry = self._packed.get(slot)
+
+        def pack() -> tuple[torch.Tensor, torch.Tensor | None]:
+            weight = torch.cat(weights) if len(weights) > 1 else first
+            bias = None if biases[0] is None else torch.cat(biases)
+            if bias is not None and adapters is not None:  # the A rows add nothing
+                bias = torch.cat([bias, bias.new_zeros(weight.shape[0] - bias.shape[0])])
+            return torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT), bias
+
         try:
-            if entry is None or entry[0] != key:
-                weight = torch.cat(weights) if len(weights) > 1 else first
-                bias = None if biases[0] is None else torch.cat(biases)
-                if bias is not None and adapters is not None:  # the A rows add nothing
-                    bias = torch.cat([bias, bias.new_zeros(weight.shape[0] - bias.shape[0])])
-                entry = self._packed[slot] = (key, torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT), bias)
-            out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), entry[1], entry[2], "none", [], "")
+            packed, bias = self._cached((group, False), weights, pack)
+            out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
         except RuntimeError as exc:  # a oneDNN build or CPU without this kernel: slower, never broken
             log.warning("pre-packed linear weights unavailable (%s); sampling with plain linears", exc)
             self.failed = True

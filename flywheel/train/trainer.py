@@ -154,7 +154,7 @@ class Trainer:
             else:
                 logits = model(**inputs, logits_to_keep=mb.positions).logits[0].float()  # [K, V]
         if self.fused_head:
-            weight = model.lm_head.weight
+            weight = model.get_output_embeddings().weight  # the head fuses_head checked
             dtype = torch.bfloat16 if self.autocast else weight.dtype
             return token_logprobs(hidden.to(dtype), weight.to(dtype), mb.targets)
         logp_all = torch.log_softmax(logits, dim=-1)
