@@ -402,6 +402,9 @@ def test_fused_lora_training_forward_gives_peft_gradients_and_leaves_dropout_to_
         model, tok, _ = load_model(EMBEDDED_MODEL, dtype=dtype)
         engine = InferenceEngine(model, tok)
         try:
+            # peft draws the A matrices from torch's global generator: seeded, the adapter (and so the bf16
+            # rounding compared below) does not depend on which tests ran before
+            torch.manual_seed(0)
             trainer = Trainer(engine, LoraSettings(rank=4, dropout=dropout))
             layers = [m for m in model.modules() if type(m) is LoraLinear]
             assert layers and all("forward" in vars(m) for m in layers)  # the fused forward is installed
