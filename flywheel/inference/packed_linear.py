@@ -19,10 +19,11 @@ The packed copies cost one more copy of the linear weights in memory.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from peft.tuners.lora import Linear as LoraLinear
 from torch import nn
 
 from flywheel.inference.lora import add_lora, plain_adapter
@@ -41,104 +42,114 @@ def packing_available(model: nn.Module) -> bool:
     return p.dtype == torch.float32
 
 
+class _Plan(NamedTuple):
+    """How a group of linears runs, valid while its modules keep ``state`` and its ``weights`` their ``key``."""
+
+    state: tuple
+    weights: tuple[torch.Tensor, ...]  # what the packed copies are made of: base weights, A and B matrices
+    key: tuple  # their storage and version when planned: a weight replaced or updated in place shows here
+    packed: torch.Tensor | None  # the stacked base weights (and A matrices), packed; None: the modules run
+    bias: torch.Tensor | None
+    out: int  # width of the base outputs (the A outputs follow them)
+    b_t: torch.Tensor | None  # LoRA: the B matrices block-diagonal, transposed ([sum of ranks, out])
+    scaling: float
+
+
 class PackedLinears:
     """Routes every ``nn.Linear`` of ``model`` through a packed copy of its weight under ``torch.inference_mode``,
     and runs groups of linears that read the same input (``concat``) as one GEMM on their stacked weights.
 
-    A packed copy is keyed on its weights' storage and version, so a weight replaced (``p.data = ...``) or updated
-    in place (``p.copy_(...)``) is packed again on next use. Packing runs on the calling thread, which for the
-    engine is its worker thread (see ``InferenceEngine.call`` on why torch work stays on one thread). A LoRA
-    model samples through peft's layers, whose base layers are these."""
+    What a group needs (whether it stacks, the packed weights, B block-diagonal) is planned once and kept while the
+    modules' adapter state and the weights' storage and version stay the same: a weight replaced (``p.data =
+    ...``) or updated in place (``p.copy_(...)``) is packed again on next use. Checking that costs a few
+    microseconds a group, where planning each call cost ~60 (peft's attribute lookups): ~8 ms of an 80 ms decode
+    step. Packing runs on the calling thread, which for the engine is its worker thread (see
+    ``InferenceEngine.call`` on why torch work stays on one thread). A LoRA model samples through peft's layers,
+    whose base layers are these."""
 
     def __init__(self, model: nn.Module):
-        # (modules, B matrices?) -> (their weights' storage and version, packed weight, bias)
-        self._packed: dict[tuple[tuple[nn.Module, ...], bool], tuple[tuple, torch.Tensor, torch.Tensor | None]] = {}
+        self._plans: dict[tuple[nn.Module, ...], _Plan] = {}
         self.failed = False  # oneDNN refused to pack on this machine: plain linears from then on
         for module in model.modules():
             if type(module) is nn.Linear:  # not subclasses (quantised layers and the like); peft's wrap these
                 module.forward = self._forward_of(module)
 
     def drop_trainable(self) -> None:
-        """Before a weight update (the engine's exclusive hold): drop the packed copies that hold trainable weights,
-        which are about to change (they are packed again on next use). Copies of frozen weights alone stay."""
-        for slot in [s for s in self._packed if any(p.requires_grad for m in s[0] for p in m.parameters())]:
-            del self._packed[slot]
+        """Before a weight update (the engine's exclusive hold): drop the plans that hold trainable weights, which
+        are about to change (they are packed again on next use). Plans of frozen weights alone stay."""
+        for group in [g for g, plan in self._plans.items() if any(w.requires_grad for w in plan.weights)]:
+            del self._plans[group]
 
     def concat(self, x: torch.Tensor, group: tuple[nn.Module, ...]) -> torch.Tensor | None:
         """The outputs of the linears ``group`` on ``x``, concatenated on the last dimension, from one GEMM on
         their stacked weights (q/k/v or gate/up: fewer, larger calls, bit-identical to separate ones). The group
-        may be plain linears or peft LoRA layers with one plain adapter each (``_adapter``). None where neither
-        applies (a mix, DoRA, merged or several adapters, a mix of biases, training, no packing here): the caller
-        then calls the modules themselves."""
-        if all(type(m) is nn.Linear for m in group):
-            if len({m.bias is None for m in group}) > 1:
-                return None
-            return self._apply(x, group)
-        adapters = [_adapter(m) for m in group]
-        if None in adapters or len({m.scaling[a] for m, a in zip(group, adapters)}) > 1:
+        may be plain linears or peft LoRA layers with one plain adapter each (``plain_adapter``), whose B matrices
+        then add onto the base outputs in one ``addmm``. None where neither applies (a mix, DoRA, merged or several
+        adapters, a mix of biases, training, no packing here): the caller then calls the modules themselves."""
+        if self.failed or x.device.type != "cpu" or not torch.is_inference_mode_enabled():
             return None
-        joint = self._apply(x, group, adapters)  # [..., base outputs then the A outputs]
-        if joint is None:
-            return None
-        out = sum(m.out_features for m in group)
-        return add_lora(joint[..., :out], joint[..., out:], self._block_b(group, adapters), group[0].scaling[adapters[0]])
-
-    def _block_b(self, group: tuple[nn.Module, ...], adapters: list[str]) -> torch.Tensor:
-        """The group's B matrices block-diagonal, transposed ([sum of ranks, sum of outputs]), cached like the
-        packed weights: the A outputs of each layer meet only its own B."""
-        weights = [m.lora_B[a].weight for m, a in zip(group, adapters)]
-        return self._cached((group, True), weights, lambda: (torch.block_diag(*weights).T.contiguous(), None))[0]
-
-    def _cached(
-        self, slot: tuple, weights: list[torch.Tensor], build: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What ``build()`` made from ``weights`` for ``slot``, made again only once a weight was replaced or
-        updated in place (its storage or version changed)."""
-        key = tuple((w.data_ptr(), w._version) for w in weights)
-        entry = self._packed.get(slot)
-        if entry is None or entry[0] != key:
-            entry = self._packed[slot] = (key, *build())
-        return entry[1:]
-
-    def _apply(self, x: torch.Tensor, group: tuple[nn.Module, ...], adapters: list[str] | None = None) -> torch.Tensor | None:
-        """``x`` through one packed GEMM: for plain linears their stacked weights; for LoRA layers the base weights
-        stacked over the A matrices."""
-        if adapters is None:
-            weights, biases = [m.weight for m in group], [m.bias for m in group]
-        else:
-            weights = [m.base_layer.weight for m in group] + [m.lora_A[a].weight for m, a in zip(group, adapters)]
-            biases = [m.base_layer.bias for m in group]
-        first = weights[0]
-        if self.failed or not torch.is_inference_mode_enabled() or x.dtype != first.dtype or x.device.type != "cpu":
-            return None
-        if any(w.dtype != first.dtype for w in weights):
-            return None
-
-        def pack() -> tuple[torch.Tensor, torch.Tensor | None]:
-            weight = torch.cat(weights) if len(weights) > 1 else first
-            bias = None if biases[0] is None else torch.cat(biases)
-            if bias is not None and adapters is not None:  # the A rows add nothing
-                bias = torch.cat([bias, bias.new_zeros(weight.shape[0] - bias.shape[0])])
-            return torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT), bias
-
+        state, plan = _state(group), self._plans.get(group)
         try:
-            packed, bias = self._cached((group, False), weights, pack)
-            out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+            if plan is None or plan.state != state or plan.key != _key(plan.weights):
+                plan = self._plans[group] = _plan(group, state)
+            if plan.packed is None or x.dtype != plan.packed.dtype:
+                return None
+            out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), plan.packed, plan.bias, "none", [], "")
         except RuntimeError as exc:  # a oneDNN build or CPU without this kernel: slower, never broken
             log.warning("pre-packed linear weights unavailable (%s); sampling with plain linears", exc)
             self.failed = True
-            self._packed.clear()
+            self._plans.clear()
             return None
+        if plan.b_t is not None:
+            out = add_lora(out[:, : plan.out], out[:, plan.out :], plan.b_t, plan.scaling)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def _forward_of(self, module: nn.Linear):
+        group = (module,)
+
         def forward(x: torch.Tensor) -> torch.Tensor:
-            out = self._apply(x, (module,))  # one plain linear: none of concat's group checks apply
+            out = self.concat(x, group)
             return F.linear(x, module.weight, module.bias) if out is None else out
 
         return forward
 
 
-def _adapter(module: nn.Module) -> str | None:
-    """``plain_adapter``, in eval mode: what ``concat`` can stack."""
-    return None if module.training else plain_adapter(module)
+def _key(weights: tuple[torch.Tensor, ...]) -> tuple:
+    return tuple((w.data_ptr(), w._version) for w in weights)
+
+
+def _state(group: tuple[nn.Module, ...]) -> tuple:
+    """What decides whether and how a group stacks, besides its weights: the modules' types and peft layers'
+    adapter state (``plain_adapter``'s other checks are fixed for an adapter and its weights)."""
+    return tuple(
+        (LoraLinear, tuple(m.active_adapters), m.merged, m.disable_adapters, m.training, tuple(m.scaling.values()))
+        if type(m) is LoraLinear
+        else type(m) for m in group
+    )  # fmt: skip
+
+
+def _plan(group: tuple[nn.Module, ...], state: tuple) -> _Plan:
+    """Whether ``group`` runs as one GEMM, and on what: plain linears' weights stacked, or LoRA layers' base weights
+    stacked over their A matrices (the A outputs of each layer then meet only its own block of B)."""
+    cannot = _Plan(state, (), (), None, None, 0, None, 1.0)
+    out = sum(m.out_features for m in group)
+    if all(type(m) is nn.Linear for m in group):
+        weights, biases, b, scaling = [m.weight for m in group], [m.bias for m in group], [], 1.0
+    else:
+        adapters = [plain_adapter(m) for m in group]
+        if None in adapters or len({m.scaling[a] for m, a in zip(group, adapters)}) > 1:
+            return cannot
+        bases = [m.base_layer for m in group]
+        weights = [m.weight for m in bases] + [m.lora_A[a].weight for m, a in zip(group, adapters)]
+        biases = [m.bias for m in bases]
+        b, scaling = [m.lora_B[a].weight for m, a in zip(group, adapters)], group[0].scaling[adapters[0]]
+    if len({bias is None for bias in biases}) > 1:
+        return cannot
+    if len({w.dtype for w in weights + b}) > 1:  # planned again once they agree
+        return cannot._replace(weights=(*weights, *b), key=_key((*weights, *b)))
+    bias = None if biases[0] is None else torch.cat(biases)
+    if bias is not None and b:  # the A rows add nothing
+        bias = torch.cat([bias, bias.new_zeros(sum(w.shape[0] for w in weights) - out)])
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights) if len(weights) > 1 else weights[0], ROWS_HINT)
+    b_t = torch.block_diag(*b).T.contiguous() if b else None
+    return _Plan(state, (*weights, *b), _key((*weights, *b)), packed, bias, out, b_t, scaling)
