@@ -11,13 +11,15 @@ import json
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 RESULT = "block result: "
 
 
-def run_child(script: str, args: list[str], what: str) -> dict:
-    """Run ``script`` with ``args`` in a child process and return the JSON it printed after ``RESULT``."""
-    out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
+def run_child(script: str, args: list[str], what: str, python: str | Path = sys.executable) -> dict:
+    """Run ``script`` with ``args`` in a child process (of ``python``: another virtualenv's, for a side whose
+    dependencies conflict with Flywheel's) and return the JSON it printed after ``RESULT``."""
+    out = subprocess.run([str(python), script, *args], capture_output=True, text=True)
     lines = [line for line in out.stdout.splitlines() if line.startswith(RESULT)]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"{what} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")

