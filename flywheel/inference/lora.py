@@ -56,6 +56,8 @@ def _forward_of(module: LoraLinear, peft_forward: Callable[..., torch.Tensor]) -
         a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
         if x.dtype != a.dtype and not torch.is_autocast_enabled(x.device.type):
             return peft_forward(x, *args, **kwargs)  # peft casts the input to the adapter's dtype
-        return add_lora(module.base_layer(x), F.linear(x, a), b.T, module.scaling[adapter])
+        base = module.base_layer(x)  # a fresh tensor: the adapter's product is added into it (no copy of it)
+        base.view(-1, base.shape[-1]).addmm_(F.linear(x, a).view(-1, a.shape[0]), b.T.to(base.dtype), alpha=module.scaling[adapter])
+        return base
 
     return forward
