@@ -103,7 +103,7 @@ def main() -> None:
     for run in range(args.runs):
         for side in sides:
             if side == "vllm_cpu":
-                vllm_args = ["--model", str(resolve_model(EMBEDDED_MODEL).path), "--bind", args.vllm_bind,
+                vllm_args = ["--model", str(resolve_model(EMBEDDED_MODEL).path), "--name", EMBEDDED_MODEL, "--bind", args.vllm_bind,
                              "--new-tokens", str(args.new_tokens), "--turns", str(args.turns), "--concurrency",
                              *map(str, args.concurrency)]
                 got = run_child(str(Path(__file__).parent / "vllm_cpu.py"), vllm_args, f"vLLM in run {run}", args.vllm_python)

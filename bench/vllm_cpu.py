@@ -21,21 +21,18 @@ import urllib.request
 from agents_http import http_run  # bench/agents_http.py
 from blocks import report  # bench/blocks.py
 
-NAME = "smollm2-135m-instruct"
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def serve(model: str, dtype: str, port: int, bind: str, log) -> subprocess.Popen:
+def serve(model: str, name: str, dtype: str, port: int, bind: str, log) -> subprocess.Popen:
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2"}  # GiB for the KV cache: 32 agents of ~700 tokens need ~0.1
     if bind != "auto":  # by default vLLM computes on all cores but one, which it leaves to its API server
         env |= {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", NAME,
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", name,
         "--dtype", dtype, "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port),
     ]
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -57,6 +54,7 @@ def wait_ready(server: subprocess.Popen, url: str, timeout: float = 600) -> floa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="directory of the model's safetensors checkpoint")
+    ap.add_argument("--name", required=True, help="the name clients ask for (Flywheel's name of the model)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -67,11 +65,11 @@ def main() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with open(args.log, "w") as log:
-        server = serve(args.model, args.dtype, port, args.bind, log)
+        server = serve(args.model, args.name, args.dtype, port, args.bind, log)
         try:
             startup = wait_ready(server, url)
-            asyncio.run(http_run(url + "/v1", NAME, 4, 8, 1))  # warm-up, as for the other sides
-            rates = {n: asyncio.run(http_run(url + "/v1", NAME, n, args.new_tokens, args.turns)) for n in args.concurrency}
+            asyncio.run(http_run(url + "/v1", args.name, 4, 8, 1))  # warm-up, as for the other sides
+            rates = {n: asyncio.run(http_run(url + "/v1", args.name, n, args.new_tokens, args.turns)) for n in args.concurrency}
         finally:
             server.terminate()
             server.wait(timeout=60)

@@ -33,9 +33,17 @@ def plain_adapter(module: nn.Module) -> str | None:
     return adapter
 
 
-def add_lora(base: torch.Tensor, lora_a: torch.Tensor, b_t: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``base + scaling * lora_a @ b_t`` in one GEMM: base [..., out], lora_a [..., r], b_t [r, out]."""
-    out = torch.addmm(base.reshape(-1, base.shape[-1]), lora_a.reshape(-1, lora_a.shape[-1]), b_t, alpha=scaling)
+def add_lora(
+    base: torch.Tensor, lora_a: torch.Tensor, b_t: torch.Tensor, scaling: float, *, into_base: bool = False
+) -> torch.Tensor:
+    """``base + scaling * lora_a @ b_t`` in one GEMM: base [..., out], lora_a [..., r], b_t [r, out]. With
+    ``into_base`` the sum is written into ``base`` itself (a fresh contiguous tensor of the caller's) instead of
+    into a copy of it."""
+    lora_a = lora_a.reshape(-1, lora_a.shape[-1])
+    if into_base:
+        base.view(-1, base.shape[-1]).addmm_(lora_a, b_t.to(base.dtype), alpha=scaling)
+        return base
+    out = torch.addmm(base.reshape(-1, base.shape[-1]), lora_a, b_t, alpha=scaling)
     return out.view(*base.shape[:-1], out.shape[-1])
 
 
@@ -56,8 +64,6 @@ def _forward_of(module: LoraLinear, peft_forward: Callable[..., torch.Tensor]) -
         a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
         if x.dtype != a.dtype and not torch.is_autocast_enabled(x.device.type):
             return peft_forward(x, *args, **kwargs)  # peft casts the input to the adapter's dtype
-        base = module.base_layer(x)  # a fresh tensor: the adapter's product is added into it (no copy of it)
-        base.view(-1, base.shape[-1]).addmm_(F.linear(x, a).view(-1, a.shape[0]), b.T.to(base.dtype), alpha=module.scaling[adapter])
-        return base
+        return add_lora(module.base_layer(x), F.linear(x, a), b.T, module.scaling[adapter], into_base=True)
 
     return forward
