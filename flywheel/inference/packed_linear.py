@@ -42,7 +42,7 @@ def packing_available(model: nn.Module) -> bool:
     return p.dtype == torch.float32
 
 
-class _Plan(NamedTuple):
+class Plan(NamedTuple):
     """How a group of linears runs, valid while its modules keep ``state`` and its ``weights`` their ``key``."""
 
     state: tuple
@@ -68,7 +68,7 @@ class PackedLinears:
     whose base layers are these."""
 
     def __init__(self, model: nn.Module):
-        self._plans: dict[tuple[nn.Module, ...], _Plan] = {}
+        self._plans: dict[tuple[nn.Module, ...], Plan] = {}
         self.failed = False  # oneDNN refused to pack on this machine: plain linears from then on
         for module in model.modules():
             if type(module) is nn.Linear:  # not subclasses (quantised layers and the like); peft's wrap these
@@ -86,23 +86,31 @@ class PackedLinears:
         may be plain linears or peft LoRA layers with one plain adapter each (``plain_adapter``), whose B matrices
         then add onto the base outputs in one ``addmm``. None where neither applies (a mix, DoRA, merged or several
         adapters, a mix of biases, training, no packing here): the caller then calls the modules themselves."""
-        if self.failed or x.device.type != "cpu" or not torch.is_inference_mode_enabled():
+        plan = self.ready(group, x.dtype) if x.device.type == "cpu" else None
+        if plan is None:
+            return None
+        out = run(plan, x.reshape(-1, x.shape[-1]))
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def ready(self, group: tuple[nn.Module, ...], dtype: torch.dtype) -> Plan | None:
+        """The plan that runs ``group`` as one GEMM (``run``) on CPU inputs of ``dtype``, planned again where the
+        modules' state or weights changed since; None where the group cannot run so. A new plan runs once on one
+        row here, so that a kernel this CPU lacks shows now, as a fallback, never as a failed forward later."""
+        if self.failed or not torch.is_inference_mode_enabled():
             return None
         state, plan = _state(group), self._plans.get(group)
-        try:
-            if plan is None or plan.state != state or plan.key != _key(plan.weights):
-                plan = self._plans[group] = _plan(group, state)
-            if plan.packed is None or x.dtype != plan.packed.dtype:
+        if plan is None or plan.state != state or plan.key != _key(plan.weights):
+            try:
+                plan = _plan(group, state)
+                if plan.packed is not None:
+                    run(plan, torch.zeros(1, group[0].in_features, dtype=plan.packed.dtype))
+            except RuntimeError as exc:  # a oneDNN build or CPU without this kernel: slower, never broken
+                log.warning("pre-packed linear weights unavailable (%s); sampling with plain linears", exc)
+                self.failed = True
+                self._plans.clear()
                 return None
-            out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), plan.packed, plan.bias, "none", [], "")
-        except RuntimeError as exc:  # a oneDNN build or CPU without this kernel: slower, never broken
-            log.warning("pre-packed linear weights unavailable (%s); sampling with plain linears", exc)
-            self.failed = True
-            self._plans.clear()
-            return None
-        if plan.b_t is not None:
-            out = add_lora(out[:, : plan.out], out[:, plan.out :], plan.b_t, plan.scaling)
-        return out.view(*x.shape[:-1], out.shape[-1])
+            self._plans[group] = plan
+        return plan if plan.packed is not None and plan.packed.dtype == dtype else None
 
     def _forward_of(self, module: nn.Linear):
         group = (module,)
@@ -112,6 +120,12 @@ class PackedLinears:
             return F.linear(x, module.weight, module.bias) if out is None else out
 
         return forward
+
+
+def run(plan: Plan, x: torch.Tensor) -> torch.Tensor:
+    """A ready plan's outputs on ``x`` [tokens, in_features]: [tokens, out_features of the group]."""
+    out = torch.ops.mkldnn._linear_pointwise(x, plan.packed, plan.bias, "none", [], "")
+    return out if plan.b_t is None else add_lora(out[:, : plan.out], out[:, plan.out :], plan.b_t, plan.scaling)
 
 
 def _key(weights: tuple[torch.Tensor, ...]) -> tuple:
@@ -128,10 +142,10 @@ def _state(group: tuple[nn.Module, ...]) -> tuple:
     )  # fmt: skip
 
 
-def _plan(group: tuple[nn.Module, ...], state: tuple) -> _Plan:
+def _plan(group: tuple[nn.Module, ...], state: tuple) -> Plan:
     """Whether ``group`` runs as one GEMM, and on what: plain linears' weights stacked, or LoRA layers' base weights
     stacked over their A matrices (the A outputs of each layer then meet only its own block of B)."""
-    cannot = _Plan(state, (), (), None, None, 0, None, 1.0)
+    cannot = Plan(state, (), (), None, None, 0, None, 1.0)
     out = sum(m.out_features for m in group)
     if all(type(m) is nn.Linear for m in group):
         weights, biases, b, scaling = [m.weight for m in group], [m.bias for m in group], [], 1.0
@@ -152,4 +166,4 @@ def _plan(group: tuple[nn.Module, ...], state: tuple) -> _Plan:
         bias = torch.cat([bias, bias.new_zeros(sum(w.shape[0] for w in weights) - out)])
     packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights) if len(weights) > 1 else weights[0], ROWS_HINT)
     b_t = torch.block_diag(*b).T.contiguous() if b else None
-    return _Plan(state, (*weights, *b), _key((*weights, *b)), packed, bias, out, b_t, scaling)
+    return Plan(state, (*weights, *b), _key((*weights, *b)), packed, bias, out, b_t, scaling)
