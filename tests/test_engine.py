@@ -372,3 +372,33 @@ def test_an_open_engine_keeps_its_model_out_of_full_collections(tokenizer):
     finally:
         engine.close()
     assert any(o is layer for o in gc.get_objects())
+
+
+def test_decode_steps_reuse_their_memory_instead_of_faulting_in_fresh_pages(engine: InferenceEngine):
+    """A decode step frees all it allocated; with glibc's default thresholds the heap's top went back to the OS
+    after each step and the next step faulted ~15 MB in again at 32 rows (~3,800 page faults, ~3 ms of 54).
+    With an engine started (keep_freed_memory), steady decode steps take next to no page faults."""
+    import resource
+
+    from flywheel.inference import llama_forward
+    from flywheel.inference.kv_attention import DecodeBatch, SlotKVCache
+    from flywheel.inference.sampling import sample
+
+    model, rows = engine.model, 32
+    cache = SlotKVCache(model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim,
+                        dtype=model.dtype, device="cpu", max_rows=rows, max_capacity=256)
+    cache.fit(rows, 101)
+    lengths, ids = torch.full((rows,), 100), torch.randint(0, 1000, (rows, 1))
+
+    def step() -> None:
+        logits = llama_forward.logits(model, ids, lengths[:, None], DecodeBatch(cache, lengths=lengths), 1, engine._packed)
+        sample(logits[:, 0], [SamplingParams(temperature=1.0)] * rows, [None] * rows)
+
+    with engine._model_lock, torch.inference_mode():  # the engine's thread stays out meanwhile
+        for _ in range(3):
+            step()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(10):
+            step()
+        faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10
+    assert faults < 100, f"{faults:.0f} page faults per decode step"

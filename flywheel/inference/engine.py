@@ -28,7 +28,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from flywheel.inference import llama_forward
 from flywheel.inference.guided import constrain
 from flywheel.inference.kv_attention import ATTN_IMPLEMENTATION, DecodeBatch, PrefillBatch, SlotKVCache
-from flywheel.inference.memory import freeze_objects, release_free_memory, thaw_objects
+from flywheel.inference.memory import freeze_objects, keep_freed_memory, release_free_memory, thaw_objects
 from flywheel.inference.packed_linear import PackedLinears, packing_available
 from flywheel.inference.prefix_cache import MIN_REUSE, PrefixCache, common_prefix
 from flywheel.inference.sampling import SamplingParams, sample
@@ -157,6 +157,7 @@ class InferenceEngine:
         self._stopped = False
         self._ids = itertools.count()
         freeze_objects()  # what the model and libraries hold is never garbage: keep full collections off it
+        keep_freed_memory()  # a decode step reuses the last one's pages instead of faulting in fresh ones
         self._thread = threading.Thread(target=self._run, name="flywheel-engine", daemon=True)
         self._thread.start()
 

@@ -4,6 +4,11 @@ glibc serves freed blocks below its mmap threshold from per-thread heaps and kee
 to the size of the largest block freed so far (up to 32 MB), so once a KV buffer of ~25 MB has been freed, later
 buffers of that size live in the heap too, and memory freed by growing or releasing the KV cache stays in the
 process. ``malloc_trim`` returns the free pages anywhere in those heaps.
+
+The other way round, within a phase: glibc also gives the top of a heap back by itself once more than its trim
+threshold (twice the mmap threshold) is free there, and a decode step frees all it allocated. At 32 rows that
+was ~15 MB of fresh pages, ~3,800 page faults, ~3 ms of a ~54 ms step. ``keep_freed_memory`` fixes both
+thresholds, so that a step reuses the last step's pages; the engine's own trims hand them back between phases.
 """
 
 from __future__ import annotations
@@ -12,15 +17,27 @@ import ctypes
 import gc
 
 try:
-    _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+    _libc = ctypes.CDLL("libc.so.6")
+    _malloc_trim, _mallopt = _libc.malloc_trim, _libc.mallopt
 except (OSError, AttributeError):  # not glibc: nothing to do
-    _malloc_trim = None
+    _malloc_trim = _mallopt = None
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+MMAP_THRESHOLD = 32 << 20  # where glibc's own threshold ends up (its maximum) once a KV buffer was freed
+TRIM_THRESHOLD = 128 << 20  # free memory a heap may keep at its top between explicit trims
 
 
 def trim_heap() -> None:
     """Give free heap pages back to the OS (a few milliseconds)."""
     if _malloc_trim is not None:
         _malloc_trim(0)
+
+
+def keep_freed_memory() -> None:
+    """Fix glibc's mmap and trim thresholds for this process (see above): blocks up to 32 MB come from the heaps, and
+    up to 128 MB freed at a heap's top stay there for the next step instead of being faulted in again."""
+    if _mallopt is not None:
+        _mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        _mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
 
 
 def release_free_memory() -> None:
