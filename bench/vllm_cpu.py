@@ -21,6 +21,7 @@ import urllib.request
 from agents_http import http_run  # bench/agents_http.py
 from blocks import report  # bench/blocks.py
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,8 +3,9 @@
 What makes it faster than the generic forward at sampling time (a 32-row LoRA decode step of SmolLM2-135M on a
 2-core CPU, bf16: ~80 -> ~65 ms with the last two items):
 - none of the HF forward's per-call work (output capture, mask creation, keyword plumbing through each module);
-- q/k/v and gate/up as one GEMM each on stacked packed weights (``PackedLinears.concat``): fewer, larger calls;
-  with peft's LoRA layers, their A matrices are stacked in too (a LoRA decode step: ~25% faster than peft's own);
+- q/k/v and gate/up as one GEMM each on stacked packed weights (``PackedLinears.ready``, ``run``): fewer, larger
+  calls; with peft's LoRA layers, their A matrices are stacked in too (a LoRA decode step: ~25% faster than peft's
+  own);
 - each group's plan (what stacks, the packed weights) kept between calls instead of made from peft's attributes;
 - the rotary embedding applied to queries and keys at once, in 4 operators instead of 14 (``_rotate``);
 - the plans checked once per forward and the packed GEMMs called directly on [tokens, hidden] activations, the
@@ -76,10 +77,10 @@ def logits(
         for a, m in ((layer.self_attn, layer.mlp) for layer in inner.layers)
     ]
     # the plans are checked once per forward here, not at every call (a few microseconds each, 121 a step)
-    plans = [[packed.ready(g, x.dtype) for g in gs] for gs in groups] if packed is not None and x.device.type == "cpu" else None
-    for i, layer in enumerate(inner.layers):
+    packs = packed is not None and x.device.type == "cpu"
+    plans = [tuple(packed.ready(g, x.dtype) if packs else None for g in gs) for gs in groups]
+    for layer, (qkv_g, o_g, gate_up_g, down_g), (qkv_p, o_p, gate_up_p, down_p) in zip(inner.layers, groups, plans):
         attn, mlp = layer.self_attn, layer.mlp
-        (qkv_g, o_g, gate_up_g, down_g), (qkv_p, o_p, gate_up_p, down_p) = groups[i], plans[i] if plans else (None,) * 4
         qkv = _linear(_norm(x, layer.input_layernorm), qkv_g, qkv_p).view(-1, heads + 2 * kv_heads, attn.head_dim)
         qk = _rotate(qkv[:, : heads + kv_heads], cos, sin_signed).view(rows, length, heads + kv_heads, attn.head_dim)
         v = qkv[:, heads + kv_heads :].view(rows, length, kv_heads, attn.head_dim)
