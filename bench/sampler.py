@@ -1,6 +1,10 @@
 """Sampler throughput: concurrent chat requests through Flywheel's HTTP server vs plain batched ``generate``, and vs
 vLLM's CPU build through its own OpenAI-compatible server where a virtualenv with it exists (bench/vllm_cpu.py).
 
+Flywheel runs twice: as it comes, and with its compiled decode step (``InferenceEngine(compile=True)``, ``flywheel
+serve --compile``; left out where no C++ compiler is found), whose compile time is not counted (as vLLM's start-up
+is not).
+
 Same model, same prompts, 64 new tokens per request (EOS ignored, so every side does the same work); each side
 runs in a fresh process of its own per run (see bench/blocks.py), sides alternating. With ``--turns T`` each
 concurrent client is a multi-turn agent: T requests, each followed by an environment message, the whole conversation sent again every turn (as agents over the OpenAI API
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -52,19 +57,20 @@ def generate_run(model, tokenizer, n: int, new_tokens: int, turns: int) -> float
     return n * new_tokens * turns / elapsed
 
 
-SIDES = ("flywheel_http", "generate_engine_dtype", "generate_float32")
+SIDES = ("flywheel_http", "flywheel_http_compiled", "generate_engine_dtype", "generate_float32")
+FLYWHEEL = ("flywheel_http", "flywheel_http_compiled")
 
 
 def side_block(side: str, args: argparse.Namespace) -> dict:
     """One side, in this (fresh) process: a warm-up, then each concurrency once; tokens per second."""
-    if side == "flywheel_http":
+    if side in FLYWHEEL:
         model, tokenizer, _ = load_model(EMBEDDED_MODEL)  # bf16 where the CPU has it
         registry = ModelRegistry()
-        engine = InferenceEngine(model, tokenizer)
+        engine = InferenceEngine(model, tokenizer, compile=side == "flywheel_http_compiled")
         registry.add(EMBEDDED_MODEL, engine)
         server = BackgroundServer(create_app(registry)).start()
         try:
-            asyncio.run(http_run(server.base_url, EMBEDDED_MODEL, 4, 8, 1))
+            asyncio.run(http_run(server.base_url, EMBEDDED_MODEL, 4, 8, 1))  # after the compiled step's warm-up
             rates = {
                 n: asyncio.run(http_run(server.base_url, EMBEDDED_MODEL, n, args.new_tokens, args.turns)) for n in args.concurrency
             }
@@ -96,8 +102,11 @@ def main() -> None:
 
     # each side in a fresh process per run, sides alternating, so drift on the machine hits all of them
     sides = SIDES + (("vllm_cpu",) if args.vllm_python.exists() else ())
-    if len(sides) == len(SIDES):
+    if "vllm_cpu" not in sides:
         print(f"vLLM left out: no {args.vllm_python} (see bench/vllm_cpu.py)", flush=True)
+    if not any(shutil.which(c) for c in ("g++", "clang++", "c++")):
+        sides = tuple(s for s in sides if s != "flywheel_http_compiled")
+        print("compiled Flywheel left out: no C++ compiler", flush=True)
     rates: dict[str, dict[int, list[float]]] = {side: {n: [] for n in args.concurrency} for side in sides}
     dtypes: dict[str, str] = {}
     for run in range(args.runs):
@@ -128,7 +137,11 @@ def main() -> None:
     print("|---" * (len(sides) + 2) + "|")
     for r in results:
         cells = [f"{r[k]['median']:.0f} [{r[k]['min']:.0f}, {r[k]['max']:.0f}]" for k in sides]
-        ratios = ", ".join(f"{r['flywheel_http']['median'] / r[k]['median']:.2f}x vs {names[k].removeprefix('generate_')}" for k in sides[1:])
+        ratios = "; ".join(
+            f"{names[f].removeprefix('flywheel_http').removeprefix('_') or 'default'}: "
+            + ", ".join(f"{r[f]['median'] / r[k]['median']:.2f}x vs {names[k].removeprefix('generate_')}" for k in sides if k not in FLYWHEEL)
+            for f in sides if f in FLYWHEEL
+        )
         print(f"| {r['concurrency']} | " + " | ".join(cells) + f" | {ratios} |")
     print(f"\nraw results: {out}")
 

@@ -322,7 +322,7 @@ def test_llama_forward_gives_the_hf_forwards_logits(tokenizer, dtype):
 
         stacks = engine._packed._plans if engine._packed is not None else {}  # where this CPU packs this dtype
         plain = both()
-        assert engine._packed is None or any(len(group) == 3 and plan.packed is not None for group, plan in stacks.items())
+        assert engine._packed is None or any(len(group) == 3 and plan.gemm is not None for group, plan in stacks.items())
 
         peft_model = None
 
@@ -346,10 +346,10 @@ def test_llama_forward_gives_the_hf_forwards_logits(tokenizer, dtype):
 
         # some projections adapted: q (adapted) cannot stack with k and v (plain), so they run module by module
         adapt("default", ["q_proj", "v_proj", "gate_proj"])
-        assert not any(plan.b_t is not None for plan in stacks.values())
+        assert not any(plan.gemm is not None and plan.gemm.b_t is not None for plan in stacks.values())
         # all seven adapted: base weights and A matrices stacked, B matrices block-diagonal
         adapt("all", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-        assert engine._packed is None or any(len(group) == 3 and plan.b_t is not None for group, plan in stacks.items())
+        assert engine._packed is None or any(len(group) == 3 and plan.gemm is not None and plan.gemm.b_t is not None for group, plan in stacks.items())
     finally:
         engine.close()
 

@@ -16,6 +16,8 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
+import os
+import shutil
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -27,7 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from flywheel.inference import llama_forward
 from flywheel.inference.guided import constrain
-from flywheel.inference.kv_attention import ATTN_IMPLEMENTATION, DecodeBatch, PrefillBatch, SlotKVCache
+from flywheel.inference.kv_attention import ATTN_IMPLEMENTATION, WINDOW_STEP, DecodeBatch, PrefillBatch, SlotKVCache
 from flywheel.inference.memory import freeze_objects, keep_freed_memory, release_free_memory, thaw_objects
 from flywheel.inference.packed_linear import PackedLinears, packing_available
 from flywheel.inference.prefix_cache import MIN_REUSE, PrefixCache, common_prefix
@@ -124,12 +126,14 @@ class InferenceEngine:
         max_prefill_tokens: int = 4096,
         prefix_cache_entries: int = 32,
         pack_weights: bool = True,
+        compile: bool = False,
     ):
         self.model, self.tokenizer = model, tokenizer
         # sampling on CPU with weights in the GEMM's own layout (see packed_linear.py); training is unaffected
         self._packed = PackedLinears(model) if pack_weights and packing_available(model) else None
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         self._llama = llama_forward.supports(model)  # a faster forward for sampling (see llama_forward.py)
+        self._compiled = self._compiled_decode() if compile else None
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         cfg = model.config.get_text_config()
         self.context_length: int = int(getattr(cfg, "max_position_embeddings", 4096))
@@ -160,6 +164,21 @@ class InferenceEngine:
         keep_freed_memory()  # a decode step reuses the last one's pages instead of faulting in fresh ones
         self._thread = threading.Thread(target=self._run, name="flywheel-engine", daemon=True)
         self._thread.start()
+
+    def _compiled_decode(self) -> llama_forward.CompiledDecode:
+        """The opt-in compiled decode step (``llama_forward.CompiledDecode``), or a clear error where it cannot run."""
+        if not (self._llama and self._packed is not None):
+            raise ValueError(
+                "compile=True compiles the CPU decode step of Llama-architecture models (SmolLM2, Llama, TinyLlama) "
+                f"with packed weights; this engine has a {type(self.model).__name__} on {self.model.device} "
+                f"({self.model.dtype}, weights {'packed' if self._packed else 'not packed'}). Leave compile off."
+            )
+        if not any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "clang++", "c++") if c):
+            raise ValueError(
+                "compile=True needs a C++ compiler (torch.compile builds C++ kernels on CPU): install g++ (Debian, "
+                "Ubuntu: apt install g++) or clang, or set CXX, or leave compile off."
+            )
+        return llama_forward.CompiledDecode(self.model, self._packed)
 
     # ---- public API ------------------------------------------------------------------------------------------
 
@@ -259,6 +278,8 @@ class InferenceEngine:
     # ---- worker thread ---------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self._compiled is not None:
+            self._warm_up()
         while True:
             with self._wake:
                 while not self._stopped and not self._waiting and not self._running and not self._calls:
@@ -286,6 +307,18 @@ class InferenceEngine:
                 for req in admitted:
                     self._send(req, exc)
                 self._running.clear()
+
+    def _warm_up(self) -> None:
+        """Compile the decode step before serving (requests wait meanwhile): for one row and for several, as
+        torch.compile specialises a dimension of size 1. Scratch rows of the cache, released after; a capacity
+        unlike the model's sizes (the shape tracer takes equal sizes for the same, and would compile again)."""
+        with self._model_lock, torch.inference_mode():
+            for rows in (1, 2):
+                self.cache.fit(rows, WINDOW_STEP * 3 - 1)
+                lengths = torch.zeros(rows, dtype=torch.long, device=self.model.device)
+                ids = torch.zeros(rows, 1, dtype=torch.long, device=self.model.device)
+                self._decode_logits(ids, lengths, DecodeBatch(self.cache, lengths=lengths))
+            self.cache.release()
 
     def _take_waiting(self) -> list[_Request]:
         """Requests to prefill now. One that shares a long prefix with a request taken in this round, beyond
@@ -321,6 +354,18 @@ class InferenceEngine:
             input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep, kv_batch=batch
         )
         return out.logits
+
+    def _decode_logits(self, ids: torch.Tensor, lengths: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        if self._compiled is not None:
+            try:
+                logits = self._compiled.logits(ids, lengths, batch)
+            except Exception:  # a compiler or inductor failure costs speed, never the requests
+                log.exception("the compiled decode step failed; decoding eagerly from now on")
+                self._compiled = None
+            else:
+                if logits is not None:
+                    return logits
+        return self._forward(ids, lengths[:, None], batch, 1)
 
     def _prefill(self, requests: list[_Request]) -> None:
         device = self.model.device
@@ -388,8 +433,7 @@ class InferenceEngine:
         lengths = torch.tensor([s.length for s in seqs], device=device)
         self.cache.fit(len(seqs), max(s.length for s in seqs) + 1)
         ids = torch.tensor([s.output[-1] for s in seqs], device=device)[:, None]
-        batch = DecodeBatch(self.cache, lengths=lengths)
-        logits = self._forward(ids, lengths[:, None], batch, 1)[:, 0]
+        logits = self._decode_logits(ids, lengths, DecodeBatch(self.cache, lengths=lengths))[:, 0]
         for s in seqs:
             s.length += 1
         self._accept(list(seqs), logits)

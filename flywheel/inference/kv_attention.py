@@ -204,13 +204,22 @@ def _prefill(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batc
 
 
 def _decode(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: DecodeBatch, scaling: float):
-    cache = batch.cache
+    slots, bias = batch.layout(q.shape[1] // k.shape[1])
+    return decode_attention(q, k, v, batch.cache.k[layer], batch.cache.v[layer], slots, bias, scaling)
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+    slots: torch.Tensor, bias: torch.Tensor, scaling: float,
+) -> torch.Tensor:
+    """One decode step's attention in one layer: the new ``k``/``v`` [B, kv_heads, 1, d] stored at ``slots`` of the
+    layer's buffers, then ``q`` [B, heads, 1, d] over rows 0..B-1 of them with the additive mask ``bias``
+    (``DecodeBatch.layout``). Tensors only, so that a compiled decode step can trace it. [B, 1, heads, d]."""
     b, heads, _, dim = q.shape
     kv_heads = k.shape[1]
-    slots, bias = batch.layout(heads // kv_heads)
-    cache.k[layer].view(-1, dim).index_copy_(0, slots, k[:, :, 0].reshape(-1, dim))  # one copy, no index building
-    cache.v[layer].view(-1, dim).index_copy_(0, slots, v[:, :, 0].reshape(-1, dim))
-    keys, values = cache.k[layer][:b].flatten(0, 1), cache.v[layer][:b].flatten(0, 1)  # views, neither is copied
+    k_buffer.view(-1, dim).index_copy_(0, slots, k[:, :, 0].reshape(-1, dim))  # one copy, no index building
+    v_buffer.view(-1, dim).index_copy_(0, slots, v[:, :, 0].reshape(-1, dim))
+    keys, values = k_buffer[:b].flatten(0, 1), v_buffer[:b].flatten(0, 1)  # views, neither is copied
     # Grouped-query attention as two batched matmuls: [B * kvh, group, d] x [B * kvh, d, L]. For one query token
     # this is several times faster on CPU than SDPA's flash kernel, and never repeats K/V per head. The scaling and
     # the mask ride in the first (baddbmm); softmax of bf16 scores computes in fp32 inside.

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaRMSNorm
 
-from flywheel.inference.kv_attention import DecodeBatch, PrefillBatch, attend
-from flywheel.inference.packed_linear import PackedLinears, Plan, run
+from flywheel.inference.kv_attention import DecodeBatch, PrefillBatch, attend, decode_attention
+from flywheel.inference.packed_linear import Gemm, PackedLinears, run
 
 
 def supports(model: torch.nn.Module) -> bool:
@@ -36,18 +36,18 @@ def supports(model: torch.nn.Module) -> bool:
     )
 
 
-def _norm(x: torch.Tensor, norm: LlamaRMSNorm) -> torch.Tensor:
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``LlamaRMSNorm.forward``, the same operators in the same order (so the same bits), without a module call."""
     h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * h.to(x.dtype)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
-def _linear(x: torch.Tensor, modules: tuple[torch.nn.Module, ...], plan: Plan | None) -> torch.Tensor:
-    """The modules' outputs on ``x`` [tokens, in], concatenated: from one stacked GEMM where the packer has a plan
+def _linear(x: torch.Tensor, modules: tuple[torch.nn.Module, ...], gemm: Gemm | None) -> torch.Tensor:
+    """The modules' outputs on ``x`` [tokens, in], concatenated: from one stacked GEMM where the packer has one
     for them, else module by module."""
-    if plan is not None:
-        return run(plan, x)
+    if gemm is not None:
+        return run(gemm, x)
     return torch.cat([m(x) for m in modules], dim=-1) if len(modules) > 1 else modules[0](x)
 
 
@@ -55,6 +55,24 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> tor
     """``apply_rotary_pos_emb`` for queries and keys at once ([tokens, heads, d]), in 4 operators instead of 14:
     ``rotate_half(x) * sin`` is ``x`` rolled by half a head times ``sin`` with its first half negated, to the bit."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def _inputs(model: LlamaForCausalLM, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The embedded ``ids`` [R, T] as [tokens, hidden], and the rotary cos and signed sin [tokens, 1, head_dim]."""
+    inner = model.model
+    x = inner.embed_tokens(ids)  # [R, T, hidden]
+    cos, sin = inner.rotary_emb(x, positions)  # [R, T, head_dim]
+    half = cos.shape[-1] // 2
+    sin_signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    return x.flatten(0, 1), cos.flatten(0, 1)[:, None], sin_signed.flatten(0, 1)[:, None]
+
+
+def _groups(model: LlamaForCausalLM) -> list[tuple[tuple[torch.nn.Module, ...], ...]]:
+    """Per layer, the linears that run as one GEMM each: q/k/v, o, gate/up, down."""
+    return [
+        ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj), (m.down_proj,))
+        for a, m in ((layer.self_attn, layer.mlp) for layer in model.model.layers)
+    ]
 
 
 def logits(
@@ -67,28 +85,89 @@ def logits(
     inner, config = model.model, model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     rows, length = ids.shape
-    x = inner.embed_tokens(ids)  # [R, T, hidden]
-    cos, sin = inner.rotary_emb(x, positions)  # [R, T, head_dim]
-    half = cos.shape[-1] // 2
-    cos, sin_signed = cos.flatten(0, 1)[:, None], torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).flatten(0, 1)[:, None]
-    x = x.flatten(0, 1)  # [tokens, hidden]: every linear and norm works on tokens; attention sees [R, heads, T, d]
-    groups = [
-        ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj), (m.down_proj,))
-        for a, m in ((layer.self_attn, layer.mlp) for layer in inner.layers)
-    ]
+    x, cos, sin_signed = _inputs(model, ids, positions)  # every linear and norm works on tokens; attention sees [R, heads, T, d]
+    groups = _groups(model)
     # the plans are checked once per forward here, not at every call (a few microseconds each, 121 a step)
     packs = packed is not None and x.device.type == "cpu"
-    plans = [tuple(packed.ready(g, x.dtype) if packs else None for g in gs) for gs in groups]
-    for layer, (qkv_g, o_g, gate_up_g, down_g), (qkv_p, o_p, gate_up_p, down_p) in zip(inner.layers, groups, plans):
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = _linear(_norm(x, layer.input_layernorm), qkv_g, qkv_p).view(-1, heads + 2 * kv_heads, attn.head_dim)
+    gemms = [tuple(packed.ready(g, x.dtype) if packs else None for g in gs) for gs in groups]
+    for layer, (qkv_g, o_g, gate_up_g, down_g), (qkv_p, o_p, gate_up_p, down_p) in zip(inner.layers, groups, gemms):
+        attn, mlp, norm1, norm2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+        qkv = _linear(_norm(x, norm1.weight, norm1.variance_epsilon), qkv_g, qkv_p).view(-1, heads + 2 * kv_heads, attn.head_dim)
         qk = _rotate(qkv[:, : heads + kv_heads], cos, sin_signed).view(rows, length, heads + kv_heads, attn.head_dim)
         v = qkv[:, heads + kv_heads :].view(rows, length, kv_heads, attn.head_dim)
         q, k = qk[:, :, :heads], qk[:, :, heads:]
         out = attend(attn.layer_idx, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), batch, attn.scaling)
         x = x + _linear(out.reshape(rows * length, -1), o_g, o_p)
-        gate, up = _linear(_norm(x, layer.post_attention_layernorm), gate_up_g, gate_up_p).chunk(2, dim=-1)
+        gate, up = _linear(_norm(x, norm2.weight, norm2.variance_epsilon), gate_up_g, gate_up_p).chunk(2, dim=-1)
         x = x + _linear(mlp.act_fn(gate) * up, down_g, down_p)
     x = x.view(rows, length, -1)
     x = x[:, keep] if isinstance(keep, torch.Tensor) else x[:, -keep:]
     return model.lm_head(inner.norm(x))
+
+
+class CompiledDecode:
+    """The decode step (one new token per row) compiled with ``torch.compile``: opt-in (``InferenceEngine(compile=
+    True)``, ``flywheel serve --compile``), as inductor's CPU backend builds C++ kernels, so it needs a C++ compiler,
+    and compiling takes ~1-2 minutes per process on 2 cores (less with inductor's on-disk cache warm).
+
+    What it buys is the step's ~1,500 small operators fused into a few dozen kernels and run without Python in
+    between: at one row, where a step of SmolLM2-135M on 2 cores is ~24 ms, ~4 ms less (docs/benchmarks.md); at 32
+    rows, where GEMMs dominate, about nothing. The GEMMs stay oneDNN's on the same packed weights, which are inputs
+    of the graph: a training step's new weights are new inputs, not a recompile. Fused kernels round bf16 less
+    often than eager operators, so its logits are not bit-identical to the HF forward's (eager ones are); measured
+    against an fp32 forward they are as close as the eager step's. Prefill and anything without a packed GEMM for
+    every group (a LoRA variant, a GPU) stays eager (``logits`` returns None)."""
+
+    def __init__(self, model: LlamaForCausalLM, packed: PackedLinears):
+        self.model, self.packed = model, packed
+        self._groups = _groups(model)
+        self._step = torch.compile(_decode_step, dynamic=False)  # dynamic dims are marked (``logits``)
+
+    def logits(self, ids: torch.Tensor, lengths: torch.Tensor, batch: DecodeBatch) -> torch.Tensor | None:
+        """Logits [R, 1, V] of ``ids`` [R, 1] at ``lengths`` (what ``logits`` returns for a decode step), or None
+        where some group has no packed GEMM."""
+        model, inner, config = self.model, self.model.model, self.model.config
+        dtype = inner.embed_tokens.weight.dtype
+        gemms = [[self.packed.ready(g, dtype) for g in gs] for gs in self._groups]
+        head = self.packed.ready((model.lm_head,), dtype)
+        if head is None or any(g is None for gs in gemms for g in gs):
+            return None
+        x, cos, sin_signed = _inputs(model, ids, lengths[:, None])
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        slots, bias = batch.layout(heads // kv_heads)
+        layers = [
+            (layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down, k, v)
+            for layer, (qkv, o, gate_up, down), k, v in zip(inner.layers, gemms, batch.cache.k, batch.cache.v)
+        ]
+        # Rows and cache sizes vary from step to step: marked dynamic, one graph serves them all (plus one for a single
+        # row, which torch.compile specialises). Unmarked, each new size would compile again (~1 minute).
+        dynamic = [(t, 0) for t in (x, cos, sin_signed, slots, bias)] if len(ids) > 1 else []
+        dynamic += [(bias, 2)] + [(t, d) for t in (*batch.cache.k, *batch.cache.v) for d in (0, 2)]
+        for t, d in dynamic:
+            torch._dynamo.mark_dynamic(t, d)
+        attn = inner.layers[0].self_attn
+        out = self._step(
+            x, cos, sin_signed, slots, bias, layers, inner.norm.weight, head, inner.layers[0].mlp.act_fn,
+            heads, kv_heads, attn.head_dim, inner.norm.variance_epsilon, attn.scaling,
+        )
+        return out[:, None]
+
+
+def _decode_step(
+    x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, slots: torch.Tensor, bias: torch.Tensor,
+    layers: list[tuple], final_norm: torch.Tensor, head: Gemm, act: torch.nn.Module,
+    heads: int, kv_heads: int, head_dim: int, eps: float, scaling: float,
+) -> torch.Tensor:
+    """``logits``' layer loop for one decode step, on tensors only (what ``torch.compile`` traces): ``x`` [B,
+    hidden] the new tokens, ``layers`` per layer (norm weight, q/k/v GEMM, o GEMM, norm weight, gate/up GEMM,
+    down GEMM, K buffer, V buffer). Logits [B, V]."""
+    rows = x.shape[0]
+    for norm1, qkv_g, o_g, norm2, gate_up_g, down_g, k_buffer, v_buffer in layers:
+        qkv = run(qkv_g, _norm(x, norm1, eps)).view(rows, heads + 2 * kv_heads, head_dim)
+        qk = _rotate(qkv[:, : heads + kv_heads], cos, sin_signed)
+        q, k, v = qk[:, :heads, None], qk[:, heads:, None], qkv[:, heads + kv_heads :, None]  # [B, heads, 1, d]
+        out = decode_attention(q, k, v, k_buffer, v_buffer, slots, bias, scaling)
+        x = x + run(o_g, out.reshape(rows, -1))
+        gate, up = run(gate_up_g, _norm(x, norm2, eps)).chunk(2, dim=-1)
+        x = x + run(down_g, act(gate) * up)
+    return run(head, _norm(x, final_norm, eps))

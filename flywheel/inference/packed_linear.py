@@ -42,17 +42,24 @@ def packing_available(model: nn.Module) -> bool:
     return p.dtype == torch.float32
 
 
+class Gemm(NamedTuple):
+    """What runs a group of linears as one GEMM (``run``): tensors and numbers only, so that a compiled decode step
+    can take it as an input (``llama_forward.CompiledDecode``) and a repacked weight is a new input, not a new graph."""
+
+    packed: torch.Tensor  # the stacked base weights (and A matrices), packed
+    bias: torch.Tensor | None
+    out: int  # width of the base outputs (the A outputs follow them)
+    b_t: torch.Tensor | None  # LoRA: the B matrices block-diagonal, transposed ([sum of ranks, out])
+    scaling: float
+
+
 class Plan(NamedTuple):
     """How a group of linears runs, valid while its modules keep ``state`` and its ``weights`` their ``key``."""
 
     state: tuple
     weights: tuple[torch.Tensor, ...]  # what the packed copies are made of: base weights, A and B matrices
     key: tuple  # their storage and version when planned: a weight replaced or updated in place shows here
-    packed: torch.Tensor | None  # the stacked base weights (and A matrices), packed; None: the modules run
-    bias: torch.Tensor | None
-    out: int  # width of the base outputs (the A outputs follow them)
-    b_t: torch.Tensor | None  # LoRA: the B matrices block-diagonal, transposed ([sum of ranks, out])
-    scaling: float
+    gemm: Gemm | None  # None: the modules run
 
 
 class PackedLinears:
@@ -86,15 +93,15 @@ class PackedLinears:
         may be plain linears or peft LoRA layers with one plain adapter each (``plain_adapter``), whose B matrices
         then add onto the base outputs in one ``addmm``. None where neither applies (a mix, DoRA, merged or several
         adapters, a mix of biases, training, no packing here): the caller then calls the modules themselves."""
-        plan = self.ready(group, x.dtype) if x.device.type == "cpu" else None
-        if plan is None:
+        gemm = self.ready(group, x.dtype) if x.device.type == "cpu" else None
+        if gemm is None:
             return None
-        out = run(plan, x.reshape(-1, x.shape[-1]))
+        out = run(gemm, x.reshape(-1, x.shape[-1]))
         return out.view(*x.shape[:-1], out.shape[-1])
 
-    def ready(self, group: tuple[nn.Module, ...], dtype: torch.dtype) -> Plan | None:
-        """The plan that runs ``group`` as one GEMM (``run``) on CPU inputs of ``dtype``, planned again where the
-        modules' state or weights changed since; None where the group cannot run so. A new plan runs once on one
+    def ready(self, group: tuple[nn.Module, ...], dtype: torch.dtype) -> Gemm | None:
+        """The GEMM that runs ``group`` (``run``) on CPU inputs of ``dtype``, planned again where the modules'
+        state or weights changed since; None where the group cannot run so. A new plan runs once on one
         row here, so that a kernel this CPU lacks shows now, as a fallback, never as a failed forward later."""
         if self.failed or not torch.is_inference_mode_enabled():
             return None
@@ -102,15 +109,15 @@ class PackedLinears:
         if plan is None or plan.state != state or plan.key != _key(plan.weights):
             try:
                 plan = _plan(group, state)
-                if plan.packed is not None:
-                    run(plan, torch.zeros(1, group[0].in_features, dtype=plan.packed.dtype))
+                if plan.gemm is not None:
+                    run(plan.gemm, torch.zeros(1, group[0].in_features, dtype=plan.gemm.packed.dtype))
             except RuntimeError as exc:  # a oneDNN build or CPU without this kernel: slower, never broken
                 log.warning("pre-packed linear weights unavailable (%s); sampling with plain linears", exc)
                 self.failed = True
                 self._plans.clear()
                 return None
             self._plans[group] = plan
-        return plan if plan.packed is not None and plan.packed.dtype == dtype else None
+        return plan.gemm if plan.gemm is not None and plan.gemm.packed.dtype == dtype else None
 
     def _forward_of(self, module: nn.Linear):
         group = (module,)
@@ -122,10 +129,25 @@ class PackedLinears:
         return forward
 
 
-def run(plan: Plan, x: torch.Tensor) -> torch.Tensor:
-    """A ready plan's outputs on ``x`` [tokens, in_features]: [tokens, out_features of the group]."""
-    out = torch.ops.mkldnn._linear_pointwise(x, plan.packed, plan.bias, "none", [], "")
-    return out if plan.b_t is None else add_lora(out[:, : plan.out], out[:, plan.out :], plan.b_t, plan.scaling)
+def run(gemm: Gemm, x: torch.Tensor) -> torch.Tensor:
+    """A group's outputs on ``x`` [tokens, in_features]: [tokens, out_features of the group]."""
+    # torch.compile cannot take a packed weight as a graph input to oneDNN's op (its lowering wants a constant),
+    # so a compiled step calls it through an opaque custom op; eager code skips that op's dispatch cost
+    linear = packed_linear if torch.compiler.is_compiling() else torch.ops.mkldnn._linear_pointwise.default
+    out = linear(x, gemm.packed, gemm.bias, "none", [], "")
+    return out if gemm.b_t is None else add_lora(out[:, : gemm.out], out[:, gemm.out :], gemm.b_t, gemm.scaling)
+
+
+@torch.library.custom_op("flywheel::packed_linear", mutates_args=())
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, attr: str, scalars: list[float], algorithm: str
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, attr, scalars, algorithm)
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, attr: str, scalars: list[float], algorithm: str) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])  # a packed weight keeps its logical [out, in] shape
 
 
 def _key(weights: tuple[torch.Tensor, ...]) -> tuple:
@@ -145,7 +167,7 @@ def _state(group: tuple[nn.Module, ...]) -> tuple:
 def _plan(group: tuple[nn.Module, ...], state: tuple) -> Plan:
     """Whether ``group`` runs as one GEMM, and on what: plain linears' weights stacked, or LoRA layers' base weights
     stacked over their A matrices (the A outputs of each layer then meet only its own block of B)."""
-    cannot = Plan(state, (), (), None, None, 0, None, 1.0)
+    cannot = Plan(state, (), (), None)
     out = sum(m.out_features for m in group)
     if all(type(m) is nn.Linear for m in group):
         weights, biases, b, scaling = [m.weight for m in group], [m.bias for m in group], [], 1.0
@@ -166,4 +188,4 @@ def _plan(group: tuple[nn.Module, ...], state: tuple) -> Plan:
         bias = torch.cat([bias, bias.new_zeros(sum(w.shape[0] for w in weights) - out)])
     packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights) if len(weights) > 1 else weights[0], ROWS_HINT)
     b_t = torch.block_diag(*b).T.contiguous() if b else None
-    return Plan(state, (*weights, *b), _key((*weights, *b)), packed, bias, out, b_t, scaling)
+    return Plan(state, (*weights, *b), _key((*weights, *b)), Gemm(packed, bias, out, b_t, scaling))
