@@ -120,7 +120,6 @@ class CompiledDecode:
 
     def __init__(self, model: LlamaForCausalLM, packed: PackedLinears):
         self.model, self.packed = model, packed
-        self._groups = _groups(model)
         self._step = torch.compile(_decode_step, dynamic=False)  # dynamic dims are marked (``logits``)
 
     def logits(self, ids: torch.Tensor, lengths: torch.Tensor, batch: DecodeBatch) -> torch.Tensor | None:
@@ -128,7 +127,8 @@ class CompiledDecode:
         where some group has no packed GEMM."""
         model, inner, config = self.model, self.model.model, self.model.config
         dtype = inner.embed_tokens.weight.dtype
-        gemms = [[self.packed.ready(g, dtype) for g in gs] for gs in self._groups]
+        # the groups looked up each step, as in ``logits``: a trainer injects LoRA layers after the engine starts
+        gemms = [[self.packed.ready(g, dtype) for g in gs] for gs in _groups(model)]
         head = self.packed.ready((model.lm_head,), dtype)
         if head is None or any(g is None for gs in gemms for g in gs):
             return None
