@@ -80,6 +80,8 @@ def serve(
     if resolved.name != model:
         registry.add(resolved.name, engine)
     console.print(f"Serving [bold]{model}[/] ({hf_model.dtype}) at http://{host}:{port}/v1")
+    if compile:
+        console.print("Compiling the decode step first (~1-2 minutes on 2 cores): requests wait until it is done.")
     uvicorn.run(create_app(registry), host=host, port=port, log_level="info")
 
 

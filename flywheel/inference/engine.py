@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -312,6 +313,8 @@ class InferenceEngine:
         """Compile the decode step before serving (requests wait meanwhile): for one row and for several, as
         torch.compile specialises a dimension of size 1. Scratch rows of the cache, released after; a capacity
         unlike the model's sizes (the shape tracer takes equal sizes for the same, and would compile again)."""
+        start = time.perf_counter()
+        log.info("compiling the decode step (~1-2 minutes on 2 cores; seconds with inductor's cache warm)")
         with self._model_lock, torch.inference_mode():
             for rows in (1, 2):
                 self.cache.fit(rows, WINDOW_STEP * 3 - 1)
@@ -319,6 +322,7 @@ class InferenceEngine:
                 ids = torch.zeros(rows, 1, dtype=torch.long, device=self.model.device)
                 self._decode_logits(ids, lengths, DecodeBatch(self.cache, lengths=lengths))
             self.cache.release()
+        log.info("decode step compiled in %.0f s", time.perf_counter() - start)
 
     def _take_waiting(self) -> list[_Request]:
         """Requests to prefill now. One that shares a long prefix with a request taken in this round, beyond

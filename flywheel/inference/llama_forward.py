@@ -13,6 +13,7 @@ What makes it faster than the generic forward at sampling time (a 32-row LoRA de
 It calls the model's own submodules for everything else (the rotary embedding's cos/sin with its scaling,
 activation, LoRA layers that cannot be stacked), and its logits are bit-identical to the HF forward's (tested).
 Training keeps the HF forward; models of other architectures sample through it too (``supports`` is False).
+``CompiledDecode`` is the opt-in compiled decode step: the same layer loop on tensors only, for torch.compile.
 """
 
 from __future__ import annotations
