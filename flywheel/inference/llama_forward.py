@@ -112,8 +112,8 @@ class CompiledDecode:
     and compiling takes ~1-2 minutes per process on 2 cores (less with inductor's on-disk cache warm).
 
     What it buys is the step's ~1,500 small operators fused into a few dozen kernels and run without Python in
-    between: at one row, where a step of SmolLM2-135M on 2 cores is ~24 ms, ~4 ms less (docs/benchmarks.md); at 32
-    rows, where GEMMs dominate, about nothing. The GEMMs stay oneDNN's on the same packed weights, which are inputs
+    between: a step of SmolLM2-135M on 2 cores, ~24 -> ~21 ms at one row and ~55 -> ~50 ms at 32 rows, where GEMMs
+    dominate (docs/benchmarks.md). The GEMMs stay oneDNN's on the same packed weights, which are inputs
     of the graph: a training step's new weights are new inputs, not a recompile. Fused kernels round bf16 less
     often than eager operators, so its logits are not bit-identical to the HF forward's (eager ones are); measured
     against an fp32 forward they are as close as the eager step's. Prefill and anything without a packed GEMM for
