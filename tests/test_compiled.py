@@ -6,7 +6,11 @@ which the other tests tie to the HF forward."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -139,6 +143,40 @@ async def test_compiled_step_runs_lora_adapters_stacked(tokenizer):
         assert any(plan.gemm is not None and plan.gemm.b_t is not None for plan in engine._packed._plans.values())
     finally:
         engine.close()
+
+
+FALLBACK = """
+import asyncio, json, sys
+from transformers import AutoTokenizer
+from flywheel.inference.engine import InferenceEngine
+from flywheel.inference.sampling import SamplingParams
+sys.path.insert(0, sys.argv[2])
+from test_compiled import small_llama
+model, tokenizer = small_llama(), AutoTokenizer.from_pretrained(sys.argv[1])
+params = SamplingParams(max_tokens=9, seed=7)
+tokens = []
+for compile in (True, False):
+    engine = InferenceEngine(model, tokenizer, compile=compile)
+    tokens.append(asyncio.run(engine.generate([4, 5, 6], params))[0].token_ids)
+    if compile:
+        fell_back = engine._compiled is None
+    engine.close()
+print(json.dumps({"fell_back": fell_back, "compiled": tokens[0], "eager": tokens[1]}))
+"""
+
+
+def test_a_compile_failure_falls_back_to_the_eager_step(tokenizer, tmp_path):
+    """Inductor pointed at a C++ compiler that does not exist (a fault caused for real: ``CXX`` is read when torch
+    starts, hence a process of its own, with an empty inductor cache so that no compiled graph hides it), while a
+    working one is on PATH: the engine logs the failure and serves every request with the eager step."""
+    env = os.environ | {"CXX": str(tmp_path / "no-such-c++"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    args = [sys.executable, "-c", FALLBACK, tokenizer.name_or_path, os.path.dirname(__file__)]
+    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["fell_back"] and result["compiled"] == result["eager"] and len(result["eager"]) == 9
+    assert "the compiled decode step failed; decoding eagerly from now on" in out.stderr
+    assert "InvalidCxxCompiler" in out.stderr
 
 
 def test_compile_says_what_it_needs(tokenizer, monkeypatch, tmp_path):
