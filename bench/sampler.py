@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 
 from flywheel.inference.engine import InferenceEngine
+from flywheel.inference.llama_forward import cxx_compiler_found
 from flywheel.inference.loading import EMBEDDED_MODEL, load_model, resolve_model
 from flywheel.inference.registry import ModelRegistry
 from flywheel.server.app import create_app
@@ -104,7 +104,7 @@ def main() -> None:
     sides = SIDES + (("vllm_cpu",) if args.vllm_python.exists() else ())
     if "vllm_cpu" not in sides:
         print(f"vLLM left out: no {args.vllm_python} (see bench/vllm_cpu.py)", flush=True)
-    if not any(shutil.which(c) for c in ("g++", "clang++", "c++")):
+    if not cxx_compiler_found():
         sides = tuple(s for s in sides if s != "flywheel_http_compiled")
         print("compiled Flywheel left out: no C++ compiler", flush=True)
     rates: dict[str, dict[int, list[float]]] = {side: {n: [] for n in args.concurrency} for side in sides}

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -23,7 +22,7 @@ from flywheel.inference.kv_attention import DecodeBatch, PrefillBatch
 from flywheel.inference.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(
-    not any(shutil.which(c) for c in ("g++", "clang++", "c++")), reason="torch.compile needs a C++ compiler on CPU"
+    not llama_forward.cxx_compiler_found(), reason="torch.compile needs a C++ compiler on CPU"
 )
 
 

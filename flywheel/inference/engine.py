@@ -16,8 +16,6 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
-import os
-import shutil
 import threading
 import time
 from collections import deque
@@ -174,7 +172,7 @@ class InferenceEngine:
                 f"with packed weights; this engine has a {type(self.model).__name__} on {self.model.device} "
                 f"({self.model.dtype}, weights {'packed' if self._packed else 'not packed'}). Leave compile off."
             )
-        if not any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "clang++", "c++") if c):
+        if not llama_forward.cxx_compiler_found():
             raise ValueError(
                 "compile=True needs a C++ compiler (torch.compile builds C++ kernels on CPU): install g++ (Debian, "
                 "Ubuntu: apt install g++) or clang, or set CXX, or leave compile off."

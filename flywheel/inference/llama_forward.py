@@ -18,6 +18,9 @@ Training keeps the HF forward; models of other architectures sample through it t
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import torch
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaRMSNorm
 
@@ -104,6 +107,11 @@ def logits(
     x = x.view(rows, length, -1)
     x = x[:, keep] if isinstance(keep, torch.Tensor) else x[:, -keep:]
     return model.lm_head(inner.norm(x))
+
+
+def cxx_compiler_found() -> bool:
+    """Whether a C++ compiler is on PATH (``CXX``, g++, clang++ or c++): what ``CompiledDecode`` needs on CPU."""
+    return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "clang++", "c++") if c)
 
 
 class CompiledDecode:
