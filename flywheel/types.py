@@ -14,6 +14,7 @@ import math
 import traceback
 import uuid
 from collections.abc import Awaitable, Generator, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Annotated, Any, Self
 
 from openai.types.chat.chat_completion import Choice
@@ -45,8 +46,59 @@ MessageOrChoice = Annotated[
     Annotated[Choice, Tag("choice")] | Annotated[Message, Tag("message")],
     Discriminator(_message_or_choice),
 ]
-"""A turn of a conversation. A Choice is a sampled assistant turn; our engine adds ``token_ids`` and
-``prompt_token_ids`` to it as extra fields, which the OpenAI SDK's models keep (in memory and through JSON)."""
+"""A turn of a conversation. A Choice is a sampled assistant turn; our server adds ``token_ids``,
+``prompt_token_ids`` and ``temperature`` to it as extra fields, which the OpenAI SDK's models keep (in memory and
+through JSON). Read and write them with the accessors below, never by string name."""
+
+TOKEN_IDS, PROMPT_TOKEN_IDS, TEMPERATURE = "token_ids", "prompt_token_ids", "temperature"
+INTERMEDIATE_REWARD = "intermediate_reward"
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    """What the sampler did for one Choice: the exact prompt it was fed, the ids it drew, the log-probability of
+    each drawn id under the distribution it drew from (``None`` when the client did not ask for log-probs), and
+    the temperature of that distribution (1.0 for a greedy draw or when none was recorded)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float] | None
+    temperature: float
+
+
+def sampled_tokens(choice: Choice) -> SampledTokens | None:
+    """The sampled ids of a Choice that came from our engine (``None`` for one built by hand or by another API)."""
+    prompt, completion = getattr(choice, PROMPT_TOKEN_IDS, None), getattr(choice, TOKEN_IDS, None)
+    if prompt is None or completion is None:
+        return None
+    content = choice.logprobs.content if choice.logprobs and choice.logprobs.content else None
+    logprobs = [t.logprob for t in content] if content and len(content) == len(completion) else None
+    temperature = float(getattr(choice, TEMPERATURE, None) or 1.0)  # greedy (0) trains as the T=1 distribution
+    return SampledTokens(list(prompt), list(completion), logprobs, temperature)
+
+
+def set_sampled_tokens(choice: Choice, prompt_ids: list[int], completion_ids: list[int], temperature: float) -> None:
+    """Record on a Choice what the sampler was fed and drew, and the temperature it drew at."""
+    setattr(choice, PROMPT_TOKEN_IDS, list(prompt_ids))
+    setattr(choice, TOKEN_IDS, list(completion_ids))
+    setattr(choice, TEMPERATURE, float(temperature))
+
+
+def completion_token_count(choice: Choice) -> int:
+    """Sampled tokens of a Choice from our engine (0 for others)."""
+    return len(getattr(choice, TOKEN_IDS, None) or [])
+
+
+def intermediate_reward(choice: Choice) -> float | None:
+    """The reward given to this turn alone (automatic intermediate rewards or your own), if any."""
+    value = getattr(choice, INTERMEDIATE_REWARD, None)
+    return None if value is None else float(value)
+
+
+def set_intermediate_reward(choice: Choice, reward: float) -> None:
+    if not math.isfinite(reward):
+        raise ValueError(f"an intermediate reward was {reward}; rewards must be finite")
+    setattr(choice, INTERMEDIATE_REWARD, float(reward))
 
 
 def _tool_call_dict(call: Any) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """OpenAI-compatible HTTP API (``/v1/models``, ``/v1/chat/completions``) over the in-process engines.
 
 Responses are built from the openai SDK's own types, so any OpenAI client parses them. Each choice also carries
-``token_ids`` (the exact sampled ids) and ``prompt_token_ids``, which trajectories keep so that training never
-re-tokenises what the model produced.
+``token_ids`` (the exact sampled ids), ``prompt_token_ids`` and the ``temperature`` it was sampled at
+(``flywheel.types.set_sampled_tokens``), which trajectories keep so that training never re-tokenises what the
+model produced and scores it under the distribution it was drawn from.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from flywheel.inference.guided import Guide, GrammarError, compile_guide
 from flywheel.inference.registry import ModelRegistry, UnknownModelError
 from flywheel.inference.sampling import SamplingParams
 from flywheel.server.protocol import ChatCompletionRequest, ErrorDetail, ErrorResponse, JsonSchemaFormat, TextFormat
+from flywheel.types import set_sampled_tokens
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
@@ -147,8 +149,7 @@ def create_app(registry: ModelRegistry) -> FastAPI:
             message, finish = _message(c, bool(tools))
             logprobs = ChoiceLogprobs(content=_logprob_items(engine, c)) if req.logprobs else None
             choice = Choice(index=c.index, message=message, finish_reason=finish, logprobs=logprobs)
-            choice.token_ids = c.token_ids  # type: ignore[attr-defined]  # extra field, kept by the SDK
-            choice.prompt_token_ids = prompt  # type: ignore[attr-defined]
+            set_sampled_tokens(choice, prompt, c.token_ids, params.temperature)  # extra fields, kept by the SDK
             choices.append(choice)
         completion_tokens = sum(len(c.token_ids) for c in results)
         usage = CompletionUsage(
@@ -213,7 +214,7 @@ async def _stream(
                 delta = ChoiceDelta(content=message.content, tool_calls=calls or None)
                 yield chunk([ChunkChoice(index=ev.index, delta=delta)])
             final = ChunkChoice(index=ev.index, delta=ChoiceDelta(), finish_reason=finish)
-            final.token_ids = c.token_ids  # type: ignore[attr-defined]
+            set_sampled_tokens(final, prompt, c.token_ids, params.temperature)  # type: ignore[arg-type]  # same extras
             yield chunk([final])
     except Exception as exc:  # the status line is already sent: report the error in-band, as OpenAI does
         yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n"
