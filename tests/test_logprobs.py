@@ -78,7 +78,7 @@ def test_trainer_log_probs_and_adapter_gradients_match_the_logits_path(tokenizer
                     p.normal_(std=0.02)
         prompt = tokenizer.encode("Question: what is 2+3? Answer:")
         seqs = [
-            Sequence(tokens=prompt + (a := tokenizer.encode(text)), trained=[False] * len(prompt) + [True] * len(a), old_logprobs=[0.0] * (len(prompt) + len(a)))
+            Sequence(tokens=prompt + (a := tokenizer.encode(text)), trained=[False] * len(prompt) + [True] * len(a))
             for text in (" 5, because two plus three is five.", " Five.", " It is 6.")
         ]
         (mb,) = pack(seqs, max_tokens=4096)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flywheel.train.config import TrainConfig
-from flywheel.train.loss import advantages, policy_loss
+from flywheel.train.loss import advantages, importance_weights, policy_loss
 
 # two sequences: seq 0 has two tokens (A = +1), seq 1 has one token (A = -1)
 LOGP = [-1.0, -2.0, -0.5]
@@ -53,10 +53,10 @@ def test_dapo_is_a_token_mean_with_clip_higher():
     assert run("grpo", **up)[0] == pytest.approx(((-1.2 - 1) / 2 + 1) / 2, abs=1e-6)
 
 
-def test_dr_grpo_divides_by_a_constant():
-    value, grad, _ = run("dr_grpo")
-    assert value == pytest.approx((-R0 - R1 + 1) / (2 * 2), abs=1e-6)  # max length 2 x 2 sequences
-    assert run("dr_grpo", dr_grpo_max_tokens=10)[0] == pytest.approx((-R0 - R1 + 1) / 20, abs=1e-6)
+def test_dr_grpo_divides_by_a_configured_constant_not_the_batch_longest():
+    value, grad, _ = run("dr_grpo", dr_grpo_max_tokens=10)
+    assert value == pytest.approx((-R0 - R1 + 1) / (10 * 2), abs=1e-6)  # the budget x 2 trajectories
+    assert run("dr_grpo")[0] == pytest.approx((-R0 - R1 + 1) / (1024 * 2), abs=1e-6)  # the default budget
     assert TrainConfig(loss="dr_grpo").scale_rewards is False
 
 
@@ -93,7 +93,7 @@ def test_micro_batches_add_up_to_the_whole_batch():
         lp = torch.tensor([LOGP[i] for i in idx])
         part, _ = policy_loss(
             lp, torch.tensor([OLD[i] for i in idx]), torch.tensor([ADV[i] for i in idx]),
-            torch.zeros(len(idx), dtype=torch.long), 1, TrainConfig(loss="grpo"), batch_seqs=2, batch_tokens=3,
+            torch.zeros(len(idx), dtype=torch.long), 1, TrainConfig(loss="grpo"), n_trajectories=2, batch_tokens=3,
         )
         parts += part.item()
     assert parts == pytest.approx(whole, abs=1e-6)
@@ -116,3 +116,64 @@ def test_reinforce_pp_whitens_over_the_batch():
     centred = [0.5, -0.5, 1.0, -1.0, 0.0]  # minus each group's mean; batch mean 0, population std sqrt(0.5)
     std = math.sqrt(sum(x * x for x in centred) / 5)
     assert a + b == pytest.approx([x / std for x in centred], abs=1e-5)
+
+
+def test_a_trajectory_in_several_sequences_weighs_as_one():
+    """Trajectory 0 renders into two sequences (seq 0: tokens 0-1, seq 1: token 2), trajectory 1 into one (token
+    3). GRPO: (1/G) sum_i (1/|o_i|) sum_t: trajectory 0's three tokens share 1/3 each of its half, not a half per
+    sequence (which counted it twice)."""
+    logp = torch.tensor([-1.0, -2.0, -0.5, -0.7], requires_grad=True)
+    seq = torch.tensor([0, 0, 1, 2])
+    traj_tokens = torch.tensor([3.0, 3.0, 3.0, 1.0])
+    adv = torch.tensor([1.0, 1.0, 1.0, -1.0])
+    loss, _ = policy_loss(logp, logp.detach(), adv, seq, 3, TrainConfig(loss="grpo"), traj_tokens=traj_tokens, n_trajectories=2)
+    loss.backward()
+    # ratio 1 everywhere: d/dlogp of -A rho / (|o_i| G) = -A / (|o_i| G)
+    assert logp.grad.tolist() == pytest.approx([-1 / 6, -1 / 6, -1 / 6, 1 / 2], abs=1e-6)
+    # GSPO keeps one ratio per sampled sequence but normalises per trajectory the same way
+    logp.grad = None
+    loss, _ = policy_loss(logp, logp.detach(), adv, seq, 3, TrainConfig(loss="gspo"), traj_tokens=traj_tokens, n_trajectories=2)
+    loss.backward()
+    assert logp.grad.tolist() == pytest.approx([-1 / 6, -1 / 6, -1 / 6, 1 / 2], abs=1e-6)
+
+
+def test_zero_variance_trajectories_count_in_grpo_means():
+    """4 trajectories were given, 2 of them (a solved group) have no signal and are not computed: the mean is still
+    over 4 (DeepSeekMath's 1/G), so a batch with more solved groups takes a smaller step, not a larger one."""
+    computed, _, _ = run("grpo")
+    with_solved, _ = policy_loss(
+        torch.tensor(LOGP), torch.tensor(OLD), torch.tensor(ADV), torch.tensor(SEQ), 2, TrainConfig(loss="grpo"), n_trajectories=4
+    )
+    assert with_solved.item() == pytest.approx(computed / 2, abs=1e-6)
+
+
+def test_truncated_importance_weights_scale_the_policy_gradient_and_are_capped():
+    old = torch.tensor([-1.0, -2.0, -0.5, -0.3])
+    sampler = torch.tensor([-1.0 - math.log(1.5), -2.0 + math.log(2.0), math.nan, -0.3 - math.log(5.0)])
+    weights, stats = importance_weights(old, sampler, cap=2.0)
+    # pi_old / pi_sampler: 1.5, 0.5, unknown -> 1, 5 -> capped at 2
+    assert weights.tolist() == pytest.approx([1.5, 0.5, 1.0, 2.0], abs=1e-6)
+    assert stats == {"tokens_with_sampler_logprobs": 3, "ratio_sum": pytest.approx(7.0), "ratio_max": pytest.approx(5.0), "clipped": 1}
+    lp = old.clone().requires_grad_(True)
+    adv, seq = torch.tensor([1.0, 1.0, 1.0, 1.0]), torch.tensor([0, 1, 2, 3])
+    loss, _ = policy_loss(lp, old, adv, seq, 4, TrainConfig(loss="dapo"), is_weight=weights)
+    loss.backward()
+    assert lp.grad.tolist() == pytest.approx([-1.5 / 4, -0.5 / 4, -1.0 / 4, -2.0 / 4], abs=1e-6)
+
+
+def test_two_token_toy_gradient_at_a_temperature_is_the_analytic_one():
+    """A tabular policy over two tokens, logits z, sampled at T = 0.7: pi_T = softmax(z / T). The policy gradient of
+    -A log pi_T(a) is -A (onehot(a) - pi_T) / T; scoring at T = 1 gave -A (onehot(a) - pi_1), which is neither its
+    size nor (for several tokens) its direction."""
+    from flywheel.train.logprobs import token_logprobs
+
+    T, adv = 0.7, 1.0
+    z = torch.tensor([0.3, -0.4], dtype=torch.float64)
+    weight = torch.eye(2, dtype=torch.float64).requires_grad_(True)  # logits = hidden @ I = z
+    hidden = z[None].clone().requires_grad_(True)
+    logp, _ = token_logprobs(hidden, weight, torch.tensor([0]), torch.tensor([1 / T], dtype=torch.float64))
+    (-adv * logp).sum().backward()
+    pi_t = torch.softmax(z / T, dim=-1)
+    expected = -adv * (torch.tensor([1.0, 0.0], dtype=torch.float64) - pi_t) / T
+    assert hidden.grad[0].tolist() == pytest.approx(expected.tolist(), abs=1e-6)  # reduced in fp32
+    assert logp.item() == pytest.approx(math.log(pi_t[0].item()), abs=1e-6)

@@ -1,8 +1,10 @@
 """Token sampling for a batch of rows with per-row parameters.
 
-Log-probabilities returned to callers are those of the model's own distribution (temperature 1, no top-p),
-which is what the trainer recomputes for the importance ratio; temperature and top-p only shape the draw. For a
-constrained (guided) row the logits come in masked, so its log-probabilities are the constrained distribution's.
+Log-probabilities returned to callers are those of the distribution a row is drawn from: softmax(logits / T) at
+the row's temperature T (a greedy row, T = 0, reports T = 1's), before top-p truncation. The trainer scores the
+same tokens under softmax(logits / T) (``flywheel.train``), so the two agree up to rounding and their ratio is a
+true importance weight; top-p truncation is left out of both, as in TRL and verl. For a constrained (guided) row the
+logits come in masked, so its log-probabilities are the constrained distribution's.
 """
 
 from __future__ import annotations
@@ -73,18 +75,16 @@ def sample(
     log-probabilities comes from it for free: the most likely token has probability 1 / sum(exp(logit - max)), so
     lse = max - log(max probability), exact to rounding and never underflowing."""
     logits = logits.float()
+    inverse_t = [1.0 / p.temperature if p.temperature > 0 else 1.0 for p in params]
+    if any(x != 1.0 for x in inverse_t):  # the distribution each row is drawn from, and reports log-probs of
+        logits = logits * torch.tensor(inverse_t, device=logits.device)[:, None]
     sampled = [i for i, p in enumerate(params) if p.temperature > 0]
     tokens = logits.argmax(dim=-1) if len(sampled) < len(params) else None
-    probs = torch.softmax(logits, dim=-1)  # temperature 1: the model's own distribution
+    probs = torch.softmax(logits, dim=-1)
     lse = logits.amax(dim=-1) - probs.amax(dim=-1).log()
     if sampled:
         index = None if len(sampled) == len(params) else torch.tensor(sampled, device=logits.device)
-        temps = [params[i].temperature for i in sampled]
-        if all(t == 1.0 for t in temps):
-            weights = probs if index is None else probs[index]
-        else:
-            rows = logits if index is None else logits[index]
-            weights = torch.softmax(rows * torch.tensor([1.0 / t for t in temps], device=logits.device)[:, None], dim=-1)
+        weights = probs if index is None else probs[index]
         top_ps = torch.tensor([params[i].top_p for i in sampled], device=logits.device)[:, None]
         if bool((top_ps < 1.0).any()):
             sorted_w, order = weights.sort(dim=-1, descending=True)

@@ -1,7 +1,7 @@
 """From trajectories to packed token sequences with a mask of the positions that train.
 
 Only tokens the model sampled train: every ``Choice`` of a trajectory, with the exact ids the engine returned
-(``prompt_token_ids`` + ``token_ids``). System, user and tool tokens, and assistant message dicts (context that was
+(``flywheel.types.sampled_tokens``), the sampler's log-probs of them and the temperature they were drawn at. System, user and tool tokens, and assistant message dicts (context that was
 not sampled), are masked. Consecutive turns whose prompt extends the previous sequence token for token are merged
 into one sequence (the shared prefix is processed once); a turn whose prompt does not (a template that re-renders
 history differently) starts a sequence of its own, so nothing is ever trained on re-tokenised text.
@@ -9,6 +9,7 @@ history differently) starts a sequence of its own, so nothing is ever trained on
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -17,16 +18,21 @@ from transformers import PreTrainedTokenizerBase
 
 from flywheel.inference.chat import render_prompt, to_default_format
 from flywheel.inference.prefix_cache import common_prefix
-from flywheel.types import History, Trajectory, choice_to_message
+from flywheel.types import History, Trajectory, choice_to_message, sampled_tokens
+
+
+NO_LOGPROB = math.nan  # a sampled token whose sampler log-prob is unknown (or a context token)
 
 
 @dataclass
 class Sequence:
     tokens: list[int]
     trained: list[bool]  # trained[t]: token t is a sampled token whose log-prob trains
-    old_logprobs: list[float]  # per token; meaningful where trained
+    sampler_logprobs: list[float] = field(default_factory=list)  # per token, NaN where unknown; [] if none known
+    temperature: list[float] = field(default_factory=list)  # per token, its turn's sampling temperature; []: all 1
     advantage: float = 0.0
     index: int = 0  # position in the optimizer batch (set by pack)
+    trajectory: int = 0  # which trajectory of the optimizer batch it renders (part of): normalisation per trajectory
     turn: list[int] = field(default_factory=list)  # turn[t]: the sampled turn token t belongs to (-1: context)
     turn_advantages: list[float] | None = None  # one per sampled turn of the trajectory (credit="turn")
 
@@ -43,24 +49,24 @@ class MicroBatch:
     context: list[int]  # per segment, the shared-prefix segment it continues, or -1
     positions: torch.Tensor  # [K] index of the position whose logits predict each trained token
     targets: torch.Tensor  # [K]
-    old_logprobs: torch.Tensor  # [K]
+    sampler_logprobs: torch.Tensor  # [K] fp32, NaN where unknown
+    inverse_t: torch.Tensor | None  # [K] fp32, 1 / each token's sampling temperature; None when all are 1
     advantages: torch.Tensor  # [K]
     seq: torch.Tensor  # [K] sequence index within this micro-batch
+    traj: torch.Tensor  # [K] trajectory index of each token (Sequence.trajectory)
     n_seqs: int
     seq_ids: list[int] = field(default_factory=list)  # batch-level sequence indices
 
 
 def _turn_tokens(
     tokenizer: PreTrainedTokenizerBase, choice: Choice, context: list[dict], tools: list[dict] | None
-) -> tuple[list[int], list[int], list[float] | None]:
-    """(prompt ids, completion ids, sampler log-probs) of one sampled turn."""
-    prompt, completion = getattr(choice, "prompt_token_ids", None), getattr(choice, "token_ids", None)
-    if prompt is not None and completion is not None:
-        content = choice.logprobs.content if choice.logprobs and choice.logprobs.content else None
-        logprobs = [t.logprob for t in content] if content and len(content) == len(completion) else None
-        return list(prompt), list(completion), logprobs
+) -> tuple[list[int], list[int], list[float] | None, float]:
+    """(prompt ids, completion ids, sampler log-probs, sampling temperature) of one sampled turn."""
+    sampled = sampled_tokens(choice)
+    if sampled is not None:
+        return sampled.prompt_ids, sampled.completion_ids, sampled.logprobs, sampled.temperature
     # A Choice built by hand (not sampled by our engine): render it the way the engine would have.
-    return assistant_turn_tokens(tokenizer, context, choice_to_message(choice), tools) + (None,)
+    return assistant_turn_tokens(tokenizer, context, choice_to_message(choice), tools) + (None, 1.0)
 
 
 def assistant_turn_tokens(
@@ -74,24 +80,24 @@ def assistant_turn_tokens(
 
 
 def _append_turn(
-    sequences: list[Sequence], prompt: list[int], completion: list[int], logprobs: list[float] | None, turn: int = -1
+    sequences: list[Sequence],
+    prompt: list[int],
+    completion: list[int],
+    logprobs: list[float] | None,
+    temperature: float = 1.0,
+    turn: int = -1,
 ):
     last = sequences[-1] if sequences else None
     if last is not None and prompt[: len(last.tokens)] == last.tokens:
-        extra = prompt[len(last.tokens) :]
-        last.tokens += extra + completion
-        last.trained += [False] * len(extra) + [True] * len(completion)
-        last.old_logprobs += [0.0] * len(extra) + (logprobs or [0.0] * len(completion))
-        last.turn += [-1] * len(extra) + [turn] * len(completion)
+        context = prompt[len(last.tokens) :]
     else:
-        sequences.append(
-            Sequence(
-                tokens=prompt + completion,
-                trained=[False] * len(prompt) + [True] * len(completion),
-                old_logprobs=[0.0] * len(prompt) + (logprobs or [0.0] * len(completion)),
-                turn=[-1] * len(prompt) + [turn] * len(completion),
-            )
-        )
+        last, context = Sequence(tokens=[], trained=[]), prompt
+        sequences.append(last)
+    last.tokens += context + completion
+    last.trained += [False] * len(context) + [True] * len(completion)
+    last.sampler_logprobs += [NO_LOGPROB] * len(context) + (logprobs or [NO_LOGPROB] * len(completion))
+    last.temperature += [1.0] * len(context) + [temperature] * len(completion)
+    last.turn += [-1] * len(context) + [turn] * len(completion)
 
 
 def history_sequences(
@@ -104,8 +110,8 @@ def history_sequences(
     turn = first_turn
     for item in history.messages_and_choices:
         if isinstance(item, Choice):
-            prompt, completion, logprobs = _turn_tokens(tokenizer, item, context, history.tools)
-            _append_turn(sequences, prompt, completion, logprobs, turn)
+            prompt, completion, logprobs, temperature = _turn_tokens(tokenizer, item, context, history.tools)
+            _append_turn(sequences, prompt, completion, logprobs, temperature, turn)
             turn += 1
             context.append(choice_to_message(item))
         else:
@@ -216,7 +222,7 @@ def _micro_batch(items: list[Family], device: torch.device | str = "cpu") -> Mic
     ids: list[int] = []
     pos: list[int] = []
     lengths, context, seq_ids = [], [], []
-    positions, targets, old, adv, seq_of = [], [], [], [], []
+    positions, targets, sampler, inverse_t, adv, seq_of, traj = [], [], [], [], [], [], []
     for prefix, members in items:
         head = len(ids)  # row index of the shared prefix
         if prefix:
@@ -236,9 +242,11 @@ def _micro_batch(items: list[Family], device: torch.device | str = "cpu") -> Mic
                     before = t - 1  # the position whose logits predict token t
                     positions.append(head + before if before < prefix else start + before - prefix)
                     targets.append(s.tokens[t])
-                    old.append(s.old_logprobs[t])
+                    sampler.append(s.sampler_logprobs[t] if s.sampler_logprobs else NO_LOGPROB)
+                    inverse_t.append(1.0 / s.temperature[t] if s.temperature else 1.0)
                     adv.append(s.advantage if s.turn_advantages is None else s.turn_advantages[s.turn[t]])
                     seq_of.append(len(seq_ids))
+                    traj.append(s.trajectory)
             seq_ids.append(s.index)
     return MicroBatch(
         input_ids=torch.tensor([ids], device=device),
@@ -247,9 +255,11 @@ def _micro_batch(items: list[Family], device: torch.device | str = "cpu") -> Mic
         context=context,
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         targets=torch.tensor(targets, dtype=torch.long, device=device),
-        old_logprobs=torch.tensor(old, dtype=torch.float32, device=device),
+        sampler_logprobs=torch.tensor(sampler, dtype=torch.float32, device=device),
+        inverse_t=torch.tensor(inverse_t, dtype=torch.float32, device=device) if any(x != 1.0 for x in inverse_t) else None,
         advantages=torch.tensor(adv, dtype=torch.float32, device=device),
         seq=torch.tensor(seq_of, dtype=torch.long, device=device),
+        traj=torch.tensor(traj, dtype=torch.long, device=device),
         n_seqs=len(seq_ids),
         seq_ids=seq_ids,
     )

@@ -39,13 +39,24 @@ class TrainConfig(BaseModel):
     scale_rewards: bool = True  # divide group advantages by the group's std (GRPO); Dr. GRPO turns it off
     epsilon: float | None = None  # clip range below 1; None -> DEFAULT_CLIP[loss]
     epsilon_high: float | None = None  # clip range above 1
-    beta: float = Field(0.0, ge=0.0)  # KL to the base model (adapter disabled), k3 estimator
+    beta: float = Field(0.0, ge=0.0)  # KL to the reference policy, k3 estimator
+    # the KL reference: None, the base model (LoRA: the adapter switched off); or the weights of this model's
+    # checkpoint at that step (e.g. the end of an SFT warm start)
+    kl_reference_step: int | None = Field(None, ge=0)
+    # truncated importance sampling (TIS): tokens whose sampler log-probs are known train with
+    # min(pi_old / pi_sampler, cap), correcting for other weights (stale rollouts, name@k) and the sampler's own
+    # numerics; None turns it off
+    importance_sampling_cap: float | None = Field(2.0, gt=0)
+    # the learning rate's schedule over RL steps (transformers' / TRL's names): warm-up, then constant or decay
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    max_steps: int | None = Field(None, ge=1)  # where linear / cosine reach 0
     epochs: int = Field(1, ge=1)  # passes over the batch; >1 makes later passes off-policy (ratios matter)
     micro_batch_tokens: int = Field(2048, ge=64)  # packed tokens per forward/backward (bounds activation memory)
     gradient_checkpointing: bool = False  # recompute each layer's activations in backward: less memory, more time
     max_grad_norm: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    dr_grpo_max_tokens: int | None = None  # Dr. GRPO's constant normaliser; None -> longest sequence in the batch
+    dr_grpo_max_tokens: int = Field(1024, ge=1)  # Dr. GRPO's constant normaliser: the generation budget
     credit: Credit = "uniform"  # uniform: one advantage per trajectory; turn: per-turn returns (see credit.py)
     gamma: float = Field(1.0, ge=0.0, le=1.0)  # discount of per-turn returns (credit="turn")
     turn_norm: Literal["index", "all"] = "index"  # turn baseline: same turn index, or all turns of the group
@@ -59,6 +70,14 @@ class TrainConfig(BaseModel):
     def _dr_grpo_has_no_std(self) -> TrainConfig:
         if self.loss == "dr_grpo" and "scale_rewards" not in self.model_fields_set:
             self.scale_rewards = False
+        return self
+
+    @model_validator(mode="after")
+    def _decay_needs_an_end(self) -> TrainConfig:
+        if self.lr_scheduler_type != "constant" and self.max_steps is None:
+            raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r} decays to 0 at max_steps: set max_steps")
+        if self.max_steps is not None and self.warmup_steps > self.max_steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) is longer than max_steps ({self.max_steps})")
         return self
 
     @model_validator(mode="after")

@@ -26,9 +26,7 @@ from openai.types.chat.chat_completion import Choice
 
 from flywheel.train.config import TrainConfig
 from flywheel.train.loss import advantages
-from flywheel.types import Trajectory, TrajectoryGroup
-
-INTERMEDIATE_REWARD = "intermediate_reward"
+from flywheel.types import Trajectory, TrajectoryGroup, intermediate_reward, set_intermediate_reward
 
 
 def sampled_turns(traj: Trajectory) -> list[Choice]:
@@ -37,7 +35,7 @@ def sampled_turns(traj: Trajectory) -> list[Choice]:
 
 def turn_rewards(traj: Trajectory) -> list[float]:
     """Intermediate reward of each sampled turn (0.0 where none was set)."""
-    return [float(getattr(c, INTERMEDIATE_REWARD, None) or 0.0) for c in sampled_turns(traj)]
+    return [intermediate_reward(c) or 0.0 for c in sampled_turns(traj)]
 
 
 def set_turn_rewards(traj: Trajectory, rewards: list[float]) -> None:
@@ -48,7 +46,7 @@ def set_turn_rewards(traj: Trajectory, rewards: list[float]) -> None:
     for t, (choice, r) in enumerate(zip(turns, rewards)):
         if not math.isfinite(r):
             raise ValueError(f"turn reward {t} of trajectory {traj.id} was {r}; rewards must be finite")
-        setattr(choice, INTERMEDIATE_REWARD, float(r))
+        set_intermediate_reward(choice, r)
 
 
 def total_reward(traj: Trajectory) -> float:

@@ -1,11 +1,19 @@
 """Advantages and policy losses of the GRPO family, on flat per-token tensors.
 
-Notation: rho = pi / pi_old per token, A = advantage of the token's sequence, eps = (low, high) clip range.
-- GRPO (Shao et al. 2024, DeepSeekMath): mean_i (1/|o_i|) sum_t min(rho A, clip(rho, 1-eps, 1+eps) A).
-- Dr. GRPO (Liu et al. 2025): no std scaling; sum over tokens divided by a constant (max length x sequences).
-- DAPO (Yu et al. 2025): clip-higher (0.2, 0.28), mean over all tokens of the batch.
-- GSPO (Zheng et al. 2025): one ratio per sequence, s_i = exp(mean_t log rho_it), clipped per sequence.
-- CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped, detached ratio: -sg(clip(rho)) A log pi.
+Notation: rho = pi / pi_old per token, A = advantage of the token's trajectory, eps = (low, high) clip range, G =
+trajectories in the optimizer batch (every group given, zero-variance ones included), |o_i| = trained tokens of
+trajectory i (all its turns and sequences), pi = softmax(logits / T) at the temperature the token was sampled at.
+- GRPO (Shao et al. 2024, DeepSeekMath, eq. 3): (1/G) sum_i (1/|o_i|) sum_t min(rho A, clip(rho, 1-eps, 1+eps) A).
+- Dr. GRPO (Liu et al. 2025): no std scaling; (1/G) sum_i sum_t (...) / L, L a constant (the generation budget,
+  ``dr_grpo_max_tokens``).
+- DAPO (Yu et al. 2025, eq. 8): clip-higher (0.2, 0.28), a mean over every token of the batch; its dynamic
+  sampling drops zero-variance groups, so their tokens are not in that mean.
+- GSPO (Zheng et al. 2025): one ratio per sampled sequence, s = exp(mean_t log rho_t), clipped per sequence; then
+  normalised as GRPO.
+- CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped, detached ratio: -sg(clip(rho)) A log pi; a token
+  mean, as DAPO.
+- Truncated importance sampling (TIS; Yao et al. 2025, TRL and verl): tokens sampled by other weights or another
+  numeric path than the trainer's carry w = min(pi_old / pi_sampler, cap), detached, on their policy term.
 - KL (optional): Schulman's k3 estimator to the reference policy, exp(ref - lp) - (ref - lp) - 1.
 Advantage estimators: GRPO (r - group mean, optionally / group std), RLOO (Ahmadian et al. 2024: r_i minus the
 mean of the others), REINFORCE++ baseline (Hu 2025: r - group mean, then whitened over the whole batch).
@@ -43,40 +51,54 @@ def _segment_sum(x: torch.Tensor, seq: torch.Tensor, n: int) -> torch.Tensor:
 
 def policy_loss(
     logp: torch.Tensor,  # [N] log pi(token) under the current policy (with grad)
-    old_logp: torch.Tensor,  # [N] under the policy that sampled (no grad)
-    adv: torch.Tensor,  # [N] advantage of each token's sequence
-    seq: torch.Tensor,  # [N] sequence index of each token, 0..n_seqs-1
+    old_logp: torch.Tensor,  # [N] under the policy before this update (no grad)
+    adv: torch.Tensor,  # [N] advantage of each token's trajectory (or turn)
+    seq: torch.Tensor,  # [N] sequence index of each token, 0..n_seqs-1 (GSPO's ratio is per sequence)
     n_seqs: int,
     config: TrainConfig,
     ref_logp: torch.Tensor | None = None,  # [N] under the reference policy, when beta > 0
-    batch_seqs: int | None = None,  # sequences / tokens in the whole optimizer batch, when this call sees one
-    batch_tokens: int | None = None,  # micro-batch of it: the micro-batch losses then add up to the batch loss
-    max_tokens: int | None = None,  # longest sequence of the batch (Dr. GRPO's default normaliser)
+    is_weight: torch.Tensor | None = None,  # [N] truncated importance weight pi_old / pi_sampler (TIS), detached
+    traj_tokens: torch.Tensor | None = None,  # [N] |o_i| of each token's trajectory; default: its sequence's
+    n_trajectories: int | None = None,  # G; default: n_seqs. With these and ``batch_tokens`` (the DAPO/CISPO mean's
+    batch_tokens: int | None = None,  # count), the losses of an optimizer batch's micro-batches add up to its loss
 ) -> tuple[torch.Tensor, dict[str, float]]:
     low, high = config.clip
-    batch_seqs, batch_tokens = batch_seqs or n_seqs, batch_tokens or logp.numel()
     log_ratio = logp - old_logp
-    tokens_per_seq = _segment_sum(torch.ones_like(logp), seq, n_seqs)
     if config.loss == "gspo":
-        seq_ratio = torch.exp(_segment_sum(log_ratio, seq, n_seqs) / tokens_per_seq)
-        ratio = seq_ratio[seq]  # every token of a sequence shares its sequence's ratio
+        tokens_per_seq = _segment_sum(torch.ones_like(logp), seq, n_seqs)
+        ratio = torch.exp(_segment_sum(log_ratio, seq, n_seqs) / tokens_per_seq)[seq]  # a sequence's tokens share it
     else:
         ratio = torch.exp(log_ratio)
     if config.loss == "cispo":
-        weight = ratio.clamp(1 - low, 1 + high).detach()
-        per_token = -weight * adv * logp
+        per_token = -ratio.clamp(1 - low, 1 + high).detach() * adv * logp
     else:
         per_token = -torch.min(ratio * adv, ratio.clamp(1 - low, 1 + high) * adv)
+    if is_weight is not None:
+        per_token = per_token * is_weight
     kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1 if ref_logp is not None else torch.zeros_like(logp)
     per_token = per_token + config.beta * kl
 
-    if config.loss in ("grpo", "gspo"):  # mean over each sequence's tokens, then over sequences
-        loss = (_segment_sum(per_token, seq, n_seqs) / tokens_per_seq).sum() / batch_seqs
+    n_trajectories = n_trajectories or n_seqs
+    if config.loss in ("grpo", "gspo"):  # mean over each trajectory's tokens, then over trajectories
+        if traj_tokens is None:
+            traj_tokens = _segment_sum(torch.ones_like(logp), seq, n_seqs)[seq]
+        loss = (per_token / traj_tokens).sum() / n_trajectories
     elif config.loss == "dr_grpo":  # a constant normaliser: no length bias
-        norm = config.dr_grpo_max_tokens or max_tokens or int(tokens_per_seq.max())
-        loss = per_token.sum() / (norm * batch_seqs)
+        loss = per_token.sum() / (config.dr_grpo_max_tokens * n_trajectories)
     else:  # dapo, cispo: every token of the batch counts the same
-        loss = per_token.sum() / batch_tokens
+        loss = per_token.sum() / (batch_tokens or logp.numel())
 
     clipped = ((ratio < 1 - low) | (ratio > 1 + high)).float().mean()
     return loss, {"clip_fraction": float(clipped), "kl": float(kl.detach().mean()), "ratio_mean": float(ratio.detach().mean())}
+
+
+def importance_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """TIS: min(pi_old / pi_sampler, cap) per token, 1 where the sampler's log-prob is unknown (NaN); and its
+    metrics over the tokens that have one."""
+    known = ~torch.isnan(sampler_logp)
+    ratio = torch.exp(old_logp - torch.where(known, sampler_logp, old_logp))
+    seen = ratio[known]
+    stats = {"tokens_with_sampler_logprobs": int(known.sum())}
+    if seen.numel():
+        stats |= {"ratio_sum": float(seen.sum()), "ratio_max": float(seen.max()), "clipped": int((seen > cap).sum())}
+    return ratio.clamp(max=cap), stats
