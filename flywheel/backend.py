@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import os
-import shutil
 import threading
 import time
 from collections.abc import Iterable
@@ -18,6 +17,7 @@ from flywheel.gather import phase_seconds
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.loading import load_model
 from flywheel.inference.registry import ModelRegistry, ServedModel
+from flywheel.runs import RunStore, model_path
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
 from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
@@ -70,6 +70,9 @@ class LocalBackend:
         self._checkpoint_engines: dict[str, InferenceEngine] = {}  # "name@step" of earlier steps, oldest first
         self._checkpoint_lock = threading.Lock()
         self._trainers: dict[tuple[str, str], Trainer] = {}  # (project, name) -> trainer on its own engine
+        self._runs: dict[tuple[str, str], RunStore] = {}  # their directories, locked while registered here
+        self._step_locks: dict[tuple[str, str], asyncio.Lock] = {}  # one step (train, save, restore) at a time
+        self._extras: dict[tuple[str, str], dict] = {}  # the ``extra`` of the checkpoint the live weights are at
         self._dtype, self._max_batch, self._compile = dtype, max_batch, compile
         self._host, self._port, self._serve_http = host, port, serve_http
         self._server: BackgroundServer | None = None
@@ -110,20 +113,30 @@ class LocalBackend:
 
     async def register(self, model: TrainableModel, lora: LoraSettings | None = None) -> None:
         """Give the model its own engine (its own copy of the base weights, with a LoRA adapter) and resume
-        from its latest checkpoint if it has one."""
+        from its latest checkpoint if it has one. The model's directory is this backend's until ``close``: a
+        second backend (in this process or another) gets ``ModelInUseError`` naming the holder's pid."""
         key = (model.project, model.name)
         async with self._lock:
             if key not in self._trainers:
-                engine, _ = await self._engine(model.base_model)
-                try:  # model work runs on the engine's thread (see InferenceEngine.call)
-                    trainer = await engine.call(Trainer, engine, lora)
-                    latest = self._latest_checkpoint(model)
-                    if latest is not None:
-                        await engine.call(trainer.load, latest)
+                run = RunStore(self.model_dir(model))
+                run.lock()
+                try:
+                    await asyncio.to_thread(run.recover)  # after a crash: back to the latest checkpoint
+                    engine, _ = await self._engine(model.base_model)
+                    try:  # model work runs on the engine's thread (see InferenceEngine.call)
+                        trainer = await engine.call(Trainer, engine, lora)
+                        latest = run.latest()
+                        if latest is not None:
+                            checkpoint = await asyncio.to_thread(run.read, latest, full_finetune=trainer.lora.full_finetune)
+                            await engine.call(trainer.load, checkpoint)
+                            self._extras[key] = checkpoint.state.extra
+                    except BaseException:
+                        engine.close()
+                        raise
                 except BaseException:
-                    engine.close()
+                    run.unlock()
                     raise
-                self._trainers[key] = trainer
+                self._trainers[key], self._runs[key], self._step_locks[key] = trainer, run, asyncio.Lock()
             self._serve()
         self._publish(model)
 
@@ -152,13 +165,17 @@ class LocalBackend:
         if not step.isdigit() or len(owners) != 1:
             return None
         (project, _), trainer = owners[0]
-        directory = self.path / project / "models" / name / "checkpoints" / f"{int(step):04d}"
-        if not directory.is_dir():
+        run = self._runs[(project, name)]
+        if int(step) not in run.steps():
             return None
         with self._checkpoint_lock:  # one load at a time; a second request for the same step waits for the first
             if served_name not in self._checkpoint_engines:
+                try:
+                    checkpoint = run.read(int(step), optimizer=False)
+                except FileNotFoundError:  # deleted (delete_checkpoints) since it was listed
+                    return None
                 base, tokenizer, _ = load_model(trainer.engine.model.name_or_path, dtype=self._dtype)
-                load_for_serving(base, directory)
+                load_for_serving(base, checkpoint)
                 self._checkpoint_engines[served_name] = InferenceEngine(
                     base, tokenizer, max_batch=self._max_batch, compile=self._compile
                 )
@@ -170,20 +187,21 @@ class LocalBackend:
             return self.registry.get(served_name)
 
     def model_dir(self, model: TrainableModel) -> Path:
-        return self.path / model.project / "models" / model.name
+        return model_path(self.path, model.project, model.name)
 
-    def _latest_checkpoint(self, model: TrainableModel) -> Path | None:
-        checkpoints = self.model_dir(model) / "checkpoints"
-        steps = sorted((int(p.name), p) for p in checkpoints.glob("[0-9]*") if p.is_dir() and p.name.isdigit())
-        return steps[-1][1] if steps else None
+    def run(self, model: TrainableModel) -> RunStore:
+        """The model's directory: history, trajectories, checkpoints (read-only use if not registered here)."""
+        return self._runs.get((model.project, model.name)) or RunStore(self.model_dir(model))
 
     async def restore(self, model: TrainableModel, step: int) -> None:
-        """Load checkpoint ``step`` into the live adapter (e.g. the best one, for a final evaluation)."""
-        directory = self.model_dir(model) / "checkpoints" / f"{step:04d}"
-        if not directory.exists():
-            raise FileNotFoundError(f"No checkpoint for step {step} at {directory}.")
-        trainer = self.trainer(model)
-        await trainer.engine.call(trainer.load, directory)
+        """Load checkpoint ``step`` into the live weights (e.g. the best one, for a final evaluation). Later
+        checkpoints stay until training goes on from here: the first step after it moves them, their history
+        rows and trajectories to ``abandoned/`` (they are another branch)."""
+        trainer, run = self.trainer(model), self.run(model)
+        async with self._step_locks[(model.project, model.name)]:
+            checkpoint = await asyncio.to_thread(run.read, step, full_finetune=trainer.lora.full_finetune)
+            await trainer.engine.call(trainer.load, checkpoint)
+            self._extras[(model.project, model.name)] = checkpoint.state.extra
         self._publish(model)
 
     async def get_step(self, model: TrainableModel) -> int:
@@ -191,79 +209,108 @@ class LocalBackend:
         key = (model.project, model.name)
         if key in self._trainers:
             return self._trainers[key].step
-        latest = self._latest_checkpoint(model)
-        return int(latest.name) if latest is not None else 0
+        return self.run(model).latest() or 0
+
+    def checkpoint_extra(self, model: TrainableModel) -> dict:
+        """The ``extra`` stored with the checkpoint the live weights come from (after a resume or a restore), or
+        of the last one this backend wrote; ``{}`` if none."""
+        self.trainer(model)  # registered
+        return dict(self._extras.get((model.project, model.name), {}))
 
     # ---- training ----------------------------------------------------------------------------------------------
 
-    async def train(self, model: TrainableModel, groups: Iterable[TrajectoryGroup], config: TrainConfig) -> dict[str, float]:
+    async def train(
+        self,
+        model: TrainableModel,
+        groups: Iterable[TrajectoryGroup],
+        config: TrainConfig,
+        *,
+        save_checkpoint: bool = True,
+        extra: dict | None = None,
+    ) -> dict[str, float]:
+        """One RL step. ``save_checkpoint``: write a checkpoint of it (with ``extra``, e.g. the caller's data
+        position, back from ``checkpoint_extra`` on resume); its history row says whether it has one."""
         trainer = self.trainer(model)
         groups = list(groups)
         trajectories = [t for g in groups for t in g.trajectories]
-        metrics = await trainer.engine.call(trainer.rl_step, groups, config)
-        metrics |= phase_seconds(groups) | metric_means(trajectories, "train")
-        await self._after_step(model, trainer, metrics, "train", config.model_dump())
-        self._save_trajectories(model, "train", trainer.step, trajectories)
+        async with self._step_locks[(model.project, model.name)]:  # a second caller's step waits for this one's save
+            await self._branch(model, trainer)
+            metrics = await trainer.engine.call(trainer.rl_step, groups, config)
+            metrics |= phase_seconds(groups) | metric_means(trajectories, "train")
+            row = {"step": trainer.step, "split": "train", **metrics}
+            save = save_checkpoint and not metrics.get("skipped")
+            self.run(model).save_trajectories("train", trainer.step, trajectories)  # first: the row commits them
+            await self._after_step(model, trainer, [row], "train", config.model_dump(), save, extra)
         return metrics
 
     async def train_sft(self, model: TrainableModel, trajectories: list[Trajectory], config: SFTConfig) -> list[dict[str, float]]:
         trainer = self.trainer(model)
-        history = await trainer.engine.call(trainer.sft, trajectories, config)
-        for i, metrics in enumerate(history):
-            self._append_history(model, {"step": trainer.step - len(history) + i + 1, "split": "sft", **metrics})
-        await self._after_step(model, trainer, None, "sft", config.model_dump())
+        async with self._step_locks[(model.project, model.name)]:
+            await self._branch(model, trainer)
+            history = await trainer.engine.call(trainer.sft, trajectories, config)
+            rows = [{"step": trainer.step - len(history) + i + 1, "split": "sft", **m} for i, m in enumerate(history)]
+            await self._after_step(model, trainer, rows, "sft", config.model_dump(), True, None)
         return history
 
-    async def _after_step(self, model: TrainableModel, trainer: Trainer, metrics, split: str, config: dict) -> None:
-        if metrics is not None:
-            self._append_history(model, {"step": trainer.step, "split": split, **metrics})
-            if metrics.get("skipped"):
-                return
-        directory = self.model_dir(model) / "checkpoints" / f"{trainer.step:04d}"
-        await asyncio.to_thread(trainer.save, directory, {"last_config": config, "last_split": split})
+    async def _branch(self, model: TrainableModel, trainer: Trainer) -> None:
+        """Training goes on from the live step: checkpoints and rows above it (left by a ``restore``) are another
+        branch, archived; earlier-step engines serving them go too."""
+        if await asyncio.to_thread(self.run(model).abandon_after, trainer.step) is None:
+            return
+
+        def drop_engines() -> None:
+            with self._checkpoint_lock:
+                for served in list(self._checkpoint_engines):
+                    name, _, step = served.rpartition("@")
+                    if name == model.name and int(step) > trainer.step:
+                        self.registry.remove(served)
+                        self._checkpoint_engines.pop(served).close()
+
+        await asyncio.to_thread(drop_engines)
+
+    async def _after_step(
+        self, model: TrainableModel, trainer: Trainer, rows: list[dict], split: str, config: dict, save: bool, extra: dict | None
+    ) -> None:
+        """A step's history rows: committed by its checkpoint (durable first, the rows after it) or appended."""
+        stamp = time.time()
+        rows = [{"time": stamp, **row, "checkpoint": save} for row in rows]
+        run = self.run(model)
+        if save:
+            checkpoint = await trainer.engine.call(trainer.checkpoint)
+            checkpoint.state = checkpoint.state.model_copy(
+                update={"rows": rows, "extra": extra or {}, "last_split": split, "last_config": config}
+            )
+            await asyncio.to_thread(run.write, checkpoint)
+            self._extras[(model.project, model.name)] = extra or {}
+        else:
+            await asyncio.to_thread(run.append, rows)
         self._publish(model)
 
-    def _append_history(self, model: TrainableModel, row: dict) -> None:
-        path = self.model_dir(model) / "history.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            f.write(json.dumps({"time": time.time(), **row}) + "\n")
-
     def history(self, model: TrainableModel) -> list[dict]:
-        path = self.model_dir(model) / "history.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-    def _save_trajectories(self, model: TrainableModel, split: str, step: int, trajectories: list[Trajectory]) -> None:
-        directory = self.model_dir(model) / "trajectories" / split
-        directory.mkdir(parents=True, exist_ok=True)
-        with (directory / f"{step:04d}.jsonl").open("a") as f:
-            for t in trajectories:
-                f.write(t.model_dump_json() + "\n")
+        return self.run(model).history()
 
     async def log(self, model: TrainableModel, trajectories: list[Trajectory], split: str) -> dict[str, float]:
         """Record evaluation trajectories and their mean reward/metrics as ``<split>/...`` at the current step."""
-        step = await self.get_step(model)
-        metrics: dict[str, float] = {}
-        if trajectories:
-            metrics[f"{split}/reward"] = sum(t.reward for t in trajectories) / len(trajectories)
-            metrics |= metric_means(trajectories, split) | {f"{split}/n": len(trajectories)}
-        self._append_history(model, {"step": step, "split": split, **metrics})
-        self._save_trajectories(model, split, step, trajectories)
+        key = (model.project, model.name)
+        async with self._step_locks.get(key) or contextlib.nullcontext():
+            step = await self.get_step(model)
+            metrics: dict[str, float] = {}
+            if trajectories:
+                metrics[f"{split}/reward"] = sum(t.reward for t in trajectories) / len(trajectories)
+                metrics |= metric_means(trajectories, split) | {f"{split}/n": len(trajectories)}
+            run = self.run(model)
+            run.save_trajectories(split, step, trajectories)  # first: the row commits them
+            await asyncio.to_thread(run.append, [{"time": time.time(), "step": step, "split": split, **metrics}])
         return metrics
 
-    async def delete_checkpoints(self, model: TrainableModel, best_checkpoint_metric: str = "val/reward") -> list[int]:
-        """Keep the latest checkpoint and the best one by ``best_checkpoint_metric``; return the deleted steps."""
-        checkpoints = self.model_dir(model) / "checkpoints"
-        steps = sorted(int(p.name) for p in checkpoints.glob("[0-9]*") if p.name.isdigit())
-        scored = [(r[best_checkpoint_metric], r["step"]) for r in self.history(model) if best_checkpoint_metric in r]
-        keep = {steps[-1]} if steps else set()
-        if scored:
-            best = max(scored)[1]  # ties: the later step
-            keep.add(best)
-        deleted = [s for s in steps if s not in keep]
-        for s in deleted:
-            shutil.rmtree(checkpoints / f"{s:04d}", ignore_errors=True)
-        return deleted
+    async def delete_checkpoints(
+        self, model: TrainableModel, best_checkpoint_metric: str = "val/reward", *, maximize: bool = True
+    ) -> list[int]:
+        """Keep the latest checkpoint and the best existing one by ``best_checkpoint_metric`` (the highest, or
+        the lowest if not ``maximize``; a NaN never wins); return the deleted steps."""
+        self.trainer(model)  # registered: this backend owns the directory
+        async with self._step_locks[(model.project, model.name)]:
+            return await asyncio.to_thread(self.run(model).prune, best_checkpoint_metric, maximize)
 
     async def close(self) -> None:
         if self._server is not None:
@@ -274,6 +321,11 @@ class LocalBackend:
         self._engines.clear()
         self._trainers.clear()
         self._checkpoint_engines.clear()
+        for run in self._runs.values():  # the model directories are free for another backend
+            run.unlock()
+        self._runs.clear()
+        self._step_locks.clear()
+        self._extras.clear()
         for served in self.registry.all():  # drop the last references to the engines' models
             self.registry.remove(served.name)
 

@@ -74,9 +74,22 @@ class TrainableModel(Model):
     async def get_step(self) -> int:
         return await self.backend.get_step(self)
 
-    async def train(self, groups: Iterable[TrajectoryGroup], config: TrainConfig | None = None) -> dict[str, float]:
-        """One RL optimizer step on these groups; the next rollout samples from the updated weights."""
-        return await self.backend.train(self, groups, config or TrainConfig())
+    async def train(
+        self,
+        groups: Iterable[TrajectoryGroup],
+        config: TrainConfig | None = None,
+        *,
+        save_checkpoint: bool = True,
+        extra: dict[str, Any] | None = None,
+    ) -> dict[str, float]:
+        """One RL optimizer step on these groups; the next rollout samples from the updated weights.
+        ``save_checkpoint=False`` skips its checkpoint (the history row still goes in); ``extra`` (JSON) is stored
+        with the checkpoint and comes back from ``checkpoint_extra()`` after a resume, e.g. a data position."""
+        return await self.backend.train(self, groups, config or TrainConfig(), save_checkpoint=save_checkpoint, extra=extra)
+
+    async def checkpoint_extra(self) -> dict[str, Any]:
+        """The ``extra`` of the checkpoint the weights come from (the latest after a resume); ``{}`` if none."""
+        return self.backend.checkpoint_extra(self)
 
     async def train_sft(
         self, trajectories: Iterable[Trajectory] | str | Path, config: SFTConfig | None = None
@@ -91,8 +104,9 @@ class TrainableModel(Model):
         flat = [t for item in trajectories for t in (item.trajectories if isinstance(item, TrajectoryGroup) else [item])]
         return await self.backend.log(self, flat, split)
 
-    async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[int]:
-        return await self.backend.delete_checkpoints(self, best_checkpoint_metric)
+    async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward", *, maximize: bool = True) -> list[int]:
+        """Keep the latest checkpoint and the best one by the metric (lowest if not ``maximize``)."""
+        return await self.backend.delete_checkpoints(self, best_checkpoint_metric, maximize=maximize)
 
 
 def _read_jsonl(path: Path) -> list[Trajectory]:

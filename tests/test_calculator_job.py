@@ -44,7 +44,7 @@ async def test_job_runs_end_to_end_and_writes_report_and_plot(tmp_path, monkeypa
     monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
     # the LoRA variant keeps CI light (full fine-tuning, the job's default, is tested in test_train.py)
     config = JobConfig(
-        name="toy", sft_examples=4, rl_steps=2, groups_per_step=2, group_size=2, eval_every=1, val_problems=4,
+        name="toy", sft_examples=4, rl_steps=2, groups_per_step=2, group_size=2, eval_every=2, val_problems=4,
         test_problems=4, levels=[1],
     ).with_lora()
     config.sft = SFTConfig(learning_rate=3e-4, epochs=1, batch_size=4)
@@ -62,8 +62,10 @@ async def test_job_runs_end_to_end_and_writes_report_and_plot(tmp_path, monkeypa
     assert 0.0 <= step["train/correct"] <= 1.0 and step["train/turns"] >= 1  # the rollouts' own metrics
     assert (out / "checkpoints" / f"{report['best_step']:04d}" / "adapter_model.safetensors").exists()
     kept = sorted(int(p.name) for p in (out / "checkpoints").iterdir())
-    latest = max(r["step"] for r in history)
+    latest = max(r["step"] for r in history if r.get("checkpoint"))
     assert len(kept) <= 2 and kept[-1] == latest and report["best_step"] in kept  # the latest and the best only
+    # a checkpoint only where the best is picked from: validation points (eval_every=2: the last step) and SFT's end
+    assert [r["checkpoint"] for r in history if r["split"] == "train"][0] is False
 
 
 def test_cli_refuses_a_hub_id_with_a_clear_message(tmp_path):

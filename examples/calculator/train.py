@@ -159,11 +159,14 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
                     (TrajectoryGroup(rollout(model, p, temperature=config.temperature) for _ in range(config.group_size)) for p in scenarios),
                     pbar_desc=None, max_exceptions=0.1,
                 )
-                metrics = await model.train(groups, config=config.rl)  # with rollout_seconds and train/<metric> means
+                validate = (i + 1) % config.eval_every == 0 or i + 1 == config.rl_steps
+                # a checkpoint only where one can be needed: where the best is picked from (validation points; the
+                # last step is one), not at every step (1.6 GB each when every weight trains)
+                metrics = await model.train(groups, config=config.rl, save_checkpoint=validate)  # with rollout_seconds and train/<metric> means
                 row = {"step": await model.get_step(), **metrics, "peak_rss_gb": peak_rss_gb()}
                 if levels:
                     row |= levels.record(groups)
-                if (i + 1) % config.eval_every == 0 or i + 1 == config.rl_steps:
+                if validate:
                     row |= await model.log(await evaluate(model, val, "val"), split="val")
                 await model.delete_checkpoints("val/reward")  # the latest and the best so far (1.6 GB each when full)
                 rl_rows.append(row)
@@ -171,7 +174,8 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
         report["rl_history"] = rl_rows
 
         history = backend.history(model)
-        best = max(((r["val/reward"], r["step"]) for r in history if "val/reward" in r and r["step"] >= sft_step), default=(0.0, sft_step))
+        saved = set(backend.run(model).steps())  # a validated step whose update was skipped may have none
+        best = max(((r["val/reward"], r["step"]) for r in history if "val/reward" in r and r["step"] >= sft_step and r["step"] in saved), default=(0.0, sft_step))
         await backend.restore(model, best[1])
         rl = await evaluate(model, test, f"best checkpoint step {best[1]} (test)")
         report["rl"] = accuracy(rl, len(test))

@@ -27,8 +27,8 @@ from flywheel.graders.sandbox import PythonSandbox, SandboxLimits
 from flywheel.graders.spec import Grader, MultiGrader, load_grader
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.model import Model, TrainableModel
+from flywheel.runs import RunStore, model_path
 from flywheel.train.config import LoraSettings
-from flywheel.train.trainer import checkpoint_settings
 from flywheel.types import Trajectory
 
 ROLLOUT_ERROR = "rollout_error"
@@ -120,19 +120,19 @@ async def _policy(config: EvalConfig, backend: LocalBackend) -> Model:
                 f"model {name!r} exists in several projects under {home} ({', '.join(found)}): pass --project"
             )
         project = found[0] if found else None
-    if project is None or not (home / project / "models" / name / "checkpoints").is_dir():
+    if project is None or not (model_path(home, project, name) / "checkpoints").is_dir():
         if step is not None:
             raise ValueError(
                 f"no checkpoints of model {name!r} under {home}/{project or '*'}/models/ (FLYWHEEL_HOME or --home)"
             )
         await backend.load(name)  # a base model as it is
         return Model(name=name, project="eval", inference_model_name=name, inference_base_url=backend.base_url)
-    checkpoints = home / project / "models" / name / "checkpoints"
-    available = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    run = RunStore(model_path(home, project, name))
+    available = run.steps()
     if step is not None and step not in available:
         raise ValueError(f"{name}@{step}: no such checkpoint; available steps: {available or 'none'}")
     # trained as it was: a LoRA adapter of the saved shape, or every weight
-    lora = checkpoint_settings(checkpoints / f"{available[-1]:04d}") if available else LoraSettings()
+    lora = run.state(available[-1]).lora if available else LoraSettings()
     model = TrainableModel(name=name, project=project, base_model=config.base_model, lora=lora)
     await model.register(backend)
     if step is not None:

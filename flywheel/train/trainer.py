@@ -4,23 +4,22 @@ step per call."""
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
-import shutil
-import tempfile
+import random
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.kv_attention import PackedBatch
 from flywheel.inference.lora import fuse_lora_forward
+from flywheel.runs import Checkpoint, CheckpointState
 from flywheel.train.batch import MicroBatch, Sequence, pack, trajectory_sequences
 from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
 from flywheel.train.credit import credit_advantages, has_signal, total_reward
@@ -31,8 +30,6 @@ from flywheel.types import Trajectory, TrajectoryGroup
 log = logging.getLogger(__name__)
 
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file name
-FULL_WEIGHTS = "model.safetensors"
 ENTROPY_CHUNK = 256  # rows per entropy chunk: [256, V] temporaries instead of [K, V]
 
 
@@ -47,11 +44,6 @@ def fuses_head(model: PreTrainedModel) -> bool:
     return type(model).__name__ in PLAIN_HEAD_MODELS and type(head) is torch.nn.Linear and head.bias is None
 
 
-def checkpoint_settings(directory: Path) -> LoraSettings:
-    """What a checkpoint's run trains (a LoRA adapter and its shape, or every weight), from its trainer state."""
-    return LoraSettings(**json.loads((directory / "trainer_state.json").read_text())["lora"])
-
-
 def _lora_config(settings: LoraSettings) -> LoraConfig:
     return LoraConfig(
         r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
@@ -59,21 +51,46 @@ def _lora_config(settings: LoraSettings) -> LoraConfig:
     )
 
 
-def load_for_serving(model: PreTrainedModel, directory: Path) -> None:
+def load_for_serving(model: PreTrainedModel, checkpoint: Checkpoint) -> None:
     """Put a checkpoint's trained weights into a fresh copy of its base model, in place and in the model's dtype,
     exactly as the trainer's live model held them at that step (LoRA unmerged, as there)."""
-    settings = checkpoint_settings(directory)
+    settings = checkpoint.state.lora
     if settings.full_finetune:
-        unexpected = model.load_state_dict(load_file(str(directory / FULL_WEIGHTS)), strict=False).unexpected_keys
+        unexpected = model.load_state_dict(checkpoint.weights, strict=False).unexpected_keys
     else:
         peft = get_peft_model(model, _lora_config(settings))  # injects the adapter into ``model`` in place
         fuse_lora_forward(model)
-        unexpected = set_peft_model_state_dict(peft, load_file(str(directory / ADAPTER_WEIGHTS))).unexpected_keys
+        unexpected = set_peft_model_state_dict(peft, checkpoint.weights).unexpected_keys
     if unexpected:
-        raise ValueError(f"checkpoint {directory} does not match model {model.name_or_path}: {unexpected[:3]}")
+        raise ValueError(f"checkpoint of step {checkpoint.state.step} does not match model {model.name_or_path}: {unexpected[:3]}")
     for p in model.parameters():
         p.data = p.data.to(model.dtype)
     model.requires_grad_(False)
+
+
+def rng_state() -> dict[str, Any]:
+    """The process's random generators (torch, CUDA if in use, python's ``random``, numpy's global), for a
+    checkpoint: a resumed run draws what the uninterrupted one would have drawn."""
+    version, keys, gauss = random.getstate()
+    name, np_keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": [version, list(keys), gauss],
+        "numpy": [name, torch.from_numpy(np_keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, keys, gauss = state["python"]
+    random.setstate((version, tuple(keys), gauss))
+    name, np_keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np_keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 class Trainer:
@@ -311,34 +328,27 @@ class Trainer:
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
 
-    def save(self, directory: Path, extra: dict | None = None) -> Path:
-        """Write the trained weights, optimizer and trainer state to ``directory`` atomically (temp dir, then rename)."""
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-        try:
-            if self.peft is not None:  # fp32 masters: resuming is exact
-                self.peft.save_pretrained(tmp, state_dict=self._master_state())
-            else:
-                save_file(self._master_state(), str(tmp / FULL_WEIGHTS))
-            if self.optimizer is not None:
-                torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-            state = {"step": self.step, "lora": self.lora.model_dump()} | (extra or {})
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-            if directory.exists():
-                shutil.rmtree(directory)
-            tmp.rename(directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return directory
+    def checkpoint(self) -> Checkpoint:
+        """A snapshot to write (``RunStore.write``), taken on the engine's thread after a step: the fp32 masters
+        (resuming is exact), the optimizer's state and the RNG states, by reference: no update may run until it
+        is written (the backend holds the model's step lock)."""
+        adapter_config = None
+        if self.peft is not None:
+            config = self.peft.peft_config["default"].to_dict()  # as peft's save_pretrained writes it
+            adapter_config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+            adapter_config |= {"inference_mode": True, "base_model_name_or_path": self.engine.model.name_or_path}
+        return Checkpoint(
+            state=CheckpointState(step=self.step, lora=self.lora),
+            weights=self.adapter_state(copy=False),
+            optimizer=self.optimizer.state_dict() if self.optimizer is not None else None,
+            rng=rng_state(),
+            adapter_config=adapter_config,
+        )
 
-    def load(self, directory: Path) -> None:
-        state = json.loads((directory / "trainer_state.json").read_text())
-        weights_file = directory / (ADAPTER_WEIGHTS if self.peft is not None else FULL_WEIGHTS)
-        if not weights_file.exists():
-            kind = "a LoRA adapter" if self.peft is not None else "full fine-tuning"
-            raise ValueError(f"checkpoint {directory} has no {weights_file.name}: it was not written by {kind}, as this model trains")
-        weights = load_file(str(weights_file))
+    def load(self, checkpoint: Checkpoint) -> None:
+        """Continue from a checkpoint (``RunStore.read``): weights, optimizer (fresh if it has none), RNG states,
+        step."""
+        weights = checkpoint.weights
         with self.engine.exclusive():
             if self.peft is not None:
                 for p in self.params:  # load the fp32 values unrounded, then hand them to the masters
@@ -353,16 +363,18 @@ class Trainer:
                             m.copy_(weights[name])
                             p.copy_(m)
             if unexpected:
-                raise ValueError(f"checkpoint {directory} does not match this model's trained weights: {unexpected[:3]}")
-        if (directory / "optimizer.pt").exists():
-            opt = self._optimizer(1e-5, 0.0)
-            opt.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
-        self.step = int(state["step"])
+                raise ValueError(f"checkpoint of step {checkpoint.state.step} does not match this model's trained weights: {unexpected[:3]}")
+        self.optimizer = None
+        if checkpoint.optimizer is not None:
+            self._optimizer(1e-5, 0.0).load_state_dict(checkpoint.optimizer)
+        if checkpoint.rng is not None:
+            set_rng_state(checkpoint.rng)
+        self.step = checkpoint.state.step
 
-    def adapter_state(self) -> dict[str, torch.Tensor]:
+    def adapter_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
         """The trained weights as saved (fp32 masters): keyed like peft's adapter files, or like the model's own
-        parameters with full fine-tuning."""
+        parameters with full fine-tuning; copies, or the masters themselves (``copy=False``)."""
         state = self._master_state()
         if self.peft is not None:
             state = get_peft_model_state_dict(self.peft, state_dict=state)
-        return {k: v.detach().clone() for k, v in state.items()}
+        return {k: v.detach().clone() if copy else v.detach() for k, v in state.items()}

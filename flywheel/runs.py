@@ -1,0 +1,341 @@
+"""One model's directory, and the one place that knows its layout: history, trajectories, checkpoints (their
+format, durable atomic writes, listing, pruning), recovery after a crash, and the lock that gives it one owner.
+
+    <home>/<project>/models/<name>/
+      history.jsonl                      one JSON row per step or evaluation: "time", "step", "split", metrics
+      trajectories/<split>/<step>.jsonl  the trajectories behind a row
+      checkpoints/<step:04d>/            trainer_state.json (written last: a complete checkpoint has it),
+                                         adapter_model.safetensors + adapter_config.json (LoRA, peft's files) or
+                                         model.safetensors (full fine-tuning), optimizer.pt, rng.pt
+      abandoned/<time>-after-<step>/     a branch given up by training on from an earlier checkpoint
+      .lock                              held (flock) while a backend has the model registered; holds its pid
+
+Crash safety (a kill at any instant; fsync also covers a power loss): a checkpoint is written into a temporary
+directory, its files and the directory fsynced, then renamed into place (one already there is renamed aside first,
+then removed); only then are the history rows it commits appended. The checkpoint carries those rows too, so
+``recover`` re-appends them if the kill came in between. ``recover`` (at registration, under the lock) also
+removes temporaries, finishes an interrupted swap or deletion, and drops the rows and trajectory files of steps
+above the latest checkpoint: a run resumes at that checkpoint and redoes those steps, so none is ever recorded
+twice. Training on from an earlier checkpoint moves the later ones, their rows and trajectories to ``abandoned/``
+(``abandon_after``).
+
+A database may later stand behind the same interface: ``RunStore`` is all callers see.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, Field
+from safetensors.torch import load_file, save_file
+
+from flywheel.train.config import LoraSettings
+from flywheel.types import Trajectory
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file names
+ADAPTER_CONFIG = "adapter_config.json"
+FULL_WEIGHTS = "model.safetensors"
+OPTIMIZER = "optimizer.pt"
+RNG = "rng.pt"
+STATE = "trainer_state.json"
+HISTORY = "history.jsonl"
+LOCK = ".lock"
+TMP, ASIDE, DELETING = ".tmp-", ".old-", ".del-"  # checkpoints/ entries in flight (all dot-names are temporary)
+
+Row = dict[str, Any]
+
+
+class ModelInUseError(RuntimeError):
+    """Another backend (this process or another) has the model registered."""
+
+
+class CheckpointState(BaseModel):
+    """``trainer_state.json``: what the checkpoint is and what it commits."""
+
+    step: int = Field(ge=0)
+    lora: LoraSettings  # what the run trains: a LoRA adapter and its shape, or every weight
+    last_split: str | None = None  # "train" or "sft": the phase that wrote it
+    last_config: dict[str, Any] = {}  # that phase's TrainConfig / SFTConfig
+    extra: dict[str, Any] = {}  # the caller's own state, e.g. its data position; back on resume
+    rows: list[Row] = []  # the history rows this checkpoint commits (appended once it is durable)
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint in memory: what ``Trainer.checkpoint`` snapshots and ``Trainer.load`` applies."""
+
+    state: CheckpointState
+    weights: dict[str, torch.Tensor]  # fp32 masters: keyed as peft's adapter file, or as the model's parameters
+    optimizer: dict[str, Any] | None = None  # the optimizer's state_dict
+    rng: dict[str, Any] | None = None  # torch / python / numpy (/ CUDA) generator states
+    adapter_config: dict[str, Any] | None = None  # peft's adapter_config.json (LoRA only)
+
+
+def model_path(home: Path, project: str, name: str) -> Path:
+    """Where a model's directory is under a Flywheel home."""
+    return home / project / "models" / name
+
+
+class RunStore:
+    """One model's directory. Writers (a registered backend) hold ``lock``; reading needs no lock."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.checkpoints = self.path / "checkpoints"
+        self._history = self.path / HISTORY
+        self._lock_fd: int | None = None
+
+    # ---- lock --------------------------------------------------------------------------------------------------
+
+    def lock(self) -> None:
+        """Take the directory for this process (an OS lock, released on ``unlock`` or when the process dies)."""
+        if self._lock_fd is not None:
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ModelInUseError(
+                f"{self.path} is in use: a backend in process {holder} has this model registered"
+                f"{' (this process)' if holder == str(os.getpid()) else ''}. One backend trains a model at a time: "
+                "close that one first (backend.close()), or use another model name."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            self._lock_fd = None
+
+    # ---- checkpoints -------------------------------------------------------------------------------------------
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.checkpoints / f"{step:04d}"
+
+    def steps(self) -> list[int]:
+        """Steps with a complete checkpoint, ascending."""
+        if not self.checkpoints.is_dir():
+            return []
+        return sorted(int(p.name) for p in self.checkpoints.iterdir() if p.name.isdigit() and (p / STATE).is_file())
+
+    def latest(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def state(self, step: int) -> CheckpointState:
+        path = self.checkpoint_dir(step) / STATE
+        if not path.is_file():
+            raise FileNotFoundError(f"No checkpoint for step {step} at {path.parent} (checkpoints: {self.steps() or 'none'}).")
+        return CheckpointState.model_validate(json.loads(path.read_text()))
+
+    def read(self, step: int, *, full_finetune: bool | None = None, optimizer: bool = True) -> Checkpoint:
+        """Checkpoint ``step`` (without its optimizer state if not ``optimizer``). ``full_finetune``: what the
+        reader trains; a checkpoint of the other kind is refused with a clear error."""
+        state = self.state(step)
+        directory = self.checkpoint_dir(step)
+        if full_finetune is not None and full_finetune != state.lora.full_finetune:
+            wanted = FULL_WEIGHTS if full_finetune else ADAPTER_WEIGHTS
+            kind = "full fine-tuning" if full_finetune else "a LoRA adapter"
+            raise ValueError(f"checkpoint {directory} has no {wanted}: it was not written by {kind}, as this model trains")
+        weights = load_file(str(directory / (FULL_WEIGHTS if state.lora.full_finetune else ADAPTER_WEIGHTS)))
+        opt = directory / OPTIMIZER
+        rng = directory / RNG
+        return Checkpoint(
+            state=state,
+            weights=weights,
+            optimizer=torch.load(opt, weights_only=True) if optimizer and opt.exists() else None,
+            rng=torch.load(rng, weights_only=True) if rng.exists() else None,
+        )
+
+    def write(self, checkpoint: Checkpoint) -> Path:
+        """Write a checkpoint durably and atomically, then append the history rows it commits."""
+        step = checkpoint.state.step
+        final = self.checkpoint_dir(step)
+        if not self.checkpoints.is_dir():
+            self.checkpoints.mkdir(parents=True)
+            _fsync_dir(self.path)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP}{step:04d}-", dir=self.checkpoints))
+        aside = self.checkpoints / f"{ASIDE}{tmp.name[len(TMP):]}"
+        try:
+            _write_files(tmp, checkpoint)
+            for f in tmp.iterdir():
+                _fsync_file(f)
+            _fsync_dir(tmp)
+            if final.exists():
+                final.rename(aside)  # a kill from here to the next rename: recover() moves it back
+            tmp.rename(final)
+            _fsync_dir(self.checkpoints)
+        except BaseException:
+            if aside.exists() and not final.exists():
+                aside.rename(final)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(aside, ignore_errors=True)
+        self.append(checkpoint.state.rows)
+        return final
+
+    def delete(self, step: int) -> None:
+        """Remove checkpoint ``step`` (renamed out of the listing first, so a kill never leaves half of one)."""
+        directory = self.checkpoint_dir(step)
+        doomed = Path(tempfile.mkdtemp(prefix=f"{DELETING}{step:04d}-", dir=self.checkpoints))
+        directory.rename(doomed / directory.name)
+        _fsync_dir(self.checkpoints)
+        shutil.rmtree(doomed)
+
+    def prune(self, metric: str, maximize: bool = True) -> list[int]:
+        """Keep the latest checkpoint and the best existing one by ``metric`` (a NaN never wins; ties: the later
+        step); delete the others and return their steps."""
+        steps = self.steps()
+        if not steps:
+            return []
+        sign = 1.0 if maximize else -1.0
+        scored = [
+            (sign * float(r[metric]), r["step"])
+            for r in self.history()
+            if r.get("step") in steps and isinstance(r.get(metric), (int, float)) and not math.isnan(r[metric])
+        ]
+        keep = {steps[-1]} | ({max(scored)[1]} if scored else set())
+        deleted = [s for s in steps if s not in keep]
+        for s in deleted:
+            self.delete(s)
+        return deleted
+
+    # ---- history and trajectories ------------------------------------------------------------------------------
+
+    def history(self) -> list[Row]:
+        """The rows, in order (a last line cut short by a kill is not a row)."""
+        if not self._history.exists():
+            return []
+        text = self._history.read_text()
+        lines = text.split("\n")
+        complete = lines if text.endswith("\n") else lines[:-1]
+        return [json.loads(line) for line in complete if line.strip()]
+
+    def append(self, rows: list[Row]) -> None:
+        """Append rows durably (fsynced before this returns)."""
+        if not rows:
+            return
+        created = not self._history.exists()
+        self.path.mkdir(parents=True, exist_ok=True)
+        with self._history.open("a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+            f.flush()
+            os.fsync(f.fileno())
+        if created:
+            _fsync_dir(self.path)
+
+    def save_trajectories(self, split: str, step: int, trajectories: list[Trajectory]) -> None:
+        directory = self.path / "trajectories" / split
+        directory.mkdir(parents=True, exist_ok=True)
+        with (directory / f"{step:04d}.jsonl").open("a") as f:
+            f.write("".join(t.model_dump_json() + "\n" for t in trajectories))
+
+    # ---- recovery and branches ---------------------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """Bring the directory back to its latest checkpoint after a crash (see the module's docstring)."""
+        if self.checkpoints.is_dir():
+            for entry in sorted(self.checkpoints.iterdir()):
+                if not entry.name.startswith("."):
+                    continue
+                original = self.checkpoint_dir(int(entry.name[len(ASIDE) :].split("-")[0])) if entry.name.startswith(ASIDE) else None
+                if original is not None and not original.exists():
+                    entry.rename(original)  # the kill came between the two renames of a swap
+                else:
+                    shutil.rmtree(entry, ignore_errors=True)
+            _fsync_dir(self.checkpoints)
+        self._history.with_name(f".{HISTORY}.tmp").unlink(missing_ok=True)
+        latest = self.latest()
+        top = latest or 0
+        rows = self.history()
+        kept = [r for r in rows if r.get("step", 0) <= top]
+        if latest is not None:  # rows the latest checkpoint commits, if the kill came before they were appended
+            present = {(r.get("step"), r.get("split"), r.get("time")) for r in kept}
+            kept += [r for r in self.state(latest).rows if (r.get("step"), r.get("split"), r.get("time")) not in present]
+        if kept != rows or (self._history.exists() and not self._history.read_text().endswith("\n")):
+            self._rewrite_history(kept)
+        for f in self._trajectory_files(above=top):
+            f.unlink()
+
+    def abandon_after(self, step: int) -> Path | None:
+        """Move the checkpoints, history rows and trajectory files of steps above ``step`` to ``abandoned/``
+        (training goes on from ``step``: they are another branch). Returns where they went, or None if none."""
+        later = sorted((p for p in self.checkpoints.glob("[0-9]*") if p.name.isdigit() and int(p.name) > step), reverse=True)
+        rows = self.history()
+        dropped = [r for r in rows if r.get("step", 0) > step]
+        files = self._trajectory_files(above=step)
+        if not (later or dropped or files):
+            return None
+        archive = self.path / "abandoned" / f"{time.strftime('%Y%m%d-%H%M%S')}-after-{step:04d}"
+        while archive.exists():
+            archive = archive.with_name(archive.name + "+")
+        (archive / "checkpoints").mkdir(parents=True)
+        for p in later:  # highest first: a kill part-way leaves a consistent run at a lower step (recover)
+            p.rename(archive / "checkpoints" / p.name)
+        if later:
+            _fsync_dir(self.checkpoints)
+        (archive / HISTORY).write_text("".join(json.dumps(r) + "\n" for r in dropped))
+        self._rewrite_history([r for r in rows if r.get("step", 0) <= step])
+        for f in files:
+            (archive / "trajectories" / f.parent.name).mkdir(parents=True, exist_ok=True)
+            f.rename(archive / "trajectories" / f.parent.name / f.name)
+        return archive
+
+    def _trajectory_files(self, above: int) -> list[Path]:
+        return [f for f in self.path.glob("trajectories/*/*.jsonl") if f.stem.isdigit() and int(f.stem) > above]
+
+    def _rewrite_history(self, rows: list[Row]) -> None:
+        tmp = self._history.with_name(f".{HISTORY}.tmp")
+        with tmp.open("w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(self._history)
+        _fsync_dir(self.path)
+
+
+def _write_files(directory: Path, checkpoint: Checkpoint) -> None:
+    """The checkpoint format; the state file goes last."""
+    weights = {k: v.detach().cpu().contiguous() for k, v in checkpoint.weights.items()}
+    if checkpoint.state.lora.full_finetune:
+        save_file(weights, str(directory / FULL_WEIGHTS))
+    else:
+        save_file(weights, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        if checkpoint.adapter_config is not None:
+            (directory / ADAPTER_CONFIG).write_text(json.dumps(checkpoint.adapter_config, indent=2, sort_keys=True))
+    if checkpoint.optimizer is not None:
+        torch.save(checkpoint.optimizer, directory / OPTIMIZER)
+    if checkpoint.rng is not None:
+        torch.save(checkpoint.rng, directory / RNG)
+    (directory / STATE).write_text(json.dumps(checkpoint.state.model_dump(mode="python"), indent=2))
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
