@@ -183,7 +183,7 @@ class LocalBackend:
                 while len(self._checkpoint_engines) > MAX_CHECKPOINT_ENGINES:
                     oldest = next(iter(self._checkpoint_engines))
                     self.registry.remove(oldest)
-                    self._checkpoint_engines.pop(oldest).close()
+                    self._checkpoint_engines.pop(oldest).close(drain=True)  # requests on it finish first
             return self.registry.get(served_name)
 
     def model_dir(self, model: TrainableModel) -> Path:
@@ -235,6 +235,8 @@ class LocalBackend:
         trajectories = [t for g in groups for t in g.trajectories]
         async with self._step_locks[(model.project, model.name)]:  # a second caller's step waits for this one's save
             await self._branch(model, trainer)
+            if config.beta > 0 and config.kl_reference_step != trainer.reference_step:
+                await self._set_kl_reference(model, trainer, config.kl_reference_step)
             metrics = await trainer.engine.call(trainer.rl_step, groups, config)
             metrics |= phase_seconds(groups) | metric_means(trajectories, "train")
             row = {"step": trainer.step, "split": "train", **metrics}
@@ -251,6 +253,20 @@ class LocalBackend:
             rows = [{"step": trainer.step - len(history) + i + 1, "split": "sft", **m} for i, m in enumerate(history)]
             await self._after_step(model, trainer, rows, "sft", config.model_dump(), True, None)
         return history
+
+    async def _set_kl_reference(self, model: TrainableModel, trainer: Trainer, step: int | None) -> None:
+        """The KL term's reference: the base model (``None``) or this model's checkpoint at ``step``."""
+        if step is None:
+            await trainer.engine.call(trainer.set_reference, None)
+            return
+        run = self.run(model)
+        if step not in run.steps():
+            raise ValueError(
+                f"kl_reference_step={step}: model '{model.name}' has no checkpoint at that step "
+                f"(it has {run.steps() or 'none'}); save one there (e.g. at the end of SFT) or leave it None for the base"
+            )
+        checkpoint = await asyncio.to_thread(run.read, step, full_finetune=trainer.lora.full_finetune, optimizer=False)
+        await trainer.engine.call(trainer.set_reference, checkpoint.weights, step)
 
     async def _branch(self, model: TrainableModel, trainer: Trainer) -> None:
         """Training goes on from the live step: checkpoints and rows above it (left by a ``restore``) are another

@@ -63,6 +63,7 @@ class CheckpointState(BaseModel):
     """``trainer_state.json``: what the checkpoint is and what it commits."""
 
     step: int = Field(ge=0)
+    rl_steps: int = Field(0, ge=0)  # of them, RL steps: the learning-rate schedule's clock
     lora: LoraSettings  # what the run trains: a LoRA adapter and its shape, or every weight
     last_split: str | None = None  # "train" or "sft": the phase that wrote it
     last_config: dict[str, Any] = {}  # that phase's TrainConfig / SFTConfig

@@ -18,7 +18,7 @@ from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.loading import EMBEDDED_MODEL, load_model
 from flywheel.inference.sampling import SamplingParams
 from flywheel.train.batch import pack, trajectory_sequences
-from flywheel.train.config import LoraSettings, TrainConfig
+from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
 from flywheel.train.credit import set_turn_rewards
 from flywheel.train.trainer import Trainer, lr_multiplier
 from flywheel.types import set_sampled_tokens
@@ -203,3 +203,26 @@ async def test_gradients_gather_in_fp32_during_a_bf16_update():
         assert trainer.params[0].dtype == torch.bfloat16  # the sampler's copy is back in the model's dtype
     finally:
         trainer.engine.close()
+
+
+async def test_kl_reference_step_names_a_checkpoint_of_the_model(tmp_path):
+    backend = art.LocalBackend(path=tmp_path, serve_http=False)
+    try:
+        model = art.TrainableModel(name="kl-ref", project="tests", base_model=EMBEDDED_MODEL)
+        await model.register(backend)
+        demos = [
+            art.Trajectory(messages_and_choices=[{"role": "user", "content": f"Say yes {i}."}, {"role": "assistant", "content": "Yes."}])
+            for i in range(4)
+        ]
+        await model.train_sft(demos, SFTConfig(learning_rate=1e-3, batch_size=4, epochs=2))
+        sft_end = await model.get_step()
+        gathered = await groups(backend.trainer(model).engine)
+        with pytest.raises(ValueError, match="kl_reference_step=99: model 'kl-ref' has no checkpoint at that step"):
+            await model.train(gathered, TrainConfig(beta=0.1, kl_reference_step=99))
+        # the policy is still the end of SFT: its KL to that checkpoint is zero, to the base it is not
+        to_sft = await model.train(gathered, TrainConfig(learning_rate=1e-9, beta=0.1, kl_reference_step=sft_end))
+        assert to_sft["kl"] < 1e-3  # bf16 sampler model, fp32 reference values rounded the same way
+        to_base = await model.train(gathered, TrainConfig(learning_rate=1e-9, beta=0.1))
+        assert to_base["kl"] > 10 * to_sft["kl"]
+    finally:
+        await backend.close()

@@ -9,12 +9,14 @@ import math
 import random
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-from transformers import PreTrainedModel
+from safetensors.torch import load_file
+from transformers import PreTrainedModel, get_scheduler
 
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.kv_attention import PackedBatch
@@ -24,7 +26,7 @@ from flywheel.train.batch import MicroBatch, Sequence, pack, trajectory_sequence
 from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
 from flywheel.train.credit import credit_advantages, has_signal, total_reward
 from flywheel.train.logprobs import token_logprobs
-from flywheel.train.loss import policy_loss
+from flywheel.train.loss import importance_weights, policy_loss
 from flywheel.types import Trajectory, TrajectoryGroup
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,15 @@ ENTROPY_CHUNK = 256  # rows per entropy chunk: [256, V] temporaries instead of [
 
 # models whose logits are exactly ``lm_head(model(...).last_hidden_state)``: no logit scaling or soft-capping
 PLAIN_HEAD_MODELS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+
+
+def lr_multiplier(config: TrainConfig, rl_step: int) -> float:
+    """The learning rate's factor at RL step ``rl_step`` (0-based), from transformers' schedules (as TRL uses them):
+    linear warm-up over ``warmup_steps``, then constant, or linear or cosine decay to 0 at ``max_steps``."""
+    name = "constant_with_warmup" if config.lr_scheduler_type == "constant" else config.lr_scheduler_type
+    dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    schedule = get_scheduler(name, dummy, num_warmup_steps=config.warmup_steps, num_training_steps=config.max_steps)
+    return float(schedule.lr_lambdas[0](rl_step))
 
 
 def fuses_head(model: PreTrainedModel) -> bool:
@@ -111,17 +122,20 @@ class Trainer:
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.master: list[torch.Tensor] = [torch.empty_like(p, dtype=torch.float32) for p in self.params]
         self._adopt_params()
-        # full fine-tuning's KL reference is the weights as they were (LoRA's: the adapter switched off)
-        self._base = [p.detach().clone() for p in self.params] if self.peft is None else None
+        self._reference: list[torch.Tensor] | None = None  # the KL reference's weights; None: the base (set_reference)
+        self.reference_step: int | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self.step = 0
+        self.step = 0  # optimizer steps that changed the weights, SFT's included
+        self.rl_steps = 0  # of them, RL steps: the learning-rate schedule's clock
         self.autocast = engine.model.dtype == torch.bfloat16
         self.fused_head = fuses_head(engine.model)
 
     # ---- mixed precision ---------------------------------------------------------------------------------------
-    # The trained weights (adapters, or all weights) live in the model's dtype, so the sampler uses them without
-    # casting activations to fp32 and back at every layer (a quarter of bf16 decode time on a CPU); the optimizer
-    # updates fp32 master copies, and gradients accumulate into those in fp32.
+    # Between updates the trained weights (adapters, or all weights) live in the model's dtype, so the sampler uses
+    # them without casting activations to fp32 and back at every layer (a quarter of bf16 decode time on a CPU).
+    # During an update they ARE the fp32 masters (``_fp32_masters``): autocast rounds each use to bf16 for its GEMM,
+    # as torch AMP does, and autograd sums every gradient contribution (micro-batches, epochs' backward passes, a
+    # tied embedding's two uses) in fp32. The optimizer steps the masters; their rounded values go back to the model.
 
     def _adopt_params(self) -> None:
         """Masters <- the trained weights' current values; the trained weights -> the model's dtype."""
@@ -130,27 +144,33 @@ class Trainer:
                 m.copy_(p)
                 p.data = p.data.to(self.engine.model.dtype)
 
-    def _accumulate(self) -> None:
-        """Move this backward pass's gradients into the masters' fp32 gradients."""
+    @contextlib.contextmanager
+    def _fp32_masters(self) -> Iterator[None]:
         for p, m in zip(self.params, self.master):
-            if p.grad is not None:
-                m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
-                p.grad = None
+            p.data = m
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.master):
+                    p.data = m.to(self.engine.model.dtype, copy=True)
+                    p.grad = None
 
     def _master_state(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.master))
 
     @contextlib.contextmanager
     def _training_mode(self, checkpointing: bool) -> Iterator[None]:
-        """Train mode for one update; with ``checkpointing``, each decoder layer keeps only its input and recomputes
-        the rest in the backward pass (activations of a 1024-token micro-batch: ~1.5 GB -> ~0.1 GB, ~30% more
-        compute). The engine samples in eval mode, where neither applies."""
+        """Train mode and fp32 masters for one update; with ``checkpointing``, each decoder layer keeps only its
+        input and recomputes the rest in the backward pass (activations of a 1024-token micro-batch: ~1.5 GB ->
+        ~0.1 GB, ~30% more compute). The engine samples in eval mode, where neither applies."""
         model = self.engine.model
         if checkpointing:
             model.activation_checkpointing_enable()  # non-reentrant by default
         model.train()
         try:
-            yield
+            with self._fp32_masters():
+                yield
         finally:
             model.eval()
             if checkpointing:
@@ -160,7 +180,8 @@ class Trainer:
     # ---- forward pieces --------------------------------------------------------------------------------------
 
     def _token_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probabilities of the trained tokens (differentiable, fp32) and the entropy at each (a metric only)."""
+        """Log-probabilities of the trained tokens (differentiable, fp32) under the distribution each was sampled
+        from, softmax(logits / T), and the entropy there (a metric only)."""
         model = self.engine.model
         inputs = dict(
             input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, kv_batch=PackedBatch(mb.lengths, mb.context)
@@ -173,7 +194,9 @@ class Trainer:
         if self.fused_head:
             weight = model.get_output_embeddings().weight  # the head fuses_head checked
             dtype = torch.bfloat16 if self.autocast else weight.dtype
-            return token_logprobs(hidden.to(dtype), weight.to(dtype), mb.targets)
+            return token_logprobs(hidden.to(dtype), weight.to(dtype), mb.targets, mb.inverse_t)
+        if mb.inverse_t is not None:
+            logits = logits * mb.inverse_t[:, None]
         logp_all = torch.log_softmax(logits, dim=-1)
         with torch.no_grad():  # in chunks: [K, V] temporaries are ~0.4 GB each at K=2048
             entropy = torch.cat([-(c.exp() * c).sum(-1) for c in logp_all.detach().split(ENTROPY_CHUNK)])
@@ -186,25 +209,34 @@ class Trainer:
             group["lr"], group["weight_decay"] = lr, weight_decay
         return self.optimizer
 
-    def _apply(self, max_grad_norm: float, optimizer: torch.optim.Optimizer) -> float:
+    def _apply(self, max_grad_norm: float, optimizer: torch.optim.Optimizer) -> tuple[float, bool]:
+        """One optimizer step on the gradients gathered since the last; (gradient norm, whether it stepped). A
+        non-finite norm skips the step: the weights stay as they were."""
+        for p, m in zip(self.params, self.master):
+            m.grad, p.grad = p.grad, None
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.master, max_grad_norm))
-        if math.isfinite(grad_norm):
+        stepped = math.isfinite(grad_norm)
+        if stepped:
             optimizer.step()
-            with torch.no_grad():
-                for p, m in zip(self.params, self.master):
-                    p.copy_(m)
         else:
-            log.warning("non-finite gradient norm (%s): optimizer step skipped", grad_norm)
+            log.warning("non-finite gradient norm (%s): optimizer step skipped, the weights are unchanged", grad_norm)
         optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        return grad_norm, stepped
 
     # ---- RL ----------------------------------------------------------------------------------------------------
 
     def rl_step(self, groups: list[TrajectoryGroup], config: TrainConfig) -> dict[str, float]:
+        """One RL step on ``groups``. A group trains when the advantages it gets differ from zero (with
+        ``credit="turn"`` a group whose total rewards tie may still have per-turn signal). ``step`` advances only
+        when the weights changed; otherwise ``skipped`` is 1 and ``skip_reason`` says why (no signal: 1, non-finite
+        gradients: 2)."""
         start = time.perf_counter()
         rewards = [t.reward for g in groups for t in g.trajectories]
-        # a group trains when its trajectories' total rewards (final + intermediate) differ
-        usable = [g for g in groups if len(g.trajectories) > 1 and len({total_reward(t) for t in g.trajectories}) > 1]
+        candidates = [g for g in groups if len(g.trajectories) > 1]
+        if config.credit == "uniform":  # equal totals give zero advantages; kept out of reinforce_pp's whitening
+            candidates = [g for g in candidates if len({total_reward(t) for t in g.trajectories}) > 1]
+        advantages = {id(g): a for g, a in zip(candidates, credit_advantages(candidates, config))}
+        usable = [g for g in candidates if any(has_signal(a) for a in advantages[id(g)])]
         metrics: dict[str, float] = {
             "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "reward_std": float(torch.tensor(rewards).std(unbiased=False)) if rewards else 0.0,
@@ -212,89 +244,156 @@ class Trainer:
             "groups_zero_variance": len(groups) - len(usable),
             "zero_variance_fraction": (len(groups) - len(usable)) / len(groups) if groups else 1.0,
         }
-        advs = credit_advantages(usable, config)
-        sequences = [
-            s
-            for g, group_adv in zip(usable, advs)
-            for t, a in zip(g.trajectories, group_adv)
-            if has_signal(a)  # no signal, no compute
-            for s in trajectory_sequences(t, self.engine.tokenizer, a)
-            if any(s.trained[1:])
-        ]
+        # Normalisers, as published (flywheel/train/loss.py): GRPO-style means are over every trajectory given;
+        # DAPO/CISPO's token mean over the groups that train (all of them when the KL term gives every token a
+        # gradient). Trajectories whose advantage is zero are not computed unless the KL term needs them.
+        counted = groups if config.beta > 0 else usable
+        sequences: list[Sequence] = []
+        traj_tokens: list[int] = []
+        batch_tokens = 0
+        for g in counted:
+            for t, a in zip(g.trajectories, advantages.get(id(g), [0.0] * len(g.trajectories))):
+                seqs = [s for s in trajectory_sequences(t, self.engine.tokenizer, a) if any(s.trained[1:])]
+                tokens = sum(sum(s.trained[1:]) for s in seqs)
+                batch_tokens += tokens
+                if seqs and (has_signal(a) or config.beta > 0):
+                    for s in seqs:
+                        s.trajectory = len(traj_tokens)
+                    sequences += seqs
+                    traj_tokens.append(tokens)
         if not sequences:
             log.info("step skipped: no group has reward variance (%d groups), nothing to train", len(groups))
-            return metrics | {"skipped": 1.0, "train_seconds": time.perf_counter() - start}
+            return metrics | {"skipped": 1.0, "skip_reason": 1.0, "train_seconds": time.perf_counter() - start}
+        n_trajectories = sum(len(g.trajectories) for g in groups)
         with self.engine.exclusive():
-            metrics |= self._rl_update(sequences, config)
+            metrics |= self._rl_update(sequences, config, traj_tokens, n_trajectories, batch_tokens)
+        if metrics["optimizer_steps"] == 0:
+            return metrics | {"skipped": 1.0, "skip_reason": 2.0, "train_seconds": time.perf_counter() - start}
         self.step += 1
+        self.rl_steps += 1
         return metrics | {"skipped": 0.0, "train_seconds": time.perf_counter() - start}
 
-    def _rl_update(self, sequences: list[Sequence], config: TrainConfig) -> dict[str, float]:
+    def _rl_update(
+        self, sequences: list[Sequence], config: TrainConfig, traj_tokens: list[int], n_trajectories: int, batch_tokens: int
+    ) -> dict[str, float]:
         batches = pack(sequences, config.micro_batch_tokens, self.engine.model.device)
         n_tokens = sum(len(mb.targets) for mb in batches)
-        longest = max(sum(s.trained) for s in sequences)
-        optimizer = self._optimizer(config.learning_rate, config.weight_decay)
+        tokens_of = torch.tensor(traj_tokens, dtype=torch.float32, device=self.engine.model.device)
+        lr = config.learning_rate * lr_multiplier(config, self.rl_steps)
+        optimizer = self._optimizer(lr, config.weight_decay)
         stats: dict[str, float] = {}
+        tis = {"tokens_with_sampler_logprobs": 0, "ratio_sum": 0.0, "ratio_max": 0.0, "clipped": 0}
+        gap_sum, steps = 0.0, 0
         with self._training_mode(config.gradient_checkpointing):
-            refs = [self._reference(mb) for mb in batches] if config.beta > 0 else [None] * len(batches)
-            # epoch 0 is on-policy: old log-probs = current ones (exact, immune to sampler/trainer rounding);
-            # later epochs compare against those, so their ratios and clipping are real.
+            refs = [self._reference_logprobs(mb) for mb in batches] if config.beta > 0 else [None] * len(batches)
+            # epoch 0 is on-policy for the PPO ratio: old log-probs = current ones (exact, immune to rounding);
+            # later epochs compare against those, so their ratios and clipping are real. What the sampler did
+            # differently (other weights, another numeric path) is corrected by TIS: pi_old / pi_sampler, capped.
             olds: list[torch.Tensor | None] = [None] * len(batches)
+            is_weights: list[torch.Tensor | None] = [None] * len(batches)
             for epoch in range(config.epochs):
                 loss_sum, entropy_sum, clip_sum, kl_sum = 0.0, 0.0, 0.0, 0.0
                 for i, mb in enumerate(batches):
                     logp, entropy = self._token_logprobs(mb)
                     if olds[i] is None:
                         olds[i] = logp.detach()
+                        known = ~torch.isnan(mb.sampler_logprobs)
+                        gap_sum += float((olds[i] - mb.sampler_logprobs)[known].abs().sum())
+                        if config.importance_sampling_cap is not None:
+                            is_weights[i], s = importance_weights(olds[i], mb.sampler_logprobs, config.importance_sampling_cap)
+                            for k, v in s.items():
+                                tis[k] = max(tis[k], v) if k == "ratio_max" else tis[k] + v
                     loss, s = policy_loss(
-                        logp, olds[i], mb.advantages, mb.seq, mb.n_seqs, config, ref_logp=refs[i],
-                        batch_seqs=len(sequences), batch_tokens=n_tokens, max_tokens=longest,
+                        logp, olds[i], mb.advantages, mb.seq, mb.n_seqs, config, ref_logp=refs[i], is_weight=is_weights[i],
+                        traj_tokens=tokens_of[mb.traj], n_trajectories=n_trajectories, batch_tokens=batch_tokens,
                     )
                     loss.backward()
-                    self._accumulate()
                     w = len(mb.targets) / n_tokens
                     loss_sum += float(loss.detach())
                     entropy_sum += float(entropy.mean()) * w
                     clip_sum += s["clip_fraction"] * w
                     kl_sum += s["kl"] * w
-                grad_norm = self._apply(config.max_grad_norm, optimizer)
+                grad_norm, stepped = self._apply(config.max_grad_norm, optimizer)
+                steps += stepped
                 stats = {"loss": loss_sum, "entropy": entropy_sum, "clip_fraction": clip_sum, "kl": kl_sum, "grad_norm": grad_norm}
-        sampler_gap = [
-            float((olds[i] - mb.old_logprobs).abs().mean()) for i, mb in enumerate(batches) if olds[i] is not None
-        ]
-        return stats | {
+        known = int(sum(int((~torch.isnan(mb.sampler_logprobs)).sum()) for mb in batches))
+        out = stats | {
             "tokens_trained": n_tokens,
             "sequences": len(sequences),
             "micro_batches": len(batches),
-            # how far the sampler's log-probs (bf16, cached decode) sit from the trainer's: a health signal
-            "sampler_logprob_gap": sum(sampler_gap) / len(sampler_gap),
+            "optimizer_steps": steps,
+            "learning_rate": lr,
+            "tokens_without_sampler_logprobs": n_tokens - known,
         }
+        if known:  # how far the sampler's log-probs sit from the trainer's: a health signal
+            out["sampler_logprob_gap"] = gap_sum / known
+        if tis["tokens_with_sampler_logprobs"]:
+            out |= {
+                "is_ratio_mean": tis["ratio_sum"] / tis["tokens_with_sampler_logprobs"],
+                "is_ratio_max": tis["ratio_max"],
+                "is_clipped_fraction": tis["clipped"] / tis["tokens_with_sampler_logprobs"],
+            }
+        return out
+
+    # ---- KL reference ------------------------------------------------------------------------------------------
+
+    def set_reference(self, weights: dict[str, torch.Tensor] | None, step: int | None = None) -> None:
+        """The policy the KL term pulls towards: ``None``, the base model (LoRA: the adapter switched off; full
+        fine-tuning: the base checkpoint's weights, read from disk when first needed); or trained weights keyed as
+        this trainer saves them (a checkpoint's, e.g. the end of an SFT warm start, ``step``)."""
+        if weights is None:
+            self._reference, self.reference_step = None, None
+            return
+        keys = {self._saved_key(n): n for n in self.names}
+        missing = sorted(set(keys) - set(weights))
+        if missing:
+            raise ValueError(f"reference weights do not match this model's trained weights: missing {missing[:3]}")
+        dtype = self.engine.model.dtype
+        self._reference = [weights[k].to(dtype) for k in keys]
+        self.reference_step = step
+
+    def _saved_key(self, name: str) -> str:
+        """A trained parameter's key in saved weights (peft drops the adapter's name from its keys)."""
+        return name.replace(".default.", ".") if self.peft is not None else name
 
     @torch.no_grad()
-    def _reference(self, mb: MicroBatch) -> torch.Tensor:
-        with self._base_weights():
+    def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        with self._reference_weights():
             return self._token_logprobs(mb)[0]
 
     @contextlib.contextmanager
-    def _base_weights(self) -> Iterator[None]:
-        """The model as it was before training, for the duration of the block."""
-        if self.peft is not None:
+    def _reference_weights(self) -> Iterator[None]:
+        """The reference policy's weights in the model, for the duration of the block."""
+        if self._reference is None and self.peft is not None:
             with self.peft.disable_adapter():
                 yield
             return
+        if self._reference is None:  # full fine-tuning's base: the weights as loaded, not a clone kept all along
+            self._reference = self._base_weights_from_disk()
         trained = [p.data for p in self.params]
-        for p, base in zip(self.params, self._base):
-            p.data = base
+        for p, reference in zip(self.params, self._reference):
+            p.data = reference
         try:
             yield
         finally:
             for p, data in zip(self.params, trained):
                 p.data = data
 
+    def _base_weights_from_disk(self) -> list[torch.Tensor]:
+        directory = Path(self.engine.model.name_or_path)
+        weights: dict[str, torch.Tensor] = {}
+        for file in sorted(directory.glob("*.safetensors")):
+            weights |= load_file(str(file))
+        missing = [n for n in self.names if n not in weights]
+        if missing:
+            raise ValueError(f"the base weights in {directory} lack {missing[:3]}: cannot use them as the KL reference")
+        return [weights[n].to(self.engine.model.dtype) for n in self.names]
+
     # ---- SFT ---------------------------------------------------------------------------------------------------
 
     def sft(self, trajectories: list[Trajectory], config: SFTConfig) -> list[dict[str, float]]:
-        """Cross-entropy on assistant turns (sampled choices and assistant message dicts); one entry per step."""
+        """Cross-entropy on assistant turns (sampled choices and assistant message dicts); one entry per optimizer
+        step that changed the weights (a non-finite gradient skips its step, logged)."""
         history = []
         for _ in range(config.epochs):
             for i in range(0, len(trajectories), config.batch_size):
@@ -307,11 +406,15 @@ class Trainer:
                     continue
                 start = time.perf_counter()
                 with self.engine.exclusive():
-                    history.append(self._sft_update(sequences, config) | {"train_seconds": time.perf_counter() - start})
-                self.step += 1
+                    metrics, stepped = self._sft_update(sequences, config)
+                if stepped:
+                    history.append(metrics | {"train_seconds": time.perf_counter() - start})
+                    self.step += 1
         return history
 
-    def _sft_update(self, sequences: list[Sequence], config: SFTConfig) -> dict[str, float]:
+    def _sft_update(self, sequences: list[Sequence], config: SFTConfig) -> tuple[dict[str, float], bool]:
+        for s in sequences:  # SFT's targets are the model's own distribution (T = 1)
+            s.temperature = []
         batches = pack(sequences, config.micro_batch_tokens, self.engine.model.device)
         n_tokens = sum(len(mb.targets) for mb in batches)
         optimizer = self._optimizer(config.learning_rate, config.weight_decay)
@@ -321,10 +424,9 @@ class Trainer:
                 logp, _ = self._token_logprobs(mb)
                 loss = -logp.sum() / n_tokens
                 loss.backward()
-                self._accumulate()
                 loss_sum += float(loss.detach())
-            grad_norm = self._apply(config.max_grad_norm, optimizer)
-        return {"loss": loss_sum, "grad_norm": grad_norm, "tokens_trained": n_tokens, "sequences": len(sequences)}
+            grad_norm, stepped = self._apply(config.max_grad_norm, optimizer)
+        return {"loss": loss_sum, "grad_norm": grad_norm, "tokens_trained": n_tokens, "sequences": len(sequences)}, stepped
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
 
@@ -338,7 +440,7 @@ class Trainer:
             adapter_config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
             adapter_config |= {"inference_mode": True, "base_model_name_or_path": self.engine.model.name_or_path}
         return Checkpoint(
-            state=CheckpointState(step=self.step, lora=self.lora),
+            state=CheckpointState(step=self.step, rl_steps=self.rl_steps, lora=self.lora),
             weights=self.adapter_state(copy=False),
             optimizer=self.optimizer.state_dict() if self.optimizer is not None else None,
             rng=rng_state(),
@@ -369,7 +471,7 @@ class Trainer:
             self._optimizer(1e-5, 0.0).load_state_dict(checkpoint.optimizer)
         if checkpoint.rng is not None:
             set_rng_state(checkpoint.rng)
-        self.step = checkpoint.state.step
+        self.step, self.rl_steps = checkpoint.state.step, checkpoint.state.rl_steps
 
     def adapter_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
         """The trained weights as saved (fp32 masters): keyed like peft's adapter files, or like the model's own
