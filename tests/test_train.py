@@ -131,7 +131,8 @@ async def test_two_steps_change_the_adapter_checkpoint_and_resume(fresh_backend:
     assert [r["step"] for r in rows if r["split"] == "train"] == [1, 2]
     assert (tmp_path / "tests" / "models" / "smoke" / "trajectories" / "train" / "0002.jsonl").exists()
 
-    # a new backend resumes at the exact step with the same adapter weights
+    # a new backend resumes at the exact step with the same adapter weights (once the first one let go of the model)
+    await fresh_backend.close()
     resumed = art.LocalBackend(path=tmp_path)
     try:
         again = art.TrainableModel(name="smoke", project="tests", base_model=EMBEDDED_MODEL)
@@ -179,6 +180,7 @@ async def test_full_fine_tuning_trains_every_weight_checkpoints_and_resumes(fres
         assert await again.get_step() == 2
         state = resumed.trainer(again).adapter_state()
         assert all(torch.equal(state[k], after[k]) for k in after)
+        await resumed.close()  # one backend at a time has a model's directory
         as_lora = art.TrainableModel(name="full", project="tests", base_model=EMBEDDED_MODEL)  # the same run, as LoRA
         other = art.LocalBackend(path=tmp_path, serve_http=False)
         with pytest.raises(ValueError, match="0002 has no adapter_model.safetensors"):
