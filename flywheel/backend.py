@@ -289,7 +289,7 @@ class LocalBackend:
     ) -> None:
         """A step's history rows: committed by its checkpoint (durable first, the rows after it) or appended."""
         stamp = time.time()
-        rows = [{"time": stamp, **row, "checkpoint": save} for row in rows]
+        rows = [{"time": stamp, **row, "checkpoint": save and row["step"] == trainer.step} for row in rows]  # SFT: its last
         run = self.run(model)
         if save:
             checkpoint = await trainer.engine.call(trainer.checkpoint)

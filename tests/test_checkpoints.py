@@ -21,7 +21,7 @@ import torch
 import flywheel as art
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.runs import ASIDE, DELETING, TMP, Checkpoint, CheckpointState, ModelInUseError, RunStore
-from flywheel.train.config import LoraSettings, TrainConfig
+from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
 
 SYSTEM = {"role": "system", "content": "You answer with one word."}
 
@@ -195,13 +195,17 @@ async def test_a_skipped_save_writes_its_row_and_a_resume_redoes_the_step(fresh_
     run = fresh_backend.run(model)
     assert await model.get_step() == 2 and run.steps() == [1]
     assert [(r["step"], r["checkpoint"]) for r in run.history()] == [(1, True), (2, False)]
+    demos = [art.Trajectory(messages_and_choices=[SYSTEM, {"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello"}])] * 2
+    await model.train_sft(demos, SFTConfig(learning_rate=1e-4, batch_size=1))  # two steps, one checkpoint at the end
+    assert run.steps() == [1, 4] and [(r["step"], r["checkpoint"]) for r in run.history()][2:] == [(3, False), (4, True)]
+    await model.train(await sample_groups(model), config=TrainConfig(learning_rate=1e-3), save_checkpoint=False)
     await fresh_backend.close()
     resumed = art.LocalBackend(path=tmp_path, serve_http=False)
     try:
         again = art.TrainableModel(name="nosave", project="tests", base_model=EMBEDDED_MODEL)
-        await again.register(resumed)  # step 2's weights are gone: so is its row (the step will be redone)
-        assert await again.get_step() == 1 and [r["step"] for r in resumed.history(again)] == [1]
-        assert not (tmp_path / "tests" / "models" / "nosave" / "trajectories" / "train" / "0002.jsonl").exists()
+        await again.register(resumed)  # step 5's weights are gone: so is its row (the step will be redone)
+        assert await again.get_step() == 4 and [r["step"] for r in resumed.history(again)] == [1, 2, 3, 4]
+        assert not (tmp_path / "tests" / "models" / "nosave" / "trajectories" / "train" / "0005.jsonl").exists()
     finally:
         await resumed.close()
 
