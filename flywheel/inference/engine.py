@@ -6,18 +6,22 @@ packed into one sequence, (2) decodes one token for every running sequence in a 
 next iteration; finished ones leave without disturbing the others. ``n > 1`` prefills the prompt once and copies
 its cache rows. The trainer shares the same model object: ``engine.exclusive()`` pauses decoding around a
 weight update, so the very next token is sampled from the new weights, and ``engine.call(fn)`` runs a training
-step on the worker thread itself (see ``call``).
+step on the worker thread itself (see ``call``). ``close()`` ends every request still waiting or decoding with
+``EngineClosedError`` (or, with ``drain``, lets them finish first); engines still open when the interpreter exits
+are closed by an ``atexit`` hook, so that no worker thread is inside a torch operator while Python finalizes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -39,6 +43,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+EXIT_JOIN_SECONDS = 60.0  # at interpreter exit, how long to wait for a worker's current step (a training step)
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was closed: a request or call submitted after that, or still unfinished then, gets this."""
+
 
 class ContextOverflowError(ValueError):
     """Prompt plus requested completion does not fit in the model's context window."""
@@ -94,6 +104,7 @@ class _Sequence:
     text: str = ""  # decoded output so far, cut at a stop string
     emitted: int = 0  # characters of ``text`` already handed out
     finish_reason: str | None = None
+    generation: int = 0  # the weights generation its KV started in (see ``InferenceEngine.exclusive``)
     matcher: LLMatcher | None = None  # the parser state of a guided (response_format) request
     held: TokenEvent | None = None  # a ``whole`` request's events so far, merged
 
@@ -157,12 +168,16 @@ class InferenceEngine:
         self._running: list[_Sequence] = []  # index i lives in cache row i
         self._wake = threading.Condition()
         self._model_lock = threading.RLock()
-        self._stopped = False
+        self._closed = False  # no new requests or calls; the worker stops once idle (``close(drain=True)``)
+        self._stopped = False  # the worker stops after its current step
+        # bumped by every ``exclusive()`` (a weight update): KV computed in an older generation is never cached
+        self.weights_generation = 0
         self._ids = itertools.count()
         freeze_objects()  # what the model and libraries hold is never garbage: keep full collections off it
         keep_freed_memory()  # a decode step reuses the last one's pages instead of faulting in fresh ones
         self._thread = threading.Thread(target=self._run, name="flywheel-engine", daemon=True)
         self._thread.start()
+        _open_engines.add(self)
 
     def _compiled_decode(self) -> llama_forward.CompiledDecode:
         """The opt-in compiled decode step (``llama_forward.CompiledDecode``), or a clear error where it cannot run."""
@@ -197,6 +212,8 @@ class InferenceEngine:
         self.check_fits(len(prompt), params.max_tokens)
         request = _Request(prompt=list(prompt), params=params, loop=asyncio.get_running_loop(), queue=asyncio.Queue(), whole=whole)
         with self._wake:
+            if self._closed:
+                raise EngineClosedError("The inference engine is closed: it accepts no new requests.")
             self._waiting.append(request)
             self._wake.notify()
         unfinished = params.n
@@ -231,6 +248,7 @@ class InferenceEngine:
         are given back first, so that a training step's activations and the sampler's cache never add up. So are
         the packed copies of trainable weights: they will change, and are packed again on the next forward."""
         with self._model_lock:
+            self.weights_generation += 1  # sequences decoding now carry KV of the old weights: never cached
             if not self._running:
                 # released, not kept (SlotKVCache.empty): decoding attends over the whole capacity, and a kept one
                 # would start the next phase at the last phase's longest length (~2x the resizes' cost in attention)
@@ -246,7 +264,7 @@ class InferenceEngine:
     def _drop_derived_state(self) -> None:
         """Forget what was computed from weights that may change (cached prefixes, packed trainable weights)."""
         if self.prefix_cache is not None:
-            self.prefix_cache.clear()
+            self.prefix_cache.clear(self.weights_generation)
         if self._packed is not None:
             self._packed.drop_trainable()
 
@@ -258,33 +276,69 @@ class InferenceEngine:
         parallel regions. On 2 cores that made every decode step after the first training step ~1.6x slower."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._wake:
-            if self._stopped:
-                raise RuntimeError("the engine is closed")
+            if self._closed:
+                raise EngineClosedError("The inference engine is closed: it runs no more calls.")
             self._calls.append((lambda: fn(*args), future))
             self._wake.notify()
         return await asyncio.wrap_future(future)
 
-    def close(self) -> None:
+    def close(self, *, drain: bool = False, timeout: float = 10.0) -> None:
+        """Stop the engine. New requests and calls get ``EngineClosedError`` from now on.
+
+        By default, requests still waiting or decoding end at once with ``EngineClosedError``, calls not started
+        too, and this returns when the worker has finished its current step (at most ``timeout`` seconds). With
+        ``drain``, it returns at once: what was submitted before finishes, then the worker stops (an engine evicted
+        while it serves). Either way the worker thaws the frozen objects (``freeze_objects``) as it stops."""
         with self._wake:
-            self._stopped = True
+            self._closed = True
+            if not drain:
+                self._stopped = True
+                waiting, self._waiting = list(self._waiting), deque()
+                calls, self._calls = self._calls, []
             self._wake.notify()
-        self._thread.join(timeout=10)
-        for _, future in self._calls:
-            future.set_exception(RuntimeError("the engine was closed before this call ran"))
-        self._calls.clear()
-        thaw_objects()
+        if drain:
+            return
+        self._fail(waiting, calls)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("the engine's worker is still busy %.0f s after close(); it stops after its step", timeout)
+
+    def _fail(self, requests: list[_Request], calls: list[tuple[Callable[[], Any], concurrent.futures.Future]]) -> None:
+        """End unfinished requests and calls not started with ``EngineClosedError``."""
+        message = "The inference engine was closed before this {} finished."
+        for _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineClosedError(message.format("call")))
+        self._deliver([(req, EngineClosedError(message.format("request"))) for req in requests])
 
     # ---- worker thread ---------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        if self._compiled is not None:
-            self._warm_up()
+        """The worker: serve until stopped (or closed and idle), then end whatever is left with
+        ``EngineClosedError`` (a worker that died on an error ends it too, rather than leave requests waiting)."""
+        try:
+            if self._compiled is not None:
+                self._warm_up()
+            self._serve()
+        finally:
+            with self._wake:
+                self._closed = self._stopped = True
+                unfinished = {id(r): r for r in [*self._waiting, *(s.request for s in self._running)]}
+                self._waiting = deque()
+                calls, self._calls = self._calls, []
+            self._running = []
+            self._fail(list(unfinished.values()), calls)
+            _open_engines.discard(self)
+            thaw_objects()
+
+    def _serve(self) -> None:
         while True:
             with self._wake:
-                while not self._stopped and not self._waiting and not self._running and not self._calls:
+                while not (self._stopped or self._closed or self._waiting or self._running or self._calls):
                     self._wake.wait()
-                if self._stopped:
-                    return
+                if self._stopped or not (self._waiting or self._running or self._calls):
+                    return  # stopped, or closed with drain and nothing left to do
                 calls, self._calls = self._calls, []
                 admitted = self._take_waiting()
             for fn, future in calls:
@@ -388,7 +442,9 @@ class InferenceEngine:
                 gen = None
                 if seed is not None:
                     gen = torch.Generator(device=device).manual_seed(seed + i)
-                seq = _Sequence(index=i, request=req, generator=gen, row=row + i, length=len(req.prompt))
+                seq = _Sequence(
+                    index=i, request=req, generator=gen, row=row + i, length=len(req.prompt), generation=self.weights_generation
+                )
                 if req.params.guide is not None:
                     seq.matcher = req.params.guide.matcher()
                 seqs.append(seq)
@@ -417,7 +473,9 @@ class InferenceEngine:
             for j, i in enumerate(todo):
                 logits[i] = fresh[j]
                 if self.prefix_cache is not None:
-                    self.prefix_cache.insert(requests[i].prompt, self.cache, rows[i], fresh[j])
+                    self.prefix_cache.insert(
+                        requests[i].prompt, self.cache, rows[i], fresh[j], generation=self.weights_generation
+                    )
         for r, first in repeats.items():
             logits[r] = logits[first]
             self.cache.copy_row(rows[first], rows[r], len(requests[r].prompt))
@@ -501,8 +559,10 @@ class InferenceEngine:
             return
         if self.prefix_cache is not None:  # a finished turn is the prefix of the conversation's next prompt
             for s in self._running:
-                if s.finish_reason is not None and s.index == 0:
-                    self.prefix_cache.insert(s.request.prompt + s.output[: s.length - len(s.request.prompt)], self.cache, s.row)
+                # one whose KV began under older weights (a training step came while it decoded) is never reused
+                if s.finish_reason is not None and s.index == 0 and s.generation == self.weights_generation:
+                    tokens = s.request.prompt + s.output[: s.length - len(s.request.prompt)]
+                    self.prefix_cache.insert(tokens, self.cache, s.row, generation=s.generation)
         holes = [s.row for s in self._running[: len(keep)] if s not in keep]
         movers = [s for s in self._running[len(keep) :] if s in keep]
         for hole, seq in zip(holes, movers):
@@ -521,5 +581,20 @@ class InferenceEngine:
         for request, item in items:
             by_loop.setdefault(request.loop, []).append((request, item))
         for loop, batch in by_loop.items():
-            if not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # its loop closed (nobody listens any more), maybe just now
                 loop.call_soon_threadsafe(_put_all, batch)
+
+
+_open_engines: weakref.WeakSet[InferenceEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def close_open_engines() -> None:
+    """At interpreter exit, close the engines a script left open (ART's examples never close their backend).
+
+    Python finalizes with daemon threads still running: one inside a torch operator (which released the GIL) is
+    ended by ``pthread_exit`` when it takes the GIL back, and that unwinding through torch's C++ frames calls
+    ``std::terminate`` ("terminate called without an active exception", exit status 134). atexit hooks run before
+    that, so the workers stop here, after their current step, and the process exits cleanly."""
+    for engine in list(_open_engines):
+        engine.close(timeout=EXIT_JOIN_SECONDS)

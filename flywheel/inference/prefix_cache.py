@@ -4,7 +4,9 @@ Agents send the same long system prompt with every rollout, and each turn of a m
 whole conversation so far. Keeping the KV of recent prompts (and of finished prompt+completion sequences) means
 a new request only prefills what is new: for tool-calling rollouts, most of the prompt.
 Entries are exact token sequences; a hit copies the matched rows into the request's slot. Cleared whenever the
-weights may have changed (see ``InferenceEngine.exclusive``).
+weights may have changed (see ``InferenceEngine.exclusive``), which starts a new weights *generation*: every entry
+was computed in the cache's current generation, as ``insert`` refuses KV from any other (a sequence that was still
+decoding when the weights changed), so a hit never brings back keys and values of older weights.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class PrefixCache:
         self.logits: dict[int, torch.Tensor] = {}  # store row -> next-token logits, for entries that were prompts
         self.free: list[int] = []
         self.allocated = 0
+        self.generation = 0  # the weights generation of every entry (see ``clear``)
         self.hits = self.reused_tokens = 0
 
     def peek(self, prompt: list[int]) -> int:
@@ -61,9 +64,12 @@ class PrefixCache:
         self.reused_tokens += best
         return best_row, best, logits
 
-    def insert(self, tokens: list[int], cache: SlotKVCache, row: int, logits: torch.Tensor | None = None) -> None:
-        """Remember the KV of ``tokens`` (in ``cache`` row ``row``) and, for a prompt, its next-token logits."""
-        if len(tokens) < MIN_REUSE:
+    def insert(
+        self, tokens: list[int], cache: SlotKVCache, row: int, logits: torch.Tensor | None = None, *, generation: int = 0
+    ) -> None:
+        """Remember the KV of ``tokens`` (in ``cache`` row ``row``) and, for a prompt, its next-token logits; KV of
+        weights other than the current ones (``generation`` is not the cache's) is not kept."""
+        if len(tokens) < MIN_REUSE or generation != self.generation:
             return
         for r, known in self.entries.items():
             if common_prefix(known, tokens) == len(tokens) and (logits is None or len(known) > len(tokens) or r in self.logits):
@@ -90,7 +96,9 @@ class PrefixCache:
     def restore(self, row: int, length: int, cache: SlotKVCache, dst_row: int) -> None:
         copy_rows(self.store, row, cache, dst_row, length)
 
-    def clear(self) -> None:
+    def clear(self, generation: int) -> None:
+        """Forget every entry; from now on, only KV of weights ``generation`` is kept."""
+        self.generation = generation
         self.entries.clear()
         self.logits.clear()
         self.free, self.allocated = [], 0
