@@ -26,7 +26,7 @@ from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenL
 from openai.types.completion_usage import CompletionUsage
 
 from flywheel.inference.chat import parse_tool_calls, render_prompt
-from flywheel.inference.engine import Completion, ContextOverflowError, InferenceEngine
+from flywheel.inference.engine import Completion, ContextOverflowError, EngineClosedError, InferenceEngine
 from flywheel.inference.guided import Guide, GrammarError, compile_guide
 from flywheel.inference.registry import ModelRegistry, UnknownModelError
 from flywheel.inference.sampling import SamplingParams
@@ -111,6 +111,10 @@ def create_app(registry: ModelRegistry) -> FastAPI:
     @app.exception_handler(GrammarError)
     async def _bad_schema(_: Request, exc: GrammarError):
         return error_response(400, f"Invalid 'response_format': {exc}", "invalid_request_error", param="response_format")
+
+    @app.exception_handler(EngineClosedError)
+    async def _closed(_: Request, exc: EngineClosedError):  # the backend closed (or shut down) while it ran
+        return error_response(503, str(exc), "server_error", code="engine_closed")
 
     @app.exception_handler(ValueError)
     async def _bad_value(_: Request, exc: ValueError):
