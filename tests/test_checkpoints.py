@@ -256,6 +256,17 @@ async def test_one_backend_owns_a_model_directory(tmp_path):
         holder.stdin.close()
         assert holder.wait(timeout=60) == 0
         await other.register(model)  # free once the holder closed (or died)
+        trainer = other.trainer(model)
+        other.run(model).write(await trainer.engine.call(trainer.checkpoint))  # a checkpoint to evaluate
+        data, grader = tmp_path / "data.jsonl", tmp_path / "grader.json"
+        data.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi."}]}) + "\n")
+        grader.write_text(json.dumps({"type": "string_check", "name": "hi", "input": "{{sample.output_text}}", "reference": "hi", "operation": "ilike"}))
+        evaluation = subprocess.run(  # `flywheel eval` of a model a run is training: a clear error, no traceback
+            [sys.executable, "-m", "flywheel.cli", "eval", "--model", "owned@0", "--data", str(data), "--grader", str(grader), "--home", str(tmp_path)],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert evaluation.returncode == 1 and f"in process {os.getpid()} has this model registered" in evaluation.stderr
+        assert "Traceback" not in evaluation.stderr
         second = art.LocalBackend(path=tmp_path, serve_http=False)  # a second backend in this very process
         with pytest.raises(ModelInUseError, match=rf"in process {os.getpid()} has this model registered \(this process\)"):
             await second.register(model)

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from flywheel.graders.spec import GraderSpecError, MultiGrader, load_grader
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.runs import ModelInUseError
 
 graders_app = typer.Typer(help="OpenAI-compatible graders: validate and try them.", no_args_is_help=True)
 console = Console()
@@ -122,7 +123,7 @@ def eval_command(
     )  # fmt: skip
     try:
         report = asyncio.run(evaluate(config))
-    except (GraderSpecError, ValueError, FileNotFoundError) as exc:
+    except (GraderSpecError, ValueError, FileNotFoundError, ModelInUseError) as exc:  # in use: a run is training it
         typer.echo(str(exc), err=True)
         raise typer.Exit(1) from None
     table = Table(title=f"{report.model} on {data} ({len(report.rows)} rows)")
