@@ -291,13 +291,12 @@ class InferenceEngine:
         while it serves). Either way the worker thaws the frozen objects (``freeze_objects``) as it stops."""
         with self._wake:
             self._closed = True
-            if not drain:
-                self._stopped = True
-                waiting, self._waiting = list(self._waiting), deque()
-                calls, self._calls = self._calls, []
             self._wake.notify()
-        if drain:
-            return
+            if drain:
+                return
+            self._stopped = True
+            waiting, self._waiting = list(self._waiting), deque()
+            calls, self._calls = self._calls, []
         self._fail(waiting, calls)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
@@ -442,9 +441,8 @@ class InferenceEngine:
                 gen = None
                 if seed is not None:
                     gen = torch.Generator(device=device).manual_seed(seed + i)
-                seq = _Sequence(
-                    index=i, request=req, generator=gen, row=row + i, length=len(req.prompt), generation=self.weights_generation
-                )
+                seq = _Sequence(index=i, request=req, generator=gen, row=row + i, length=len(req.prompt))
+                seq.generation = self.weights_generation
                 if req.params.guide is not None:
                     seq.matcher = req.params.guide.matcher()
                 seqs.append(seq)

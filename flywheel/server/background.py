@@ -27,7 +27,9 @@ class BackgroundServer:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.host, self.port = host, self._sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30, timeout_graceful_shutdown=GRACE_SECONDS)
+        config = uvicorn.Config(
+            app, log_level="warning", timeout_keep_alive=30, timeout_graceful_shutdown=GRACE_SECONDS
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, name="flywheel-http", daemon=True
