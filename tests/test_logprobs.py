@@ -76,6 +76,7 @@ def test_trainer_log_probs_and_adapter_gradients_match_the_logits_path(tokenizer
             for name, p in zip(trainer.names, trainer.params):
                 if "lora_B" in name:
                     p.normal_(std=0.02)
+            trainer._adopt_params()  # the fp32 masters (what an update trains from) take the new values
         prompt = tokenizer.encode("Question: what is 2+3? Answer:")
         seqs = [
             Sequence(tokens=prompt + (a := tokenizer.encode(text)), trained=[False] * len(prompt) + [True] * len(a))
@@ -88,9 +89,9 @@ def test_trainer_log_probs_and_adapter_gradients_match_the_logits_path(tokenizer
             with trainer._training_mode(False):
                 logp, entropy = trainer._token_logprobs(mb)
                 (logp * torch.linspace(-1, 1, len(logp))).sum().backward()
-            out = (logp.detach(), entropy, *(p.grad.float().clone() for p in trainer.params))
-            for p in trainer.params:
-                p.grad = None
+            out = (logp.detach(), entropy, *(m.grad.clone() for m in trainer.master))  # gathered on the fp32 masters
+            for m in trainer.master:
+                m.grad = None
             return out
 
         fused, reference = run(True), run(False)

@@ -257,7 +257,7 @@ async def test_packed_rows_with_shared_prompts_give_the_same_log_probs(fp32_engi
         prompt_lengths.append(len(prompt))
         for a in answers:
             answer = tokenizer.encode(a, add_special_tokens=False) + [tokenizer.eos_token_id]
-            seqs.append(Sequence(tokens=prompt + answer, trained=[False] * len(prompt) + [True] * len(answer), old_logprobs=[0.0] * (len(prompt) + len(answer))))
+            seqs.append(Sequence(tokens=prompt + answer, trained=[False] * len(prompt) + [True] * len(answer)))
     for i, s in enumerate(seqs):
         s.index = i
     groups = families(seqs)
@@ -292,7 +292,7 @@ def test_families_share_the_longest_prefixes_and_split_to_fit_rows():
     from flywheel.train.batch import MIN_SHARED_PREFIX, Sequence, families, pack
 
     def seq(tokens: list[int]) -> Sequence:
-        return Sequence(tokens=tokens, trained=[False] * (len(tokens) - 1) + [True], old_logprobs=[0.0] * len(tokens))
+        return Sequence(tokens=tokens, trained=[False] * (len(tokens) - 1) + [True])
 
     common = list(range(1000, 1000 + MIN_SHARED_PREFIX))  # a system prompt every sequence has
     a, b = common + list(range(100)), common + list(range(200, 300))
@@ -321,8 +321,9 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradients(t
             for name, p in zip(trainer.names, trainer.params):
                 if "lora_B" in name:
                     p.normal_(std=0.02)
+            trainer._adopt_params()  # the fp32 masters (what an update trains from) take the new values
         tokens = tokenizer.encode("Question: what is 2+3? Answer: 5, because two plus three is five.")
-        mb = _micro_batch([(0, [Sequence(tokens=tokens, trained=[False] * 6 + [True] * (len(tokens) - 6), old_logprobs=[0.0] * len(tokens))])])
+        mb = _micro_batch([(0, [Sequence(tokens=tokens, trained=[False] * 6 + [True] * (len(tokens) - 6))])])
         # HF checkpoints a layer's forward inside its hooks, and the recompute stops once it has what backward
         # needs, so count entries into a module within the layer
         calls = []
@@ -333,9 +334,9 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradients(t
             calls.clear()
             with trainer._training_mode(checkpointing):
                 trainer._token_logprobs(mb)[0].sum().backward()
-            grads = [p.grad.clone() for p in trainer.params]
-            for p in trainer.params:
-                p.grad = None
+            grads = [m.grad.clone() for m in trainer.master]  # an update's gradients gather on the fp32 masters
+            for m in trainer.master:
+                m.grad = None
             return grads
 
         plain, checkpointed = gradients(False), len(calls)
@@ -390,14 +391,14 @@ def test_fused_lora_training_forward_gives_peft_gradients_and_leaves_dropout_to_
     from flywheel.train.trainer import Trainer
 
     tokens = tokenizer.encode("Question: what is 2+3? Answer: 5, because two plus three is five.")
-    (mb,) = pack([Sequence(tokens=tokens, trained=[False] * 6 + [True] * (len(tokens) - 6), old_logprobs=[0.0] * len(tokens))], max_tokens=4096)
+    (mb,) = pack([Sequence(tokens=tokens, trained=[False] * 6 + [True] * (len(tokens) - 6))], max_tokens=4096)
 
     def gradients(trainer: Trainer) -> torch.Tensor:
         with trainer._training_mode(False):
             trainer._token_logprobs(mb)[0].sum().backward()
-        grads = torch.cat([p.grad.float().flatten() for p in trainer.params])
-        for p in trainer.params:
-            p.grad = None
+        grads = torch.cat([m.grad.flatten() for m in trainer.master])  # gathered on the fp32 masters
+        for m in trainer.master:
+            m.grad = None
         return grads
 
     for dropout in (0.0, 0.3):
@@ -417,6 +418,7 @@ def test_fused_lora_training_forward_gives_peft_gradients_and_leaves_dropout_to_
                 for name, p in zip(trainer.names, trainer.params):
                     if "lora_B" in name:
                         p.normal_(std=0.02, generator=torch.Generator().manual_seed(len(name)))
+                trainer._adopt_params()  # the fp32 masters (what an update trains from) take the new values
             if dropout:  # peft's forward runs, with its dropout
                 gradients(trainer)
                 assert len(dropped) == len(layers)

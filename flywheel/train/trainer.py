@@ -121,13 +121,14 @@ class Trainer:
         named = [(n, p) for n, p in trained.named_parameters() if p.requires_grad]
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.master: list[torch.Tensor] = [torch.empty_like(p, dtype=torch.float32) for p in self.params]
+        self.dtype = engine.model.dtype  # the sampler's (model.dtype reads the first parameter: fp32 in an update)
         self._adopt_params()
         self._reference: list[torch.Tensor] | None = None  # the KL reference's weights; None: the base (set_reference)
         self.reference_step: int | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.step = 0  # optimizer steps that changed the weights, SFT's included
         self.rl_steps = 0  # of them, RL steps: the learning-rate schedule's clock
-        self.autocast = engine.model.dtype == torch.bfloat16
+        self.autocast = self.dtype == torch.bfloat16
         self.fused_head = fuses_head(engine.model)
 
     # ---- mixed precision ---------------------------------------------------------------------------------------
@@ -142,7 +143,7 @@ class Trainer:
         with torch.no_grad():
             for p, m in zip(self.params, self.master):
                 m.copy_(p)
-                p.data = p.data.to(self.engine.model.dtype)
+                p.data = p.data.to(self.dtype)
 
     @contextlib.contextmanager
     def _fp32_masters(self) -> Iterator[None]:
@@ -153,8 +154,9 @@ class Trainer:
         finally:
             with torch.no_grad():
                 for p, m in zip(self.params, self.master):
-                    p.data = m.to(self.engine.model.dtype, copy=True)
-                    p.grad = None
+                    p.data = m.to(self.dtype, copy=True)
+                    if p.grad is not None:  # a backward pass no optimizer step took: its gradients stay readable
+                        m.grad, p.grad = p.grad, None
 
     def _master_state(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.master))
@@ -348,8 +350,7 @@ class Trainer:
         missing = sorted(set(keys) - set(weights))
         if missing:
             raise ValueError(f"reference weights do not match this model's trained weights: missing {missing[:3]}")
-        dtype = self.engine.model.dtype
-        self._reference = [weights[k].to(dtype) for k in keys]
+        self._reference = [weights[k].float() for k in keys]  # fp32, as the policy's masters in an update
         self.reference_step = step
 
     def _saved_key(self, name: str) -> str:
@@ -387,7 +388,8 @@ class Trainer:
         missing = [n for n in self.names if n not in weights]
         if missing:
             raise ValueError(f"the base weights in {directory} lack {missing[:3]}: cannot use them as the KL reference")
-        return [weights[n].to(self.engine.model.dtype) for n in self.names]
+        # as the engine loaded them (in the sampler's dtype), in fp32 as the policy's masters are in an update
+        return [weights[n].to(self.dtype).float() for n in self.names]
 
     # ---- SFT ---------------------------------------------------------------------------------------------------
 
