@@ -1,15 +1,38 @@
 """Flywheel: make LLM agents better with reinforcement learning from outcomes.
 
-The public API mirrors OpenPipe ART, so ``import flywheel as art`` runs ART-style code unchanged.
+The public API mirrors OpenPipe ART, so ``import flywheel as art`` runs ART-style code unchanged. Importing it is
+light (no torch): an agent or a runner process needs the data types, ``gather`` and the model handles; the names
+that load the engine (``LocalBackend``) or a judge's client (``rewards``) are imported when first used.
 """
 
-from flywheel import rewards
-from flywheel.backend import LocalBackend
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from flywheel.gather import gather_trajectories, gather_trajectory_groups
-from flywheel.model import Model, TrainableModel
+from flywheel.model import Backend, Model, TrainableModel
 from flywheel.types import History, Trajectory, TrajectoryGroup
 
+if TYPE_CHECKING:
+    from flywheel import rewards
+    from flywheel.backend import LocalBackend
+
+_LAZY = {"LocalBackend": ("flywheel.backend", "LocalBackend"), "rewards": ("flywheel.rewards", None)}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'flywheel' has no attribute {name!r}")
+    module_name, attribute = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value  # imported once
+    return value
+
+
 __all__ = [
+    "Backend",
     "History",
     "LocalBackend",
     "Model",

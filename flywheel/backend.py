@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from flywheel.gather import phase_seconds
+from flywheel.home import default_home
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.loading import load_model
 from flywheel.inference.registry import ModelRegistry, ServedModel
@@ -37,11 +38,6 @@ def metric_means(trajectories: list[Trajectory], split: str) -> dict[str, float]
         values = [float(t.metrics[k]) for t in trajectories if k in t.metrics]
         means[f"{split}/{k}"] = sum(values) / len(values)
     return means
-
-
-def default_home() -> Path:
-    """Project data (checkpoints, logs): ``$FLYWHEEL_HOME`` or ``./.flywheel``."""
-    return Path(os.environ.get("FLYWHEEL_HOME") or ".flywheel")
 
 
 class LocalBackend:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from openai import AsyncOpenAI
 from pydantic import BaseModel, PrivateAttr
 
-from flywheel.backend import LocalBackend
 from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
 from flywheel.types import Trajectory, TrajectoryGroup
 
@@ -47,15 +46,35 @@ class Model(BaseModel):
         }
 
 
+class Backend(Protocol):
+    """What a ``TrainableModel`` needs of a backend: ``flywheel.LocalBackend`` runs everything in this process; an
+    out-of-process one (a remote engine and trainer) implements the same methods."""
+
+    @property
+    def serves_http(self) -> bool: ...
+    @property
+    def base_url(self) -> str: ...
+    async def register(self, model: TrainableModel, lora: LoraSettings | None = None) -> None: ...
+    async def get_step(self, model: TrainableModel) -> int: ...
+    async def train(
+        self, model: TrainableModel, groups: Iterable[TrajectoryGroup], config: TrainConfig, *,
+        save_checkpoint: bool = True, extra: dict | None = None,
+    ) -> dict[str, float]: ...
+    def checkpoint_extra(self, model: TrainableModel) -> dict: ...
+    async def train_sft(self, model: TrainableModel, trajectories: list[Trajectory], config: SFTConfig) -> list[dict[str, float]]: ...
+    async def log(self, model: TrainableModel, trajectories: list[Trajectory], split: str) -> dict[str, float]: ...
+    async def delete_checkpoints(self, model: TrainableModel, best_checkpoint_metric: str = "val/reward", *, maximize: bool = True) -> list[int]: ...
+
+
 class TrainableModel(Model):
     """A model Flywheel samples from and trains: ``await model.register(LocalBackend())`` before use."""
 
     base_model: str
     trainable: bool = True
     lora: LoraSettings = LoraSettings()
-    _backend: LocalBackend | None = PrivateAttr(default=None)
+    _backend: Backend | None = PrivateAttr(default=None)
 
-    async def register(self, backend: LocalBackend) -> None:
+    async def register(self, backend: Backend) -> None:
         await backend.register(self, self.lora)
         self._backend = backend
         if backend.serves_http:
@@ -63,7 +82,7 @@ class TrainableModel(Model):
         self.inference_api_key = self.inference_api_key or "flywheel"
 
     @property
-    def backend(self) -> LocalBackend:
+    def backend(self) -> Backend:
         if self._backend is None:
             raise RuntimeError(f"Model '{self.name}' is not registered: call `await model.register(backend)` first.")
         return self._backend

@@ -111,7 +111,7 @@ async def test_eos_finishes_with_stop(engine: InferenceEngine, tokenizer):
     assert "<|im_end|>" not in c.text
 
 
-async def test_logprobs_are_the_models_own(fp32_engine: InferenceEngine, tokenizer):
+async def test_logprobs_are_those_of_the_distribution_sampled_from(fp32_engine: InferenceEngine, tokenizer):
     engine = fp32_engine
     p = prompts(tokenizer)[0]
     params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=10, seed=3, logprobs=True, top_logprobs=3)
@@ -125,7 +125,8 @@ async def test_logprobs_are_the_models_own(fp32_engine: InferenceEngine, tokeniz
     ids = torch.tensor([p + c.token_ids])
     with engine.exclusive(), torch.inference_mode():
         logits = engine.model(input_ids=ids).logits[0, len(p) - 1 : -1].float()
-    ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+    # at the sampling temperature (T = 0.7), before top-p truncation: what the trainer scores the tokens under
+    ref = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
     assert torch.allclose(torch.tensor(c.logprobs), ref, atol=2e-3)
 
 

@@ -145,7 +145,7 @@ def write_transitions(path: str | Path, rows: Iterable[Transition]) -> int:
 
 def run_directory(run: str | Path) -> Path:
     """A model directory as given, or ``project/name`` under ``$FLYWHEEL_HOME``."""
-    from flywheel.backend import default_home
+    from flywheel.home import default_home
 
     path = Path(run)
     if path.is_dir():

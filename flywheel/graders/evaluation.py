@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, Field
 
-from flywheel.backend import LocalBackend, default_home
+from flywheel.backend import LocalBackend
+from flywheel.home import default_home
 from flywheel.gather import gather_trajectories
 from flywheel.graders.data import RFTRow, load_rft_jsonl
 from flywheel.graders.model_graders import JudgeSettings

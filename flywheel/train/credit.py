@@ -25,7 +25,6 @@ import math
 from openai.types.chat.chat_completion import Choice
 
 from flywheel.train.config import TrainConfig
-from flywheel.train.loss import advantages
 from flywheel.types import Trajectory, TrajectoryGroup, intermediate_reward, set_intermediate_reward
 
 
@@ -91,6 +90,7 @@ def turn_advantages(trajectories: list[Trajectory], gamma: float, norm: str, sca
 
 def credit_advantages(groups: list[TrajectoryGroup], config: TrainConfig) -> list[list[float | list[float]]]:
     """For each group, each trajectory's advantage: one number (uniform) or one per sampled turn (turn)."""
+    from flywheel.train.loss import advantages  # torch: not for the agents and exports that use the rest of this module
     if config.credit == "uniform":
         return advantages([[total_reward(t) for t in g.trajectories] for g in groups], config.advantage, config.scale_rewards)
     return [turn_advantages(g.trajectories, config.gamma, config.turn_norm, config.scale_rewards) for g in groups]

@@ -1,0 +1,31 @@
+"""An agent or runner process imports Flywheel's data types, gather and model handles without torch (the engine,
+trainer and server load only when a backend is used)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+AGENT_SIDE = """
+import json, sys
+import flywheel as art
+from flywheel import Trajectory, TrajectoryGroup, gather_trajectory_groups, TrainableModel, Model
+from flywheel.types import sampled_tokens, set_intermediate_reward
+from flywheel.gather import gather_trajectories
+from flywheel.home import default_home
+from flywheel.train.config import TrainConfig
+from flywheel.agents import Tool, run_agent, to_transitions  # tool-using agents and their exports
+from flywheel.graders.spec import parse_grader  # graders' data types
+heavy = sorted(m for m in ("torch", "peft", "fastapi", "uvicorn", "transformers", "litellm", "flywheel.backend",
+                           "flywheel.inference.engine") if m in sys.modules)
+backend = art.LocalBackend  # the heavy name still resolves, when asked for
+print(json.dumps({"heavy": heavy, "torch_after_backend": "torch" in sys.modules, "modules": len(sys.modules)}))
+"""
+
+
+def test_the_agent_side_of_flywheel_imports_no_torch():
+    out = subprocess.run([sys.executable, "-c", AGENT_SIDE], capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["heavy"] == []
+    assert result["torch_after_backend"]
