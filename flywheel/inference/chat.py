@@ -21,6 +21,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"  # around a call's JSON, as rendered and guided
 
 
 def _tools_block(tools: list[dict]) -> str:
@@ -41,7 +42,8 @@ def _render_call(call: dict) -> str:
             args = json.loads(args)
         except json.JSONDecodeError:
             pass  # keep the raw string: render what the model actually produced
-    return "<tool_call>\n" + json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
+    body = json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False)
+    return TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE
 
 
 def _content_text(content: Any) -> str:
@@ -51,9 +53,12 @@ def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     texts = []
-    for part in content:
-        if part.get("type") != "text":
-            raise ValueError(f"Unsupported content part type {part.get('type')!r}: only text parts are supported.")
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"Unsupported content part {i} of type {kind!r}: only text parts are supported.")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"Content part {i} is a text part without a string 'text'.")
         texts.append(part["text"])
     return "".join(texts)
 

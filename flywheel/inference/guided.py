@@ -5,6 +5,11 @@ the request gets its own copy of the matcher. Before a token is drawn, the rows 
 token the grammar forbids set to -inf (``constrain``); the drawn token then advances the sequence's matcher. Once
 the grammar is complete, only end-of-sequence is allowed, which forces the stop.
 
+A forced tool call (``tool_choice`` "required" or a named function) is guided the same way by a grammar of one
+call in chat.py's default format (``compile_tool_call_guide``): ``<tool_call>``, ``{"name": ..., "arguments": ...}``
+with the name one of the offered tools' and the arguments following that tool's ``parameters`` schema, then
+``</tool_call>``.
+
 Because the mask is applied to the logits, the log-probabilities reported for a guided sequence are those of the
 constrained distribution (forbidden tokens have probability 0, the rest renormalised). Rows without a guide are
 left untouched and cost nothing.
@@ -13,6 +18,7 @@ left untouched and cost nothing.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +29,9 @@ import llguidance.hf
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from flywheel.inference.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+log = logging.getLogger(__name__)
 # Compact JSON: a small model offered free whitespace between tokens can fill its whole budget with newlines.
 _JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -34,6 +43,10 @@ _tokenizers_lock = threading.Lock()
 
 class GrammarError(ValueError):
     """The response format cannot be compiled into a grammar (an invalid or unsupported JSON schema)."""
+
+    def __init__(self, message: str, param: str = "response_format"):
+        super().__init__(message)
+        self.param = param  # the request field at fault
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,46 @@ def compile_guide(
         raise GrammarError(f"unsupported JSON schema: {exc}") from exc
     if template.is_error():
         raise GrammarError(f"unsupported JSON schema: {template.get_error()}")
+    return Guide(template)
+
+
+def _arguments_schema(parameters: Any, llt: llguidance.LLTokenizer, name: str) -> dict[str, Any]:
+    """A tool's ``parameters`` as the schema its call's arguments are guided by: any JSON object where there is
+    none, or where llguidance cannot compile it (the call still parses; the tool checks its arguments)."""
+    if not isinstance(parameters, dict) or not parameters:
+        return {**_ANY_OBJECT, "x-guidance": _JSON_OPTIONS}
+    schema = {"type": "object", **parameters, "x-guidance": _JSON_OPTIONS}
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    failed, problems = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, llt)
+    if failed:
+        log.warning("tool %r: its parameters cannot guide a call (%s); arguments: any JSON object", name, problems[0])
+        return {**_ANY_OBJECT, "x-guidance": _JSON_OPTIONS}
+    return schema
+
+
+def tool_call_grammar(tools: Sequence[dict[str, Any]], llt: llguidance.LLTokenizer) -> str:
+    """An llguidance grammar for exactly one call of one of ``tools`` (OpenAI tool dicts) in the default format:
+    the opening tag, ``{"name": "NAME", "arguments": ARGS}`` and the closing tag, ARGS after NAME's parameters.
+    Each tool's arguments are a grammar of their own, so a schema's ``$ref``s resolve against its own root."""
+    calls, schemas = [], []
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        head = '{"name": ' + json.dumps(fn["name"], ensure_ascii=False) + ', "arguments": '
+        calls.append(f"call_{i}: {json.dumps(head, ensure_ascii=False)} @args_{i} \"}}\"")
+        schemas.append({"name": f"args_{i}", "json_schema": _arguments_schema(fn.get("parameters"), llt, fn["name"])})
+    alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
+    start = f"start: {json.dumps(TOOL_CALL_OPEN)} ({alternatives}) {json.dumps(TOOL_CALL_CLOSE)}"
+    return json.dumps({"grammars": [{"lark_grammar": "\n".join([start, *calls])}, *schemas]}, ensure_ascii=False)
+
+
+def compile_tool_call_guide(
+    tokenizer: PreTrainedTokenizerBase, eos_ids: Sequence[int], tools: Sequence[dict[str, Any]]
+) -> Guide:
+    """A guide that makes the reply one call of one of ``tools`` (``tool_call_grammar``), then end-of-sequence."""
+    llt = _ll_tokenizer(tokenizer, eos_ids)
+    template = llguidance.LLMatcher(llt, tool_call_grammar(tools, llt), log_level=0)
+    if template.is_error():
+        raise GrammarError(f"cannot guide a call of these tools: {template.get_error()}", param="tools")
     return Guide(template)
 
 

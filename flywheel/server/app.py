@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice, ChoiceLogprobs
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkLogprobs
 from openai.types.chat.chat_completion_chunk import ChoiceDelta, ChoiceDeltaToolCall
 from openai.types.chat.chat_completion_message_tool_call import ChatCompletionMessageToolCall
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob, TopLogprob
@@ -27,7 +28,7 @@ from openai.types.completion_usage import CompletionUsage
 
 from flywheel.inference.chat import parse_tool_calls, render_prompt
 from flywheel.inference.engine import Completion, ContextOverflowError, EngineClosedError, InferenceEngine
-from flywheel.inference.guided import Guide, GrammarError, compile_guide
+from flywheel.inference.guided import Guide, GrammarError, compile_guide, compile_tool_call_guide
 from flywheel.inference.registry import ModelRegistry, UnknownModelError
 from flywheel.inference.sampling import SamplingParams
 from flywheel.server.protocol import ChatCompletionRequest, ErrorDetail, ErrorResponse, JsonSchemaFormat, TextFormat
@@ -62,11 +63,15 @@ def _message(c: Completion, tools: bool) -> tuple[ChatCompletionMessage, str]:
 
 
 async def _guide(req: ChatCompletionRequest, engine: InferenceEngine) -> Guide | None:
+    """The grammar the reply follows: a forced tool call (tool_choice "required" or a named function; the call has
+    no content for a response_format to shape), else the response_format's, else none."""
+    # compiling takes the engine's tokenizer through llguidance once (a fraction of a second): off the event loop
+    if forced := req.forced_tools:
+        return await asyncio.to_thread(compile_tool_call_guide, engine.tokenizer, engine.eos_ids, forced)
     fmt = req.response_format
     if fmt is None or isinstance(fmt, TextFormat):
         return None
     schema = fmt.json_schema.schema_ if isinstance(fmt, JsonSchemaFormat) else None
-    # compiling takes the engine's tokenizer through llguidance once (a fraction of a second): off the event loop
     return await asyncio.to_thread(compile_guide, engine.tokenizer, engine.eos_ids, schema)
 
 
@@ -110,7 +115,7 @@ def create_app(registry: ModelRegistry) -> FastAPI:
 
     @app.exception_handler(GrammarError)
     async def _bad_schema(_: Request, exc: GrammarError):
-        return error_response(400, f"Invalid 'response_format': {exc}", "invalid_request_error", param="response_format")
+        return error_response(400, f"Invalid '{exc.param}': {exc}", "invalid_request_error", param=exc.param)
 
     @app.exception_handler(EngineClosedError)
     async def _closed(_: Request, exc: EngineClosedError):  # the backend closed (or shut down) while it ran
@@ -138,7 +143,7 @@ def create_app(registry: ModelRegistry) -> FastAPI:
         served = await registry.resolve(req.model)
         engine = served.engine
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        tools = req.tools if req.tool_choice != "none" else None
+        tools = req.offered_tools
         prompt = render_prompt(engine.tokenizer, messages, tools)
         params = _sampling(req, engine, len(prompt), await _guide(req, engine))
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -202,21 +207,22 @@ async def _stream(
             lp = None
             if params.logprobs:
                 part = Completion(ev.index, "", ev.token_ids, ev.logprobs, ev.top_logprobs, "")
-                lp = ChoiceLogprobs(content=_logprob_items(engine, part))
+                lp = ChunkLogprobs(content=_logprob_items(engine, part))
             if not tools and (ev.text_delta or lp):
                 yield chunk([ChunkChoice(index=ev.index, delta=ChoiceDelta(content=ev.text_delta), logprobs=lp)])
             if ev.finish_reason is None:
                 continue
             c.finish_reason = ev.finish_reason
             finish = ev.finish_reason
-            if tools:
+            if tools:  # the held text and its tokens' logprobs, as one delta
                 message, finish = _message(c, True)
                 calls = [
                     ChoiceDeltaToolCall(index=k, id=tc.id, type="function", function=tc.function.model_dump())
                     for k, tc in enumerate(message.tool_calls or [])
                 ]
                 delta = ChoiceDelta(content=message.content, tool_calls=calls or None)
-                yield chunk([ChunkChoice(index=ev.index, delta=delta)])
+                lp = ChunkLogprobs(content=_logprob_items(engine, c)) if params.logprobs else None
+                yield chunk([ChunkChoice(index=ev.index, delta=delta, logprobs=lp)])
             final = ChunkChoice(index=ev.index, delta=ChoiceDelta(), finish_reason=finish)
             set_sampled_tokens(final, prompt, c.token_ids, params.temperature)  # type: ignore[arg-type]  # same extras
             yield chunk([final])

@@ -4,7 +4,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends a JSON string; an object is taken as it is
+
+
+class ToolCall(BaseModel):
+    """A tool call of an earlier assistant turn."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(BaseModel):
@@ -12,8 +27,18 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        for i, part in enumerate(content if isinstance(content, list) else []):
+            if part.get("type") != "text":
+                raise ValueError(f"content part {i} has type {part.get('type')!r}: only text parts are supported")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {i} is a text part without a string 'text'")
+        return content
 
     @model_validator(mode="after")
     def _content_present(self) -> ChatMessage:
@@ -53,6 +78,20 @@ class JsonSchemaFormat(BaseModel):
 ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
 
 
+class ToolChoiceFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``{"type": "function", "function": {"name": ...}}``: the reply calls this tool."""
+
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatCompletionRequest(BaseModel):
     # Unknown OpenAI parameters (frequency_penalty, user, ...) are accepted and ignored so that any client works.
     model_config = ConfigDict(extra="allow")
@@ -60,14 +99,14 @@ class ChatCompletionRequest(BaseModel):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto"
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=128)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # a 64-bit generator seed (choice i: seed + i)
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=20)
     stream: bool = False
@@ -82,7 +121,62 @@ class ChatCompletionRequest(BaseModel):
             fn = tool.get("function")
             if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}")
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+                raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
         return tools
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, choice: Any) -> Any:
+        fn = choice.get("function") if isinstance(choice, dict) else None
+        named = isinstance(fn, dict) and choice.get("type") == "function" and isinstance(fn.get("name"), str)
+        if choice is None or choice in ("none", "auto", "required") or named:
+            return choice
+        raise ValueError(
+            "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
+        )
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_offered(cls, choice: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        if choice in (None, "none", "auto") or "tools" not in info.data:  # invalid tools are reported already
+            return choice
+        names = [tool["function"]["name"] for tool in info.data["tools"] or []]
+        if not names:
+            raise ValueError("tool_choice other than 'none' or 'auto' needs 'tools'")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(
+                f"tool_choice.function.name {choice.function.name!r} is not one of the tools: {', '.join(names)}"
+            )
+        return choice
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, stop: Any) -> Any:
+        if stop is None or isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            return stop
+        raise ValueError("stop must be a string or a list of strings")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, top_logprobs: int, info: ValidationInfo) -> int:
+        if top_logprobs and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs 'logprobs': true")
+        return top_logprobs
+
+    @property
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the prompt lists: none with tool_choice "none"."""
+        return None if self.tool_choice == "none" else self.tools
+
+    @property
+    def forced_tools(self) -> list[dict[str, Any]] | None:
+        """The tools of which the reply must call one ("required": any, a named function: that one), else None."""
+        if self.tool_choice == "required":
+            return self.tools
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t for t in self.tools or [] if t["function"]["name"] == self.tool_choice.function.name]
+        return None
 
     @property
     def stop_list(self) -> list[str]:
