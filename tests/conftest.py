@@ -1,4 +1,5 @@
-"""Shared fixtures: the real embedded model, loaded once per test session, served on a real loopback port."""
+"""Shared fixtures: the real embedded model, loaded once per test session, served on a real loopback port. And a
+closing section that lists what the run did not check (skipped tests, by reason)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,19 @@ def fp32_engine():
     engine = InferenceEngine(model, tokenizer)
     yield engine
     engine.close()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Skips must not pass silently: a machine without a C++ compiler (compiled decode), user namespaces (the
+    sandbox's kernel isolation) or an optional package leaves capabilities unchecked; say which, and where."""
+    reasons: dict[str, list[str]] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reasons.setdefault(reason.removeprefix("Skipped: "), []).append(report.nodeid)
+    if not reasons:
+        return
+    terminalreporter.section("NOT CHECKED on this machine: skipped tests, by reason", sep="!", yellow=True, bold=True)
+    for reason, tests in reasons.items():
+        terminalreporter.line(f"{len(tests)} skipped: {reason}", yellow=True, bold=True)
+        for nodeid in tests:
+            terminalreporter.line(f"    {nodeid}")
