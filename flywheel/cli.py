@@ -103,7 +103,7 @@ async def _demo(n_problems: int, group_size: int, level: int, base_model: str, s
     from flywheel.backend import LocalBackend
     from flywheel.gather import gather_trajectory_groups
     from flywheel.model import TrainableModel
-    from flywheel.types import TrajectoryGroup
+    from flywheel.types import TrajectoryGroup, completion_token_count
 
     backend = LocalBackend()
     try:
@@ -131,7 +131,7 @@ async def _demo(n_problems: int, group_size: int, level: int, base_model: str, s
                 final = t.messages()[-1].get("content") or ""
                 answers.append(f"{extract_answer(final)} ({t.reward:.0f})")
                 rewards.append(t.reward)
-                completion_tokens += sum(len(getattr(c, "token_ids", []) or []) for c in t.messages_and_choices if not isinstance(c, dict))
+                completion_tokens += sum(completion_token_count(c) for c in t.messages_and_choices if not isinstance(c, dict))
             total += len(group.trajectories)
             calls = sum(int(t.metrics.get("tool_calls", 0)) for t in group.trajectories)
             mean = sum(t.reward for t in group.trajectories) / max(len(group.trajectories), 1)
