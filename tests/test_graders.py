@@ -447,6 +447,15 @@ async def test_score_model_answers(judge, answer, reward, errors):
         assert result.details["quality"]["unclamped_result"] == 7
 
 
+async def test_a_failed_judge_call_prints_no_litellm_banner(judge, capsys):
+    """LiteLLM's "Give Feedback / Get Help" banner on a failed call: the failure is counted in the grade's errors."""
+    judge.answers = [{"status": 400}]
+    result = await grade(parse_grader(SCORE), "Paris", {"answer": "Paris"}, judge=judge.settings())
+    assert result.errors == {"model_grader_server_error": 1}
+    out, err = capsys.readouterr()
+    assert "Give Feedback" not in out + err and "LiteLLM.Info" not in out + err
+
+
 async def test_score_model_custom_range_and_judge_override(judge):
     judge.answers = [{"content": _answer(6)}]
     spec = {**SCORE, "range": [1, 5], "model": "gpt-4o-2024-08-06"}

@@ -251,6 +251,16 @@ async def test_timeouts_and_server_errors_are_retried_with_backoff(scripted):
     assert usage.retries == 3 and usage.calls == 4
 
 
+async def test_a_failed_judge_call_prints_no_litellm_banner(scripted, capsys):
+    """LiteLLM prints "Give Feedback / Get Help" and a debugging hint on every failed call unless told not to; the
+    failure is ours to report (raised, or logged where a group is dropped)."""
+    scripted.play(("status", 400))
+    with pytest.raises(litellm.BadRequestError):
+        await _rule(scripted)
+    out, err = capsys.readouterr()
+    assert "Give Feedback" not in out + err and "LiteLLM.Info" not in out + err
+
+
 async def test_a_judge_that_keeps_failing_raises_or_drops_the_group(scripted):
     scripted.play(("status", 503))
     with pytest.raises(litellm.ServiceUnavailableError):

@@ -324,6 +324,8 @@ async def _complete(
     import litellm
     import tenacity
 
+    litellm.suppress_debug_info = True  # its "Give Feedback / Get Help" banner on every failed call: we report failures
+
     def count_retry(state: tenacity.RetryCallState) -> None:
         usage.retries += 1
         log.warning("judge call failed (%r), retrying (attempt %d)", state.outcome.exception(), state.attempt_number)
