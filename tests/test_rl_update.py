@@ -226,3 +226,53 @@ async def test_kl_reference_step_names_a_checkpoint_of_the_model(tmp_path):
         assert to_base["kl"] > 10 * to_sft["kl"]
     finally:
         await backend.close()
+
+
+def _restart(trainer: Trainer, masters: list[torch.Tensor]) -> None:
+    """Back to the given weights with a fresh optimizer, as if no step had been taken."""
+    with torch.no_grad():
+        for p, m, start in zip(trainer.params, trainer.master, masters):
+            m.copy_(start)
+            p.data = m.to(trainer.dtype, copy=True)
+    trainer.optimizer, trainer.step, trainer.rl_steps = None, 0, 0
+
+
+async def test_knobs_do_what_they_say_micro_batches_grad_norm_weight_decay_epochs(trainer: Trainer):
+    gathered = await groups(trainer.engine)
+    with torch.no_grad():  # B away from zero, so that weight decay has something to decay everywhere
+        for name, p in zip(trainer.names, trainer.params):
+            if "lora_B" in name:
+                p.normal_(std=0.01, generator=torch.Generator().manual_seed(len(name)))
+    trainer._adopt_params()
+    start = [m.detach().clone() for m in trainer.master]
+
+    def after(config: TrainConfig) -> tuple[list[torch.Tensor], dict]:
+        _restart(trainer, start)
+        metrics = trainer.rl_step(gathered, config)
+        return [m.detach().clone() for m in trainer.master], metrics
+
+    whole, m_whole = after(TrainConfig(learning_rate=1e-3, micro_batch_tokens=4096))
+    parts, m_parts = after(TrainConfig(learning_rate=1e-3, micro_batch_tokens=64))
+    assert m_parts["micro_batches"] > m_whole["micro_batches"] == 1
+    # the same update whatever the micro-batching (fp32: to rounding)
+    assert m_parts["grad_norm"] == pytest.approx(m_whole["grad_norm"], rel=1e-4)
+    moved = sum(float((a - s).norm()) for a, s in zip(whole, start))
+    assert moved > 1e-3
+    # Adam's first step is ~lr * sign(g): a gradient element near 0 may round either way, so compare whole updates
+    differ = sum(float((a - b).norm()) for a, b in zip(parts, whole))
+    assert differ < 1e-2 * moved, (differ, moved)
+
+    # AdamW's decoupled decay: w <- w - lr * wd * w, on top of the same Adam update
+    decayed, _ = after(TrainConfig(learning_rate=1e-3, weight_decay=0.5, micro_batch_tokens=4096))
+    for a, b, s in zip(decayed, whole, start):
+        torch.testing.assert_close(a - b, -1e-3 * 0.5 * s, rtol=1e-3, atol=1e-7)
+
+    # clipping to a tiny norm leaves a tiny step (Adam's eps dominates the clipped gradient); the metric is the norm
+    # before clipping
+    clipped, m_clipped = after(TrainConfig(learning_rate=1e-3, max_grad_norm=1e-9, micro_batch_tokens=4096))
+    assert m_clipped["grad_norm"] == pytest.approx(m_whole["grad_norm"], rel=1e-4)
+    assert sum(float((a - s).norm()) for a, s in zip(clipped, start)) < 1e-2 * moved
+
+    # a second pass over the batch is off-policy: its ratios move and the clip branch is reached
+    _, two = after(TrainConfig(learning_rate=5e-3, epochs=2, micro_batch_tokens=4096))
+    assert two["optimizer_steps"] == 2 and two["clip_fraction"] > 0.0
