@@ -7,7 +7,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -241,11 +241,15 @@ class LocalBackend:
             await self._after_step(model, trainer, [row], "train", config.model_dump(), save, extra)
         return metrics
 
-    async def train_sft(self, model: TrainableModel, trajectories: list[Trajectory], config: SFTConfig) -> list[dict[str, float]]:
+    async def train_sft(
+        self, model: TrainableModel, trajectories: list[Trajectory], config: SFTConfig,
+        progress: Callable[[dict[str, float]], None] | None = None,
+    ) -> list[dict[str, float]]:
+        """SFT steps; ``progress`` gets each step's metrics as soon as it is taken (on the engine's thread)."""
         trainer = self.trainer(model)
         async with self._step_locks[(model.project, model.name)]:
             await self._branch(model, trainer)
-            history = await trainer.engine.call(trainer.sft, trajectories, config)
+            history = await trainer.engine.call(trainer.sft, trajectories, config, progress)
             rows = [{"step": trainer.step - len(history) + i + 1, "split": "sft", **m} for i, m in enumerate(history)]
             await self._after_step(model, trainer, rows, "sft", config.model_dump(), True, None)
         return history

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -61,7 +61,10 @@ class Backend(Protocol):
         save_checkpoint: bool = True, extra: dict | None = None,
     ) -> dict[str, float]: ...
     def checkpoint_extra(self, model: TrainableModel) -> dict: ...
-    async def train_sft(self, model: TrainableModel, trajectories: list[Trajectory], config: SFTConfig) -> list[dict[str, float]]: ...
+    async def train_sft(
+        self, model: TrainableModel, trajectories: list[Trajectory], config: SFTConfig,
+        progress: Callable[[dict[str, float]], None] | None = None,
+    ) -> list[dict[str, float]]: ...
     async def log(self, model: TrainableModel, trajectories: list[Trajectory], split: str) -> dict[str, float]: ...
     async def delete_checkpoints(self, model: TrainableModel, best_checkpoint_metric: str = "val/reward", *, maximize: bool = True) -> list[int]: ...
 
@@ -111,13 +114,16 @@ class TrainableModel(Model):
         return self.backend.checkpoint_extra(self)
 
     async def train_sft(
-        self, trajectories: Iterable[Trajectory] | str | Path, config: SFTConfig | None = None
+        self, trajectories: Iterable[Trajectory] | str | Path, config: SFTConfig | None = None,
+        progress: Callable[[dict[str, float]], None] | None = None,
     ) -> list[dict[str, float]]:
         """Supervised warm start on assistant turns. Accepts trajectories or a JSONL path of
-        ``{"messages": [...], "tools": [...]}`` rows (OpenAI fine-tuning format) or of trajectories."""
+        ``{"messages": [...], "tools": [...]}`` rows (OpenAI fine-tuning format) or of trajectories. ``progress``
+        is called with each optimizer step's metrics (loss, tokens_trained, train_seconds...) as it is taken, from
+        the engine's thread."""
         if isinstance(trajectories, (str, Path)):
             trajectories = _read_jsonl(Path(trajectories))
-        return await self.backend.train_sft(self, list(trajectories), config or SFTConfig())
+        return await self.backend.train_sft(self, list(trajectories), config or SFTConfig(), progress)
 
     async def log(self, trajectories: Iterable[Trajectory | TrajectoryGroup], split: str = "val") -> dict[str, float]:
         flat = [t for item in trajectories for t in (item.trajectories if isinstance(item, TrajectoryGroup) else [item])]

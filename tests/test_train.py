@@ -5,6 +5,9 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
+import subprocess
+import sys
 from typing import NamedTuple
 
 import openai
@@ -217,12 +220,36 @@ async def test_sft_warm_start_lowers_the_loss_and_log_and_delete_checkpoints(fre
         art.Trajectory(messages_and_choices=[SYSTEM, {"role": "user", "content": f"Say the secret word {i}."}, {"role": "assistant", "content": "Flywheel"}])
         for i in range(4)
     ]
-    history = await model.train_sft(demos, SFTConfig(learning_rate=2e-3, epochs=3, batch_size=4))
+    trainer = fresh_backend.trainer(model)
+    calls = []  # (steps taken, metrics) at each progress call
+    history = await model.train_sft(
+        demos, SFTConfig(learning_rate=2e-3, epochs=3, batch_size=4), progress=lambda m: calls.append((trainer.step, m))
+    )
     assert len(history) == 3 and history[-1]["loss"] < history[0]["loss"]
+    assert calls == list(enumerate(history, start=1))  # once per step, as it is taken, with its loss and timing
     assert await model.get_step() == 3
     await model.log([art.Trajectory(messages_and_choices=[SYSTEM], reward=r) for r in (0.0, 1.0)], split="val")
     deleted = await model.delete_checkpoints("val/reward")
     assert deleted == []  # only one checkpoint (step 3), which is both latest and best
+
+
+def test_a_lora_trainer_starts_without_a_warning():
+    """peft reads transformers' deprecated ``is_gradient_checkpointing`` when it wraps the model: a FutureWarning on
+    the console at every LoRA start, about peft's code. In a process of its own, with Python's default filters
+    (pytest records warnings and resets filters between tests)."""
+    code = (
+        "from flywheel.inference.engine import InferenceEngine\n"
+        "from flywheel.inference.loading import EMBEDDED_MODEL, load_model\n"
+        "from flywheel.train.trainer import Trainer\n"
+        "model, tokenizer, _ = load_model(EMBEDDED_MODEL)\n"
+        "engine = InferenceEngine(model, tokenizer)\n"
+        "Trainer(engine)\n"
+        "engine.close()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Warning" not in r.stderr, r.stderr[-2000:]
 
 
 def test_sft_jsonl_rows_load_and_bad_rows_say_where(tmp_path):

@@ -8,7 +8,8 @@ import logging
 import math
 import random
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,12 @@ from flywheel.train.loss import importance_weights, policy_loss
 from flywheel.types import Trajectory, TrajectoryGroup
 
 log = logging.getLogger(__name__)
+
+# peft's PeftModel reads transformers' deprecated ``is_gradient_checkpointing`` (peft 0.21): a FutureWarning at every
+# LoRA start about peft's code, not ours, which uses ``is_activation_checkpointing``
+warnings.filterwarnings(
+    "ignore", r"`is_gradient_checkpointing` is deprecated", FutureWarning, r"transformers\.modeling_utils"
+)
 
 
 ENTROPY_CHUNK = 256  # rows per entropy chunk: [256, V] temporaries instead of [K, V]
@@ -393,9 +400,12 @@ class Trainer:
 
     # ---- SFT ---------------------------------------------------------------------------------------------------
 
-    def sft(self, trajectories: list[Trajectory], config: SFTConfig) -> list[dict[str, float]]:
+    def sft(
+        self, trajectories: list[Trajectory], config: SFTConfig, progress: Callable[[dict[str, float]], None] | None = None
+    ) -> list[dict[str, float]]:
         """Cross-entropy on assistant turns (sampled choices and assistant message dicts); one entry per optimizer
-        step that changed the weights (a non-finite gradient skips its step, logged)."""
+        step that changed the weights (a non-finite gradient skips its step, logged), also handed to ``progress``
+        as soon as the step is taken (on the engine's thread)."""
         history = []
         for _ in range(config.epochs):
             for i in range(0, len(trajectories), config.batch_size):
@@ -412,6 +422,8 @@ class Trainer:
                 if stepped:
                     history.append(metrics | {"train_seconds": time.perf_counter() - start})
                     self.step += 1
+                    if progress is not None:
+                        progress(history[-1])
         return history
 
     def _sft_update(self, sequences: list[Sequence], config: SFTConfig) -> tuple[dict[str, float], bool]:
