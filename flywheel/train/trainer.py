@@ -139,11 +139,13 @@ class Trainer:
         self.fused_head = fuses_head(engine.model)
 
     # ---- mixed precision ---------------------------------------------------------------------------------------
-    # Between updates the trained weights (adapters, or all weights) live in the model's dtype, so the sampler uses
-    # them without casting activations to fp32 and back at every layer (a quarter of bf16 decode time on a CPU).
-    # During an update they ARE the fp32 masters (``_fp32_masters``): autocast rounds each use to bf16 for its GEMM,
-    # as torch AMP does, and autograd sums every gradient contribution (micro-batches, epochs' backward passes, a
-    # tied embedding's two uses) in fp32. The optimizer steps the masters; their rounded values go back to the model.
+    # The trained weights (adapters, or all weights) live in the model's dtype, so the sampler uses them without
+    # casting activations to fp32 and back at every layer (a quarter of bf16 decode time on a CPU), and the trainer's
+    # forward computes exactly as the sampler's does. The optimizer updates fp32 master copies: after each backward
+    # pass (one micro-batch) its gradients, the bf16 GEMMs' outputs rounded once as in torch AMP, are added to the
+    # masters' fp32 gradients, so nothing is summed in bf16 across micro-batches or epochs. (Holding the masters as
+    # the parameters during an update was tried: it changes only a tied embedding's in-pass sum, runs the residual
+    # stream in fp32, away from the sampler's numerics, and costs a cast of every weight per micro-batch.)
 
     def _adopt_params(self) -> None:
         """Masters <- the trained weights' current values; the trained weights -> the model's dtype."""
@@ -152,25 +154,19 @@ class Trainer:
                 m.copy_(p)
                 p.data = p.data.to(self.dtype)
 
-    @contextlib.contextmanager
-    def _fp32_masters(self) -> Iterator[None]:
+    def _accumulate(self) -> None:
+        """Move this backward pass's gradients into the masters' fp32 gradients."""
         for p, m in zip(self.params, self.master):
-            p.data = m
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, m in zip(self.params, self.master):
-                    p.data = m.to(self.dtype, copy=True)
-                    if p.grad is not None:  # a backward pass no optimizer step took: its gradients stay readable
-                        m.grad, p.grad = p.grad, None
+            if p.grad is not None:
+                m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+                p.grad = None
 
     def _master_state(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.master))
 
     @contextlib.contextmanager
     def _training_mode(self, checkpointing: bool) -> Iterator[None]:
-        """Train mode and fp32 masters for one update; with ``checkpointing``, each decoder layer keeps only its
+        """Train mode for one update; with ``checkpointing``, each decoder layer keeps only its
         input and recomputes the rest in the backward pass (activations of a 1024-token micro-batch: ~1.5 GB ->
         ~0.1 GB, ~30% more compute). The engine samples in eval mode, where neither applies."""
         model = self.engine.model
@@ -178,9 +174,9 @@ class Trainer:
             model.activation_checkpointing_enable()  # non-reentrant by default
         model.train()
         try:
-            with self._fp32_masters():
-                yield
+            yield
         finally:
+            self._accumulate()  # a backward pass no optimizer step took: its gradients stay readable on the masters
             model.eval()
             if checkpointing:
                 model.activation_checkpointing_disable()
@@ -221,12 +217,13 @@ class Trainer:
     def _apply(self, max_grad_norm: float, optimizer: torch.optim.Optimizer) -> tuple[float, bool]:
         """One optimizer step on the gradients gathered since the last; (gradient norm, whether it stepped). A
         non-finite norm skips the step: the weights stay as they were."""
-        for p, m in zip(self.params, self.master):
-            m.grad, p.grad = p.grad, None
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.master, max_grad_norm))
         stepped = math.isfinite(grad_norm)
         if stepped:
             optimizer.step()
+            with torch.no_grad():
+                for p, m in zip(self.params, self.master):
+                    p.copy_(m)
         else:
             log.warning("non-finite gradient norm (%s): optimizer step skipped, the weights are unchanged", grad_norm)
         optimizer.zero_grad(set_to_none=True)
@@ -317,6 +314,7 @@ class Trainer:
                         traj_tokens=tokens_of[mb.traj], n_trajectories=n_trajectories, batch_tokens=batch_tokens,
                     )
                     loss.backward()
+                    self._accumulate()
                     w = len(mb.targets) / n_tokens
                     loss_sum += float(loss.detach())
                     entropy_sum += float(entropy.mean()) * w
@@ -357,7 +355,7 @@ class Trainer:
         missing = sorted(set(keys) - set(weights))
         if missing:
             raise ValueError(f"reference weights do not match this model's trained weights: missing {missing[:3]}")
-        self._reference = [weights[k].float() for k in keys]  # fp32, as the policy's masters in an update
+        self._reference = [weights[k].to(self.dtype) for k in keys]  # as the policy's weights are in a forward
         self.reference_step = step
 
     def _saved_key(self, name: str) -> str:
@@ -395,8 +393,7 @@ class Trainer:
         missing = [n for n in self.names if n not in weights]
         if missing:
             raise ValueError(f"the base weights in {directory} lack {missing[:3]}: cannot use them as the KL reference")
-        # as the engine loaded them (in the sampler's dtype), in fp32 as the policy's masters are in an update
-        return [weights[n].to(self.dtype).float() for n in self.names]
+        return [weights[n].to(self.dtype) for n in self.names]  # as the engine loaded them
 
     # ---- SFT ---------------------------------------------------------------------------------------------------
 
@@ -438,6 +435,7 @@ class Trainer:
                 logp, _ = self._token_logprobs(mb)
                 loss = -logp.sum() / n_tokens
                 loss.backward()
+                self._accumulate()
                 loss_sum += float(loss.detach())
             grad_norm, stepped = self._apply(config.max_grad_norm, optimizer)
         return {"loss": loss_sum, "grad_norm": grad_norm, "tokens_trained": n_tokens, "sequences": len(sequences)}, stepped
