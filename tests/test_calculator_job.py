@@ -12,7 +12,7 @@ from rich.console import Console
 import random
 
 from examples.calculator.task import generate_problems
-from examples.calculator.train import JobConfig, LevelCurriculum, run, wilson
+from examples.calculator.train import JobConfig, LevelCurriculum, plot, rl_rounds, run, wilson
 from flywheel.types import Trajectory, TrajectoryGroup
 from flywheel.train.config import SFTConfig
 
@@ -40,7 +40,7 @@ def test_level_curriculum_favours_mixed_levels_and_uses_each_problem_once():
     assert [p.level for p in drawn[:30]].count(2) > 10  # level 2 (mixed outcomes) is drawn most while it lasts
 
 
-async def test_job_runs_end_to_end_and_writes_report_and_plot(tmp_path, monkeypatch):
+async def test_job_runs_end_to_end_and_writes_report_and_plot(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
     # the LoRA variant keeps CI light (full fine-tuning, the job's default, is tested in test_train.py)
     config = JobConfig(
@@ -49,6 +49,11 @@ async def test_job_runs_end_to_end_and_writes_report_and_plot(tmp_path, monkeypa
     ).with_lora()
     config.sft = SFTConfig(learning_rate=3e-4, epochs=1, batch_size=4)
     report = await run(config, Console(file=open(os.devnull, "w")))
+    # every phase shows its progress (tqdm, on stderr): SFT step by step with its loss, each RL step's rollouts and
+    # validation under the phase's bar
+    shown = capsys.readouterr().err
+    assert "SFT warm start: 100%" in shown and "loss=" in shown and "tokens/s=" in shown
+    assert "GRPO: 100%" in shown and "step 1 rollouts" in shown and "step 2 val" in shown and "reward=" in shown
     for key in ("base", "sft", "rl"):
         assert 0.0 <= report[key] <= 1.0
     out = tmp_path / "calculator" / "models" / "toy"
@@ -66,6 +71,22 @@ async def test_job_runs_end_to_end_and_writes_report_and_plot(tmp_path, monkeypa
     assert len(kept) <= 2 and kept[-1] == latest and report["best_step"] in kept  # the latest and the best only
     # a checkpoint only where the best is picked from: validation points (eval_every=2: the last step) and SFT's end
     assert [r["checkpoint"] for r in history if r["split"] == "train"][0] is False
+
+
+def test_reward_plot_gives_each_rl_step_its_own_point_and_marks_skipped_updates(tmp_path):
+    """A skipped update leaves the optimizer step where it was: plotted by optimizer step, the skipped RL step and
+    the one before it fell on one x. By RL step each has its own, and a skipped one is marked with its reason."""
+    history = [
+        {"step": 2, "split": "sft", "loss": 1.0}, {"step": 2, "split": "val", "val/reward": 0.5},
+        {"step": 3, "split": "train", "reward_mean": 0.4, "skipped": 0.0},
+        {"step": 3, "split": "train", "reward_mean": 1.0, "skipped": 1.0, "skip_reason": 1.0},
+        {"step": 4, "split": "train", "reward_mean": 0.6, "skipped": 0.0}, {"step": 4, "split": "val", "val/reward": 0.7},
+    ]  # fmt: skip
+    train, val = rl_rounds(history)
+    assert train == [(1, 0.4, 0), (2, 1.0, 1), (3, 0.6, 0)]  # (RL step, reward, skip reason)
+    assert val == [(0, 0.5, 2), (3, 0.7, 4)]  # (RL step, accuracy, optimizer step): 0 is the end of SFT
+    plot(history, 2, 0.7, tmp_path / "reward.png")
+    assert (tmp_path / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_cli_refuses_a_hub_id_with_a_clear_message(tmp_path):

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from tqdm.auto import tqdm
 
 from examples.calculator.agent import rollout
 from examples.calculator.task import CALCULATOR_TOOL, Problem, demonstration, generate_problems
@@ -75,6 +75,19 @@ async def evaluate(model: TrainableModel, problems: list[Problem], desc: str) ->
         (TrajectoryGroup([rollout(model, p, temperature=0.0)]) for p in problems), pbar_desc=desc, max_exceptions=len(problems)
     )
     return [t for g in groups for t in g.trajectories]
+
+
+async def warm_start(model: TrainableModel, demos: list[Trajectory], config: SFTConfig) -> list[dict[str, float]]:
+    """SFT on the demonstrations with a progress bar: each step's loss and tokens per second, the time left."""
+    steps = config.epochs * math.ceil(len(demos) / config.batch_size)  # one per batch (a non-finite one is skipped)
+    with tqdm(total=steps, desc="SFT warm start", unit="step") as bar:
+
+        def progress(metrics: dict[str, float]) -> None:  # on the engine's thread, after each step
+            tokens_per_second = metrics["tokens_trained"] / metrics["train_seconds"]
+            bar.set_postfix({"loss": f"{metrics['loss']:.3f}", "tokens/s": f"{tokens_per_second:.0f}"}, refresh=False)
+            bar.update()
+
+        return await model.train_sft(demos, config, progress=progress)
 
 
 def accuracy(trajectories: list[Trajectory], n: int) -> float:
@@ -138,7 +151,7 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
         console.print(f"baseline test accuracy: {report['base']:.1%}")
 
         demos = [Trajectory(messages_and_choices=demonstration(p), tools=[CALCULATOR_TOOL]) for p in train[: config.sft_examples]]
-        sft_history = await model.train_sft(demos, config.sft)
+        sft_history = await warm_start(model, demos, config.sft)
         console.print(f"SFT warm start: {len(sft_history)} steps, loss {sft_history[0]['loss']:.3f} -> {sft_history[-1]['loss']:.3f}")
         sft_step = await model.get_step()
         report["peak_rss_gb_by_phase"]["sft"] = peak_rss_gb()
@@ -151,14 +164,15 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
         pool = train[config.sft_examples :]
         levels = LevelCurriculum(pool, rng) if config.level_curriculum else None
         rl_rows = []
-        with Progress(TextColumn("GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"), console=console) as bar:
-            task = bar.add_task("", total=config.rl_steps)
+        # the whole phase's bar (steps done, time left, the last rewards) above each step's rollouts and validation
+        with tqdm(total=config.rl_steps, desc="GRPO", unit="step") as bar:
             for i in range(config.rl_steps):
                 scenarios = levels.sample(config.groups_per_step) if levels else rng.sample(pool, config.groups_per_step)
                 groups = await gather_trajectory_groups(
                     (TrajectoryGroup(rollout(model, p, temperature=config.temperature) for _ in range(config.group_size)) for p in scenarios),
-                    pbar_desc=None, max_exceptions=0.1,
+                    pbar_desc=f"step {i + 1} rollouts", max_exceptions=0.1,
                 )
+                bar.set_postfix_str(f"step {i + 1}: training on {sum(len(g.trajectories) for g in groups)} rollouts")
                 validate = (i + 1) % config.eval_every == 0 or i + 1 == config.rl_steps
                 # a checkpoint only where one can be needed: where the best is picked from (validation points; the
                 # last step is one), not at every step (1.6 GB each when every weight trains)
@@ -167,10 +181,14 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
                 if levels:
                     row |= levels.record(groups)
                 if validate:
-                    row |= await model.log(await evaluate(model, val, "val"), split="val")
+                    bar.set_postfix_str(f"step {i + 1}: validation")
+                    row |= await model.log(await evaluate(model, val, f"step {i + 1} val"), split="val")
                 await model.delete_checkpoints("val/reward")  # the latest and the best so far (1.6 GB each when full)
                 rl_rows.append(row)
-                bar.update(task, advance=1, description=f"reward {metrics['reward_mean']:.2f}" + (f"  val {row['val/reward']:.2f}" if "val/reward" in row else ""))
+                shown = {"reward": f"{metrics['reward_mean']:.2f}", "skipped": sum(int(r.get("skipped", 0)) for r in rl_rows)}
+                shown |= {"val": f"{r['val/reward']:.2f}" for r in rl_rows if "val/reward" in r}  # the latest
+                bar.set_postfix(shown, refresh=False)
+                bar.update()
         report["rl_history"] = rl_rows
 
         history = backend.history(model)
@@ -204,24 +222,51 @@ def by_level(trajectories: list[Trajectory]) -> dict[int, float]:
     return {level: sum(r) / len(r) for level, r in sorted(levels.items())}
 
 
+# the trainer's skip_reason: why, and the marker of such a step
+SKIP_REASONS = {1: ("no group had reward variance", "x"), 2: ("non-finite gradients", "X")}
+
+
+def rl_rounds(history: list[dict]) -> tuple[list[tuple[int, float, int]], list[tuple[int, float, int]]]:
+    """The RL phase round by round from the history rows (in the order they were written): (round, rollout reward,
+    skip_reason: 0 where the weights were updated) per RL step, and (round, validation reward, optimizer step) per
+    validation, round 0 being the end of SFT. A skipped update leaves the optimizer step where it was, so rounds, not
+    steps, tell the RL steps apart."""
+    train, val, n = [], [], 0
+    for r in history:
+        if r.get("split") == "train":
+            n += 1
+            train.append((n, r["reward_mean"], int(r.get("skip_reason", 0)) if r.get("skipped") else 0))
+        elif "val/reward" in r:
+            val.append((n, r["val/reward"], r["step"]))
+    return train, val
+
+
 def plot(history: list[dict], sft_step: int, temperature: float, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [(r["step"], r["reward_mean"]) for r in history if r.get("split") == "train"]
-    val = [(r["step"], r["val/reward"]) for r in history if "val/reward" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    train, val = rl_rounds(history)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
     if train:
-        ax.plot(*zip(*train), marker="o", label=f"train reward (rollouts, T={temperature})")
+        ax.plot([t[0] for t in train], [t[1] for t in train], color="C0", alpha=0.4)
+        updated = [t for t in train if not t[2]]
+        ax.plot([t[0] for t in updated], [t[1] for t in updated], "o", color="C0", label=f"train reward (rollouts, T={temperature})")
+        for reason, (why, marker) in SKIP_REASONS.items():
+            skipped = [t for t in train if t[2] == reason]
+            if skipped:
+                label = f"train reward, update skipped ({why}): weights unchanged"
+                ax.plot([t[0] for t in skipped], [t[1] for t in skipped], marker, color="C3", markersize=8, label=label)
     if val:
-        ax.plot(*zip(*val), marker="s", label="validation accuracy (greedy)")
-    ax.axvline(sft_step, color="grey", linestyle=":", label="end of SFT warm start")
-    ax.set_xlabel("optimizer step")
+        ax.plot([v[0] for v in val], [v[1] for v in val], marker="s", color="C1", label="validation accuracy (greedy)")
+        for x, y, step in val:
+            ax.annotate(f"step {step}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7, color="C1")
+    ax.axvline(0, color="grey", linestyle=":", label=f"end of SFT warm start (step {sft_step})")
+    ax.set_xlabel("RL step (rollouts, then an update unless skipped); validations name the optimizer step")
     ax.set_ylabel("reward / accuracy")
-    ax.set_ylim(-0.02, 1.02)
-    ax.legend()
+    ax.set_ylim(-0.02, 1.08)
+    ax.legend(fontsize=8, loc="lower right")
     ax.set_title("Calculator agent: SFT warm start then GRPO")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
