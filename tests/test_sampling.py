@@ -35,12 +35,13 @@ def test_extreme_uniforms_never_draw_a_token_without_mass():
 
 
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.9), (0.0, 1.0)])
-def test_reported_logprobs_are_the_models_own(temperature, top_p):
+def test_reported_logprobs_are_those_of_the_distribution_drawn_from(temperature, top_p):
     torch.manual_seed(1)
     logits = torch.randn(6, 1000) * 3
     params = [SamplingParams(temperature=temperature, top_p=top_p, top_logprobs=3) for _ in range(6)]
     out = sample(logits, params, [None] * 6)
-    reference = torch.log_softmax(logits, dim=-1)  # temperature 1, no top-p: what the trainer recomputes
+    # softmax(logits / T) (T = 1 for a greedy row), no top-p: what the trainer recomputes
+    reference = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
     got = torch.tensor(out.logprobs)
     assert torch.allclose(got, reference[torch.arange(6), torch.tensor(out.tokens)], atol=1e-5)
     values, ids = reference.topk(3, dim=-1)
