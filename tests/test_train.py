@@ -465,9 +465,10 @@ def fused_lora_bounds(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torc
 
 
 def check_fused_lora_layers_in_bf16(trainer, layers: list, seen: dict) -> None:
-    """Each fused layer run alone, as in an update (fp32 masters, autocast), on the input and output gradient it had
-    in the model's backward pass: its output and gradients lie within the rounding bounds of ``fused_lora_bounds``
-    around the exact values for the same bf16 operands (autocast's bf16 copies of the adapter's weights)."""
+    """Each fused layer run alone, as in an update (the trainer's training mode, autocast), on the input and output
+    gradient it had in the model's backward pass: its output and gradients lie within the rounding bounds of
+    ``fused_lora_bounds`` around the exact values for the same bf16 operands (the adapter's weights in bf16, as
+    autocast hands them to the GEMMs)."""
     names = {m: n for n, m in trainer.engine.model.named_modules()}
     with trainer._training_mode(False), torch.autocast("cpu", dtype=torch.bfloat16):
         for m in layers:
