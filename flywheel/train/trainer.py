@@ -289,7 +289,7 @@ class Trainer:
         optimizer = self._optimizer(lr, config.weight_decay)
         stats: dict[str, float] = {}
         tis = {"tokens_with_sampler_logprobs": 0, "ratio_sum": 0.0, "ratio_max": 0.0, "clipped": 0}
-        gap_sum, steps = 0.0, 0
+        gap_sum, known_tokens, steps = 0.0, 0, 0
         with self._training_mode(config.gradient_checkpointing):
             refs = [self._reference_logprobs(mb) for mb in batches] if config.beta > 0 else [None] * len(batches)
             # epoch 0 is on-policy for the PPO ratio: old log-probs = current ones (exact, immune to rounding);
@@ -305,6 +305,7 @@ class Trainer:
                         olds[i] = logp.detach()
                         known = ~torch.isnan(mb.sampler_logprobs)
                         gap_sum += float((olds[i] - mb.sampler_logprobs)[known].abs().sum())
+                        known_tokens += int(known.sum())
                         if config.importance_sampling_cap is not None:
                             is_weights[i], s = importance_weights(olds[i], mb.sampler_logprobs, config.importance_sampling_cap)
                             for k, v in s.items():
@@ -323,17 +324,16 @@ class Trainer:
                 grad_norm, stepped = self._apply(config.max_grad_norm, optimizer)
                 steps += stepped
                 stats = {"loss": loss_sum, "entropy": entropy_sum, "clip_fraction": clip_sum, "kl": kl_sum, "grad_norm": grad_norm}
-        known = int(sum(int((~torch.isnan(mb.sampler_logprobs)).sum()) for mb in batches))
         out = stats | {
             "tokens_trained": n_tokens,
             "sequences": len(sequences),
             "micro_batches": len(batches),
             "optimizer_steps": steps,
             "learning_rate": lr,
-            "tokens_without_sampler_logprobs": n_tokens - known,
+            "tokens_without_sampler_logprobs": n_tokens - known_tokens,
         }
-        if known:  # how far the sampler's log-probs sit from the trainer's: a health signal
-            out["sampler_logprob_gap"] = gap_sum / known
+        if known_tokens:  # how far the sampler's log-probs sit from the trainer's: a health signal
+            out["sampler_logprob_gap"] = gap_sum / known_tokens
         if tis["tokens_with_sampler_logprobs"]:
             out |= {
                 "is_ratio_mean": tis["ratio_sum"] / tis["tokens_with_sampler_logprobs"],
