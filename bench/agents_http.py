@@ -28,7 +28,10 @@ async def http_run(base_url: str, model: str, n: int, new_tokens: int, turns: in
         messages, tokens = [{"role": "user", "content": q}], 0
         for turn in range(turns):
             r = await client.chat.completions.create(
-                model=model, messages=messages, max_tokens=new_tokens, temperature=1.0,
+                model=model,
+                messages=messages,
+                max_tokens=new_tokens,
+                temperature=1.0,
                 extra_body={"ignore_eos": True},
             )
             tokens += r.usage.completion_tokens

@@ -51,16 +51,28 @@ def calculator_tool() -> Tool:
 
     spec = task.CALCULATOR_TOOL["function"]
     # the exact schema of the SFT demonstrations, so the prompt RL sees is the one SFT taught
-    tool = dataclasses.replace(Tool.from_function(calculator), description=spec["description"], parameters=spec["parameters"])
+    tool = dataclasses.replace(
+        Tool.from_function(calculator), description=spec["description"], parameters=spec["parameters"]
+    )
     assert tool.schema == task.CALCULATOR_TOOL
     return tool
 
 
-async def rollout(model: TrainableModel, problem: task.Problem, *, temperature: float, seed: int | None, air: bool) -> Trajectory:
+async def rollout(
+    model: TrainableModel, problem: task.Problem, *, temperature: float, seed: int | None, air: bool
+) -> Trajectory:
     messages = [{"role": "system", "content": task.SYSTEM_PROMPT}, {"role": "user", "content": problem.question}]
     traj = await run_agent(
-        model.openai_client(), model, messages, [calculator_tool()], MAX_TURNS, temperature=temperature,
-        max_tokens=MAX_TOKENS, air=AIRConfig() if air else None, metadata={"problem_id": problem.id}, seed=seed,
+        model.openai_client(),
+        model,
+        messages,
+        [calculator_tool()],
+        MAX_TURNS,
+        temperature=temperature,
+        max_tokens=MAX_TOKENS,
+        air=AIRConfig() if air else None,
+        metadata={"problem_id": problem.id},
+        seed=seed,
     )
     traj.reward = task.reward(problem, final_answer(traj))
     return traj
@@ -73,7 +85,8 @@ def train_pool(args: argparse.Namespace) -> list[task.Problem]:
 async def validate(model: TrainableModel, problems: list[task.Problem]) -> float:
     groups = await gather_trajectory_groups(
         (TrajectoryGroup([rollout(model, p, temperature=0.0, seed=None, air=False)]) for p in problems),
-        pbar_desc=None, max_exceptions=len(problems),  # a failed episode counts as unsolved
+        pbar_desc=None,
+        max_exceptions=len(problems),  # a failed episode counts as unsolved
     )
     return sum(t.reward for g in groups for t in g.trajectories) / len(problems)
 
@@ -84,7 +97,10 @@ async def warm_start(home: Path, args: argparse.Namespace, val: list[task.Proble
     try:
         model = TrainableModel(name="sft", project="credit", base_model=args.model)
         await model.register(backend)
-        demos = [Trajectory(messages_and_choices=task.demonstration(p), tools=[task.CALCULATOR_TOOL]) for p in train_pool(args)[: args.sft_examples]]
+        demos = [
+            Trajectory(messages_and_choices=task.demonstration(p), tools=[task.CALCULATOR_TOOL])
+            for p in train_pool(args)[: args.sft_examples]
+        ]
         await model.train_sft(demos, SFTConfig(learning_rate=3e-4, epochs=2, batch_size=8))
         step = await model.get_step()
         return backend.model_dir(model) / "checkpoints" / f"{step:04d}", await validate(model, val)
@@ -92,7 +108,9 @@ async def warm_start(home: Path, args: argparse.Namespace, val: list[task.Proble
         await backend.close()
 
 
-async def run_arm(name: str, home: Path, sft: Path, sft_val: float, args: argparse.Namespace, val: list[task.Problem]) -> list[dict]:
+async def run_arm(
+    name: str, home: Path, sft: Path, sft_val: float, args: argparse.Namespace, val: list[task.Problem]
+) -> list[dict]:
     credit, air = ARMS[name]
     config = TrainConfig(learning_rate=args.lr, loss="dapo", credit=credit)
     backend = LocalBackend(path=home)
@@ -107,9 +125,12 @@ async def run_arm(name: str, home: Path, sft: Path, sft_val: float, args: argpar
             scenarios = rng.sample(pool, args.groups)
             seeds = [[rng.randrange(2**31) for _ in range(args.group_size)] for _ in scenarios]
             groups = await gather_trajectory_groups(
-                (TrajectoryGroup(rollout(model, p, temperature=args.temperature, seed=s, air=air) for s in ss)
-                 for p, ss in zip(scenarios, seeds)),
-                pbar_desc=None, max_exceptions=0.1,
+                (
+                    TrajectoryGroup(rollout(model, p, temperature=args.temperature, seed=s, air=air) for s in ss)
+                    for p, ss in zip(scenarios, seeds)
+                ),
+                pbar_desc=None,
+                max_exceptions=0.1,
             )
             trajectories = [t for g in groups for t in g.trajectories]
             metrics = await model.train(groups, config)
@@ -132,7 +153,9 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, rows in results.items():
-        line = ax.plot(*zip(*[(r["step"], r["val/reward"]) for r in rows if "val/reward" in r]), marker="o", label=f"{name} (val)")
+        line = ax.plot(
+            *zip(*[(r["step"], r["val/reward"]) for r in rows if "val/reward" in r]), marker="o", label=f"{name} (val)"
+        )
         train = [(r["step"], r["reward_mean"]) for r in rows if "reward_mean" in r]
         if train:
             ax.plot(*zip(*train), linestyle=":", color=line[0].get_color(), alpha=0.6)
@@ -161,23 +184,43 @@ async def main(args: argparse.Namespace) -> None:
             console.print(f"{name}: done in {time.perf_counter() - t0:.0f} s")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"credit-{time.strftime('%Y%m%d-%H%M%S')}"
-    report = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "wall_seconds": time.perf_counter() - start, "arms": results}
+    report = {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "wall_seconds": time.perf_counter() - start,
+        "arms": results,
+    }
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
     plot(results, stem.with_suffix(".png"))
 
-    table = Table(title=f"Calculator agent, {args.steps} GRPO steps x {args.groups} groups x {args.group_size} rollouts, val {args.val} (greedy)")
-    for col in ("arm", "val after SFT", "final val", "best val", "train reward (last 4 steps)", "AIR / rollout", "tool errors / rollout"):
+    table = Table(
+        title=f"Calculator agent, {args.steps} GRPO steps x {args.groups} groups x {args.group_size} rollouts, val {args.val} (greedy)"
+    )
+    for col in (
+        "arm",
+        "val after SFT",
+        "final val",
+        "best val",
+        "train reward (last 4 steps)",
+        "AIR / rollout",
+        "tool errors / rollout",
+    ):
         table.add_column(col)
     for name, rows in results.items():
         vals = [r["val/reward"] for r in rows if "val/reward" in r]
         last = rows[1:][-4:]
-
-        def mean(key: str) -> float:
-            return sum(r.get(key, 0.0) for r in last) / max(len(last), 1)
-
-        table.add_row(name, f"{vals[0]:.1%}", f"{vals[-1]:.1%}", f"{max(vals):.1%}", f"{mean('reward_mean'):.1%}",
-                      f"{mean('air_reward'):.3f}", f"{mean('tool_errors'):.2f}")
+        mean = {
+            key: sum(r.get(key, 0.0) for r in last) / max(len(last), 1)
+            for key in ("reward_mean", "air_reward", "tool_errors")
+        }
+        table.add_row(
+            name,
+            f"{vals[0]:.1%}",
+            f"{vals[-1]:.1%}",
+            f"{max(vals):.1%}",
+            f"{mean['reward_mean']:.1%}",
+            f"{mean['air_reward']:.3f}",
+            f"{mean['tool_errors']:.2f}",
+        )
     console.print(table)
     console.print(f"results: {stem.with_suffix('.json')}  plot: {stem.with_suffix('.png')}")
 

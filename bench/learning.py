@@ -31,9 +31,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-
 from blocks import report, run_child  # bench/blocks.py
 from credit import rollout, validate  # bench/credit.py: the calculator agent on run_agent, greedy validation
+from machine import describe  # bench/machine.py
+
 from examples.calculator import task
 from flywheel.backend import LocalBackend
 from flywheel.gather import gather_trajectory_groups
@@ -42,7 +43,6 @@ from flywheel.inference.loading import EMBEDDED_MODEL, resolve_model
 from flywheel.model import TrainableModel
 from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
 from flywheel.types import Trajectory, TrajectoryGroup
-from machine import describe  # bench/machine.py
 
 FULL = LoraSettings(full_finetune=True)
 WEIGHTS = "model.safetensors"
@@ -72,8 +72,12 @@ async def warm_start(out: Path, args: argparse.Namespace) -> dict:
     async with LocalBackend(path=out / "home") as backend:
         model = TrainableModel(name="sft", project="learning", base_model=str(base), lora=FULL)
         await model.register(backend)
-        trajectories = [Trajectory(messages_and_choices=task.demonstration(p), tools=[task.CALCULATOR_TOOL]) for p in demos]
-        await model.train_sft(trajectories, SFTConfig(learning_rate=5e-5, epochs=2, batch_size=8, micro_batch_tokens=1024))
+        trajectories = [
+            Trajectory(messages_and_choices=task.demonstration(p), tools=[task.CALCULATOR_TOOL]) for p in demos
+        ]
+        await model.train_sft(
+            trajectories, SFTConfig(learning_rate=5e-5, epochs=2, batch_size=8, micro_batch_tokens=1024)
+        )
         checkpoint = backend.model_dir(model) / "checkpoints" / f"{await model.get_step():04d}"
         snapshot(checkpoint / WEIGHTS, base, out / "warm")
     return {"dir": str(out / "warm")}
@@ -279,6 +283,8 @@ async def evaluate(out: Path, args: argparse.Namespace) -> dict:
 
 
 PHASES = {"warm": warm_start, "flywheel": train_flywheel, "trl": train_trl, "eval": evaluate}
+
+
 def run_phase(phase: str, out: Path) -> dict:
     """One phase in a fresh process (this script with ``--phase``): no thread pools or allocator state shared."""
     return run_child(__file__, [*sys.argv[1:], "--phase", phase, "--work", str(out)], f"phase {phase}")
@@ -292,7 +298,9 @@ def plot(report: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for side in ("flywheel", "trl"):
-        points = [(0.0, report["warm"]["accuracy"])] + [(s["elapsed"] / 60, s["accuracy"]) for s in report[side]["snapshots"]]
+        points = [(0.0, report["warm"]["accuracy"])] + [
+            (s["elapsed"] / 60, s["accuracy"]) for s in report[side]["snapshots"]
+        ]
         ax.plot(*zip(*points), marker="o", label=f"{side} ({len(report[side]['steps'])} steps)")
     ax.set_xlabel("training wall-clock (minutes)")
     ax.set_ylabel(f"validation accuracy ({report['config']['val']} problems, greedy)")
@@ -313,7 +321,10 @@ def main(args: argparse.Namespace) -> None:
                         "machine": describe()}  # fmt: skip
         for side in ("flywheel", "trl"):
             report[side] = run_phase(side, out)
-            print(f"{side}: {len(report[side]['steps'])} steps in {report[side]['steps'][-1]['elapsed']:.0f} s", flush=True)
+            print(
+                f"{side}: {len(report[side]['steps'])} steps in {report[side]['steps'][-1]['elapsed']:.0f} s",
+                flush=True,
+            )
         snaps = [s for side in ("flywheel", "trl") for s in report[side]["snapshots"]]
         (out / "to_evaluate.json").write_text(json.dumps([warm["dir"], *[s["dir"] for s in snaps]]))
         accuracy = run_phase("eval", out)["accuracy"]

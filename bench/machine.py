@@ -24,7 +24,10 @@ def describe() -> dict:
             if flags and cpu:
                 break
     return {
-        "platform": platform.platform(), "cpu": cpu, "cpu_flags": [f for f in FLAGS_OF_INTEREST if f in flags],
-        "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_flags": [f for f in FLAGS_OF_INTEREST if f in flags],
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }

@@ -50,7 +50,9 @@ def main() -> None:
                     start = time.perf_counter()
                     for i in range(args.steps):
                         step(mode, rows, i)
-                    out.append(f"{mode}, {rows} rows: {(time.perf_counter() - start) / args.steps * 1000:.2f} ms a step")
+                    out.append(
+                        f"{mode}, {rows} rows: {(time.perf_counter() - start) / args.steps * 1000:.2f} ms a step"
+                    )
             for mode in ("eager", "compiled"):
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     for i in range(10):

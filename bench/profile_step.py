@@ -13,10 +13,10 @@ import asyncio
 import time
 
 import torch
+from step_time import LEARNING_RATE, LORA, closeness, prompts
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
-from step_time import LEARNING_RATE, LORA, closeness, prompts
 from flywheel.backend import LocalBackend
 from flywheel.gather import gather_trajectory_groups
 from flywheel.inference.loading import EMBEDDED_MODEL, resolve_model
@@ -35,21 +35,32 @@ async def main() -> None:
     args = ap.parse_args()
 
     async with LocalBackend(serve_http=True) as backend:
-        model = TrainableModel(name=f"profile-{time.time_ns()}", project="bench", base_model=str(resolve_model(args.model).path), lora=LORA)
+        model = TrainableModel(
+            name=f"profile-{time.time_ns()}", project="bench", base_model=str(resolve_model(args.model).path), lora=LORA
+        )
         await model.register(backend)
         client = model.openai_client()
 
         async def rollout(question: str, answer: int) -> Trajectory:
             messages = [{"role": "user", "content": question}]
             r = await client.chat.completions.create(
-                model=model.get_inference_name(), messages=messages, max_tokens=args.new_tokens, temperature=1.0,
-                logprobs=True, extra_body={"ignore_eos": True},
+                model=model.get_inference_name(),
+                messages=messages,
+                max_tokens=args.new_tokens,
+                temperature=1.0,
+                logprobs=True,
+                extra_body={"ignore_eos": True},
             )
-            return Trajectory(messages_and_choices=[*messages, r.choices[0]], reward=closeness(r.choices[0].message.content or "", answer))
+            return Trajectory(
+                messages_and_choices=[*messages, r.choices[0]],
+                reward=closeness(r.choices[0].message.content or "", answer),
+            )
 
         async def sample() -> list[TrajectoryGroup]:
             batch = prompts(args.prompts)
-            return await gather_trajectory_groups((TrajectoryGroup(rollout(q, a) for _ in range(args.group)) for q, a in batch), pbar_desc=None)
+            return await gather_trajectory_groups(
+                (TrajectoryGroup(rollout(q, a) for _ in range(args.group)) for q, a in batch), pbar_desc=None
+            )
 
         config = TrainConfig(learning_rate=LEARNING_RATE, loss="dapo")
         await model.train(await sample(), config=config)  # warm-up
@@ -63,12 +74,16 @@ async def main() -> None:
             groups = await sample() if phase == "training" else None
             start = time.perf_counter()
             # the engine samples on its own thread and training runs in a worker thread: profile them all
-            with profile(activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
+            with profile(
+                activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True)
+            ) as prof:
                 if phase == "sampling":
                     await sample()
                 else:
                     metrics = await model.train(groups, config=config)
-                    assert metrics.get("sequences"), "nothing was trained (all groups had equal rewards): use larger groups"
+                    assert metrics.get("sequences"), (
+                        "nothing was trained (all groups had equal rewards): use larger groups"
+                    )
             print(f"\n## {phase}: {time.perf_counter() - start:.2f} s (under the profiler)\n")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
 

@@ -76,13 +76,21 @@ STYLES = [
 
 def trajectory(k: int) -> art.Trajectory:
     answer, closing = STYLES[k % len(STYLES)]
-    call = {"id": f"call_{k}", "type": "function", "function": {"name": "lookup_order", "arguments": '{"order": "1234"}'}}
+    call = {
+        "id": f"call_{k}",
+        "type": "function",
+        "function": {"name": "lookup_order", "arguments": '{"order": "1234"}'},
+    }
     return art.Trajectory(
         messages_and_choices=[
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": "Hi, I'd like a refund for order 1234, the blender I bought."},
             {"role": "assistant", "content": "Let me look that order up.", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": f"call_{k}", "content": '{"order": "1234", "delivered": "May 3", "item": "blender"}'},
+            {
+                "role": "tool",
+                "tool_call_id": f"call_{k}",
+                "content": '{"order": "1234", "delivered": "May 3", "item": "blender"}',
+            },
             {"role": "assistant", "content": answer},
             {"role": "user", "content": f"Thanks. Question {k % 3 + 1}: can I also get the shipping fee back?"},
             {"role": "assistant", "content": f"{closing} Shipping fees come back only for damaged or wrong items."},
@@ -107,8 +115,13 @@ async def main(sizes: list[int], judge_groups: int) -> dict:
         tokens = []
         for size in sizes:
             group = group_of(size)
-            with_dedup, without = prompt_tokens(engine.tokenizer, group, True), prompt_tokens(engine.tokenizer, group, False)
-            tokens.append({"group_size": size, "with_dedup": with_dedup, "without_dedup": without, "ratio": with_dedup / without})
+            with_dedup, without = (
+                prompt_tokens(engine.tokenizer, group, True),
+                prompt_tokens(engine.tokenizer, group, False),
+            )
+            tokens.append(
+                {"group_size": size, "with_dedup": with_dedup, "without_dedup": without, "ratio": with_dedup / without}
+            )
         judge = f"openai/{EMBEDDED_MODEL}"
         params = {"api_base": backend.base_url, "api_key": "bench", "temperature": 0}
         cache = JudgeCache(tempfile.mkdtemp(prefix="ruler-bench-cache-"))
@@ -119,14 +132,19 @@ async def main(sizes: list[int], judge_groups: int) -> dict:
             judged = await art.gather_trajectory_groups(
                 [group_of(4, offset=g) for g in range(judge_groups)],
                 pbar_desc=None,
-                after_each=lambda g: ruler_score_group(g, judge, params, cache=cache, usage=usage),
+                after_each=lambda g: ruler_score_group(g, judge, params, cache=cache, usage=usage),  # noqa: B023 (awaited here)
             )
             passes.append(
                 {
-                    "pass": label, "groups": len(judged), "judge_calls": usage.calls, "cache_hits": usage.cache_hits,
-                    "hit_rate": usage.cache_hits / judge_groups, "prompt_tokens": usage.prompt_tokens,
-                    "completion_tokens": usage.completion_tokens, "seconds": time.perf_counter() - start,
-                }  # fmt: skip
+                    "pass": label,
+                    "groups": len(judged),
+                    "judge_calls": usage.calls,
+                    "cache_hits": usage.cache_hits,
+                    "hit_rate": usage.cache_hits / judge_groups,
+                    "prompt_tokens": usage.prompt_tokens,
+                    "completion_tokens": usage.completion_tokens,
+                    "seconds": time.perf_counter() - start,
+                }
             )
     finally:
         await backend.close()
@@ -137,7 +155,11 @@ def report(result: dict) -> str:
     lines = ["| group size | judge prompt tokens, prefix de-dup | without | ratio |", "|---|---|---|---|"]
     for r in result["tokens"]:
         lines.append(f"| {r['group_size']} | {r['with_dedup']} | {r['without_dedup']} | {r['ratio']:.2f}x |")
-    lines += ["", "| pass | judge calls | cache hits | hit rate | prompt tokens | seconds |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| pass | judge calls | cache hits | hit rate | prompt tokens | seconds |",
+        "|---|---|---|---|---|---|",
+    ]
     for p in result["cache"]:
         lines.append(
             f"| {p['pass']} | {p['judge_calls']} | {p['cache_hits']} | {p['hit_rate']:.0%} | {p['prompt_tokens']} | "

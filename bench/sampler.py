@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 
 import torch
+from agents_http import follow_up, http_run, questions  # bench/agents_http.py
+from blocks import report, run_child, summary  # bench/blocks.py
+from machine import describe  # bench/machine.py
 
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.llama_forward import cxx_compiler_found
@@ -31,9 +34,6 @@ from flywheel.inference.loading import EMBEDDED_MODEL, load_model, resolve_model
 from flywheel.inference.registry import ModelRegistry
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
-from agents_http import follow_up, http_run, questions  # bench/agents_http.py
-from blocks import report, run_child, summary  # bench/blocks.py
-from machine import describe  # bench/machine.py
 
 VLLM_PYTHON = Path(__file__).parent.parent / ".venv-vllm" / "bin" / "python"  # see bench/vllm_cpu.py
 
@@ -47,10 +47,15 @@ def generate_run(model, tokenizer, n: int, new_tokens: int, turns: int) -> float
         texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations]
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.inference_mode():
-            out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
-                                 pad_token_id=tokenizer.pad_token_id)
+            out = model.generate(
+                **batch,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=True,
+                pad_token_id=tokenizer.pad_token_id,
+            )
         assert out.shape[1] - batch["input_ids"].shape[1] == new_tokens
-        replies = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        replies = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
         for c, reply in zip(conversations, replies):
             c += [{"role": "assistant", "content": reply}, follow_up(turn)]
     elapsed = time.perf_counter() - start
@@ -72,7 +77,8 @@ def side_block(side: str, args: argparse.Namespace) -> dict:
         try:
             asyncio.run(http_run(server.base_url, EMBEDDED_MODEL, 4, 8, 1))  # after the compiled step's warm-up
             rates = {
-                n: asyncio.run(http_run(server.base_url, EMBEDDED_MODEL, n, args.new_tokens, args.turns)) for n in args.concurrency
+                n: asyncio.run(http_run(server.base_url, EMBEDDED_MODEL, n, args.new_tokens, args.turns))
+                for n in args.concurrency
             }
         finally:
             server.stop()
@@ -82,7 +88,10 @@ def side_block(side: str, args: argparse.Namespace) -> dict:
     model, tokenizer, _ = load_model(EMBEDDED_MODEL, dtype=dtype)
     model.set_attn_implementation("sdpa")
     generate_run(model, tokenizer, 4, 8, 1)
-    return {"dtype": str(model.dtype), "rates": {n: generate_run(model, tokenizer, n, args.new_tokens, args.turns) for n in args.concurrency}}
+    return {
+        "dtype": str(model.dtype),
+        "rates": {n: generate_run(model, tokenizer, n, args.new_tokens, args.turns) for n in args.concurrency},
+    }
 
 
 def main() -> None:
@@ -91,8 +100,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--turns", type=int, default=1, help="requests per agent (>1: multi-turn conversations)")
-    ap.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON, help="the interpreter of a virtualenv with vllm-cpu "
-                    "(bench/vllm_cpu.py says how to make one); vLLM is left out where there is none")
+    ap.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=VLLM_PYTHON,
+        help="the interpreter of a virtualenv with vllm-cpu "
+        "(bench/vllm_cpu.py says how to make one); vLLM is left out where there is none",
+    )
     ap.add_argument("--vllm-bind", default="0-1", help="cores vLLM computes on ('auto': all but one, its default)")
     ap.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: one side's block
     args = ap.parse_args()
@@ -112,10 +126,23 @@ def main() -> None:
     for run in range(args.runs):
         for side in sides:
             if side == "vllm_cpu":
-                vllm_args = ["--model", str(resolve_model(EMBEDDED_MODEL).path), "--name", EMBEDDED_MODEL, "--bind", args.vllm_bind,
-                             "--new-tokens", str(args.new_tokens), "--turns", str(args.turns), "--concurrency",
-                             *map(str, args.concurrency)]
-                got = run_child(str(Path(__file__).parent / "vllm_cpu.py"), vllm_args, f"vLLM in run {run}", args.vllm_python)
+                vllm_args = [
+                    "--model",
+                    str(resolve_model(EMBEDDED_MODEL).path),
+                    "--name",
+                    EMBEDDED_MODEL,
+                    "--bind",
+                    args.vllm_bind,
+                    "--new-tokens",
+                    str(args.new_tokens),
+                    "--turns",
+                    str(args.turns),
+                    "--concurrency",
+                    *map(str, args.concurrency),
+                ]
+                got = run_child(
+                    str(Path(__file__).parent / "vllm_cpu.py"), vllm_args, f"vLLM in run {run}", args.vllm_python
+                )
             else:
                 got = run_child(__file__, [*sys.argv[1:], "--side", side], f"{side} in run {run}")
             dtypes[side] = got["dtype"]
@@ -129,18 +156,33 @@ def main() -> None:
         machine["vllm"] = {"package": "vllm-cpu", "bind": args.vllm_bind}
     out = Path(__file__).parent / "results" / f"sampler-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"machine": machine, "new_tokens": args.new_tokens, "turns": args.turns, "results": results}, indent=2))
+    out.write_text(
+        json.dumps(
+            {"machine": machine, "new_tokens": args.new_tokens, "turns": args.turns, "results": results}, indent=2
+        )
+    )
     print(f"\n{machine}\n")
     print(f"{args.turns} turn(s) of {args.new_tokens} new tokens per agent")
-    names = {side: side.replace("engine_dtype", dtypes["generate_engine_dtype"].removeprefix("torch.")) for side in sides}
-    print("| concurrent agents | " + " | ".join(f"{names[k]} tok/s (median [min, max])" for k in sides) + " | flywheel / other |")
+    names = {
+        side: side.replace("engine_dtype", dtypes["generate_engine_dtype"].removeprefix("torch.")) for side in sides
+    }
+    print(
+        "| concurrent agents | "
+        + " | ".join(f"{names[k]} tok/s (median [min, max])" for k in sides)
+        + " | flywheel / other |"
+    )
     print("|---" * (len(sides) + 2) + "|")
     for r in results:
         cells = [f"{r[k]['median']:.0f} [{r[k]['min']:.0f}, {r[k]['max']:.0f}]" for k in sides]
         ratios = "; ".join(
             f"{names[f].removeprefix('flywheel_http').removeprefix('_') or 'default'}: "
-            + ", ".join(f"{r[f]['median'] / r[k]['median']:.2f}x vs {names[k].removeprefix('generate_')}" for k in sides if k not in FLYWHEEL)
-            for f in sides if f in FLYWHEEL
+            + ", ".join(
+                f"{r[f]['median'] / r[k]['median']:.2f}x vs {names[k].removeprefix('generate_')}"
+                for k in sides
+                if k not in FLYWHEEL
+            )
+            for f in sides
+            if f in FLYWHEEL
         )
         print(f"| {r['concurrency']} | " + " | ".join(cells) + f" | {ratios} |")
     print(f"\nraw results: {out}")

@@ -26,6 +26,8 @@ import warnings
 from pathlib import Path
 
 import torch
+from blocks import report, run_child, summary  # bench/blocks.py
+from machine import describe  # bench/machine.py
 
 from examples.calculator.task import extract_answer, generate_problems
 from flywheel.backend import LocalBackend
@@ -34,8 +36,6 @@ from flywheel.inference.loading import EMBEDDED_MODEL, resolve_model
 from flywheel.model import TrainableModel
 from flywheel.train.config import LoraSettings, TrainConfig
 from flywheel.types import Trajectory, TrajectoryGroup
-from blocks import report, run_child, summary  # bench/blocks.py
-from machine import describe  # bench/machine.py
 
 LORA = LoraSettings(rank=16, alpha=32)
 LEARNING_RATE = 5e-5
@@ -67,16 +67,24 @@ async def flywheel_steps(
     async def rollout(question: str, answer: int) -> Trajectory:
         messages = [{"role": "user", "content": question}]
         r = await client.chat.completions.create(
-            model=model.get_inference_name(), messages=messages, max_tokens=new_tokens, temperature=1.0,
-            logprobs=True, extra_body={"ignore_eos": True},
+            model=model.get_inference_name(),
+            messages=messages,
+            max_tokens=new_tokens,
+            temperature=1.0,
+            logprobs=True,
+            extra_body={"ignore_eos": True},
         )
         assert r.usage.completion_tokens == new_tokens
-        return Trajectory(messages_and_choices=[*messages, r.choices[0]], reward=closeness(r.choices[0].message.content or "", answer))
+        return Trajectory(
+            messages_and_choices=[*messages, r.choices[0]], reward=closeness(r.choices[0].message.content or "", answer)
+        )
 
     times, trained = [], []
     for batch in batches:
         start = time.perf_counter()
-        groups = await gather_trajectory_groups((TrajectoryGroup(rollout(q, a) for _ in range(group)) for q, a in batch), pbar_desc=None)
+        groups = await gather_trajectory_groups(
+            (TrajectoryGroup(rollout(q, a) for _ in range(group)) for q, a in batch), pbar_desc=None
+        )
         metrics = await model.train(groups, config=config)
         times.append(time.perf_counter() - start)
         trained.append(int(metrics.get("sequences", 0)))
@@ -86,7 +94,9 @@ async def flywheel_steps(
 # ---- TRL -------------------------------------------------------------------------------------------------------
 
 
-def trl_steps(path: str, batches: list[list[tuple[str, int]]], group: int, new_tokens: int, out_dir: Path) -> list[float]:
+def trl_steps(
+    path: str, batches: list[list[tuple[str, int]]], group: int, new_tokens: int, out_dir: Path
+) -> list[float]:
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -107,20 +117,45 @@ def trl_steps(path: str, batches: list[list[tuple[str, int]]], group: int, new_t
 
     rows = [{"prompt": [{"role": "user", "content": q}], "answer": a} for batch in batches for q, a in batch]
     config = GRPOConfig(
-        output_dir=str(out_dir), use_cpu=not torch.cuda.is_available(), bf16=True, max_steps=len(batches), learning_rate=LEARNING_RATE,
-        per_device_train_batch_size=len(batches[0]) * group, num_generations=group, gradient_accumulation_steps=1,
-        max_completion_length=new_tokens, generation_kwargs={"min_new_tokens": new_tokens}, temperature=1.0,
-        loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=0.0, scale_rewards="group", num_iterations=1,
-        gradient_checkpointing=False, shuffle_dataset=False, logging_steps=1, report_to=[], save_strategy="no",
-        dataloader_num_workers=0, seed=0,
+        output_dir=str(out_dir),
+        use_cpu=not torch.cuda.is_available(),
+        bf16=True,
+        max_steps=len(batches),
+        learning_rate=LEARNING_RATE,
+        per_device_train_batch_size=len(batches[0]) * group,
+        num_generations=group,
+        gradient_accumulation_steps=1,
+        max_completion_length=new_tokens,
+        generation_kwargs={"min_new_tokens": new_tokens},
+        temperature=1.0,
+        loss_type="dapo",
+        epsilon=0.2,
+        epsilon_high=0.28,
+        beta=0.0,
+        scale_rewards="group",
+        num_iterations=1,
+        gradient_checkpointing=False,
+        shuffle_dataset=False,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        dataloader_num_workers=0,
+        seed=0,
     )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    peft_config = LoraConfig(r=LORA.rank, lora_alpha=LORA.alpha, lora_dropout=0.0, target_modules=LORA.targets, task_type="CAUSAL_LM")
+    peft_config = LoraConfig(
+        r=LORA.rank, lora_alpha=LORA.alpha, lora_dropout=0.0, target_modules=LORA.targets, task_type="CAUSAL_LM"
+    )
     timer = StepTimer()
     trainer = GRPOTrainer(
-        model=model, reward_funcs=[reward], args=config, train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer, peft_config=peft_config, callbacks=[timer],
+        model=model,
+        reward_funcs=[reward],
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[timer],
     )
     trainer.train()
     return timer.times
@@ -161,7 +196,10 @@ async def main() -> None:
 
     data = prompts((args.steps + 1) * args.prompts * args.runs)
     blocks = [
-        [data[(r * (args.steps + 1) + s) * args.prompts : (r * (args.steps + 1) + s + 1) * args.prompts] for s in range(args.steps + 1)]
+        [
+            data[(r * (args.steps + 1) + s) * args.prompts : (r * (args.steps + 1) + s + 1) * args.prompts]
+            for s in range(args.steps + 1)
+        ]
         for r in range(args.runs)
     ]
     if args.block:
@@ -181,13 +219,31 @@ async def main() -> None:
         theirs.append(statistics.median(trl["seconds"][1:]))
         ours.append(statistics.median(fly["seconds"][1:]))
         sequences += fly["trained"][1:]
-        print(json.dumps({"run": run, "trl_seconds": trl["seconds"], "flywheel_seconds": fly["seconds"], "flywheel_trained": fly["trained"]}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "run": run,
+                    "trl_seconds": trl["seconds"],
+                    "flywheel_seconds": fly["seconds"],
+                    "flywheel_trained": fly["trained"],
+                }
+            ),
+            flush=True,
+        )
 
     result = {
         "machine": describe(),
-        "work": {"model": args.model, "prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens, "lora": LORA.model_dump(),
-                 "loss": "dapo", "dtype": "bf16 weights + bf16 autocast"},
-        "flywheel_step_seconds": summary(ours), "trl_step_seconds": summary(theirs),
+        "work": {
+            "model": args.model,
+            "prompts": args.prompts,
+            "group": args.group,
+            "new_tokens": args.new_tokens,
+            "lora": LORA.model_dump(),
+            "loss": "dapo",
+            "dtype": "bf16 weights + bf16 autocast",
+        },
+        "flywheel_step_seconds": summary(ours),
+        "trl_step_seconds": summary(theirs),
         "ratio_trl_over_flywheel": summary([t / o for t, o in zip(theirs, ours)]),
         # TRL trains every completion; Flywheel drops groups whose rewards are all equal (no signal)
         "flywheel_trained_fraction": sum(sequences) / (len(sequences) * args.prompts * args.group),
@@ -201,8 +257,10 @@ async def main() -> None:
         s = result[key]
         print(f"| {side} | {s['median']:.2f} [{s['min']:.2f}, {s['max']:.2f}] | {tokens_per_step / s['median']:.0f} |")
     ratio = result["ratio_trl_over_flywheel"]
-    print(f"\nTRL / Flywheel step time: {ratio['median']:.2f}x [{ratio['min']:.2f}, {ratio['max']:.2f}]; "
-          f"Flywheel trained {result['flywheel_trained_fraction']:.0%} of the completions (TRL: all); raw: {out}")
+    print(
+        f"\nTRL / Flywheel step time: {ratio['median']:.2f}x [{ratio['min']:.2f}, {ratio['max']:.2f}]; "
+        f"Flywheel trained {result['flywheel_trained_fraction']:.0%} of the completions (TRL: all); raw: {out}"
+    )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,21 @@ def serve(model: str, name: str, dtype: str, port: int, bind: str, log) -> subpr
     if bind != "auto":  # by default vLLM computes on all cores but one, which it leaves to its API server
         env |= {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", name,
-        "--dtype", dtype, "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--served-model-name",
+        name,
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        "2048",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
     ]
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -70,7 +83,10 @@ def main() -> None:
         try:
             startup = wait_ready(server, url)
             asyncio.run(http_run(url + "/v1", args.name, 4, 8, 1))  # warm-up, as for the other sides
-            rates = {n: asyncio.run(http_run(url + "/v1", args.name, n, args.new_tokens, args.turns)) for n in args.concurrency}
+            rates = {
+                n: asyncio.run(http_run(url + "/v1", args.name, n, args.new_tokens, args.turns))
+                for n in args.concurrency
+            }
         finally:
             server.terminate()
             server.wait(timeout=60)

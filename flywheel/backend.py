@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -123,7 +122,9 @@ class LocalBackend:
                         trainer = await engine.call(Trainer, engine, lora)
                         latest = run.latest()
                         if latest is not None:
-                            checkpoint = await asyncio.to_thread(run.read, latest, full_finetune=trainer.lora.full_finetune)
+                            checkpoint = await asyncio.to_thread(
+                                run.read, latest, full_finetune=trainer.lora.full_finetune
+                            )
                             await engine.call(trainer.load, checkpoint)
                             self._extras[key] = checkpoint.state.extra
                     except BaseException:
@@ -242,7 +243,10 @@ class LocalBackend:
         return metrics
 
     async def train_sft(
-        self, model: TrainableModel, trajectories: list[Trajectory], config: SFTConfig,
+        self,
+        model: TrainableModel,
+        trajectories: list[Trajectory],
+        config: SFTConfig,
         progress: Callable[[dict[str, float]], None] | None = None,
     ) -> list[dict[str, float]]:
         """SFT steps; ``progress`` gets each step's metrics as soon as it is taken (on the engine's thread)."""
@@ -285,11 +289,20 @@ class LocalBackend:
         await asyncio.to_thread(drop_engines)
 
     async def _after_step(
-        self, model: TrainableModel, trainer: Trainer, rows: list[dict], split: str, config: dict, save: bool, extra: dict | None
+        self,
+        model: TrainableModel,
+        trainer: Trainer,
+        rows: list[dict],
+        split: str,
+        config: dict,
+        save: bool,
+        extra: dict | None,
     ) -> None:
         """A step's history rows: committed by its checkpoint (durable first, the rows after it) or appended."""
         stamp = time.time()
-        rows = [{"time": stamp, **row, "checkpoint": save and row["step"] == trainer.step} for row in rows]  # SFT: its last
+        rows = [
+            {"time": stamp, **row, "checkpoint": save and row["step"] == trainer.step} for row in rows
+        ]  # SFT: its last
         run = self.run(model)
         if save:
             checkpoint = await trainer.engine.call(trainer.checkpoint)
@@ -332,7 +345,11 @@ class LocalBackend:
         if self._server is not None:
             self._server.stop()
             self._server = None
-        for engine in [*self._engines.values(), *(t.engine for t in self._trainers.values()), *self._checkpoint_engines.values()]:
+        for engine in [
+            *self._engines.values(),
+            *(t.engine for t in self._trainers.values()),
+            *self._checkpoint_engines.values(),
+        ]:
             engine.close()
         self._engines.clear()
         self._trainers.clear()

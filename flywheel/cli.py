@@ -15,7 +15,9 @@ from flywheel.graders.cli import eval_command, graders_app
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.rewards.cli import app as judge_app
 
-app = typer.Typer(help="Flywheel: make LLM agents better with reinforcement learning from outcomes.", no_args_is_help=True)
+app = typer.Typer(
+    help="Flywheel: make LLM agents better with reinforcement learning from outcomes.", no_args_is_help=True
+)
 console = Console()
 app.add_typer(export_app, name="export")
 app.add_typer(graders_app, name="graders")
@@ -34,7 +36,9 @@ def _dtype(name: str):
 
 
 @app.command()
-def prepare(model: Annotated[str, typer.Option(help="Model spec to resolve (and convert once if GGUF).")] = EMBEDDED_MODEL):
+def prepare(
+    model: Annotated[str, typer.Option(help="Model spec to resolve (and convert once if GGUF).")] = EMBEDDED_MODEL,
+):
     """Resolve a model to a local safetensors checkpoint, converting GGUF once, and print where it is."""
     from flywheel.inference.loading import ModelNotFoundError, resolve_model
 
@@ -54,7 +58,10 @@ def serve(
     max_batch: Annotated[int, typer.Option(help="Most sequences decoded together.")] = 64,
     dtype: Annotated[str, typer.Option(help="auto (bf16 where the CPU has it) | bf16 | fp32")] = "auto",
     compile: Annotated[
-        bool, typer.Option(help="Compile the decode step (torch.compile; needs a C++ compiler, ~1-2 min at start): faster at few concurrent requests.")
+        bool,
+        typer.Option(
+            help="Compile the decode step (torch.compile; needs a C++ compiler, ~1-2 min at start): faster at few concurrent requests."
+        ),
     ] = False,
 ):
     """Serve a model over an OpenAI-compatible API (/v1/models, /v1/chat/completions)."""
@@ -110,7 +117,9 @@ async def _demo(n_problems: int, group_size: int, level: int, base_model: str, s
         model = TrainableModel(name="calculator-demo", project="demo", base_model=base_model)
         with console.status(f"Loading {base_model}..."):
             await model.register(backend)
-        console.print(f"Engine serving at [bold]{backend.base_url}[/] (OpenAI-compatible; try curl {backend.base_url}/models)")
+        console.print(
+            f"Engine serving at [bold]{backend.base_url}[/] (OpenAI-compatible; try curl {backend.base_url}/models)"
+        )
         problems = generate_problems("val", n_problems, levels=(level,), seed=seed)
         start = time.perf_counter()
         groups = await gather_trajectory_groups(
@@ -131,7 +140,9 @@ async def _demo(n_problems: int, group_size: int, level: int, base_model: str, s
                 final = t.messages()[-1].get("content") or ""
                 answers.append(f"{extract_answer(final)} ({t.reward:.0f})")
                 rewards.append(t.reward)
-                completion_tokens += sum(completion_token_count(c) for c in t.messages_and_choices if not isinstance(c, dict))
+                completion_tokens += sum(
+                    completion_token_count(c) for c in t.messages_and_choices if not isinstance(c, dict)
+                )
             total += len(group.trajectories)
             calls = sum(int(t.metrics.get("tool_calls", 0)) for t in group.trajectories)
             mean = sum(t.reward for t in group.trajectories) / max(len(group.trajectories), 1)
@@ -157,14 +168,22 @@ def train(
     name: Annotated[str, typer.Option(help="Run name (checkpoints under $FLYWHEEL_HOME/calculator/models/NAME).")] = "",
     model: Annotated[str, typer.Option()] = EMBEDDED_MODEL,
     seed: Annotated[int, typer.Option()] = 0,
-    full_finetune: Annotated[bool, typer.Option("--full-finetune/--lora", help="Train every weight (default) or a LoRA adapter.")] = True,
+    full_finetune: Annotated[
+        bool, typer.Option("--full-finetune/--lora", help="Train every weight (default) or a LoRA adapter.")
+    ] = True,
 ):
     """The main job: train the calculator agent (baseline, SFT warm start, GRPO, best checkpoint, report, plot)."""
     from examples.calculator.train import JobConfig, run
 
     config = JobConfig(
-        base_model=model, seed=seed, rl_steps=steps, groups_per_step=groups, group_size=group_size,
-        sft_examples=sft_examples, test_problems=test_problems, name=name or time.strftime("run-%Y%m%d-%H%M%S"),
+        base_model=model,
+        seed=seed,
+        rl_steps=steps,
+        groups_per_step=groups,
+        group_size=group_size,
+        sft_examples=sft_examples,
+        test_problems=test_problems,
+        name=name or time.strftime("run-%Y%m%d-%H%M%S"),
     )
     if not full_finetune:
         config = config.with_lora()

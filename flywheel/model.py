@@ -57,16 +57,26 @@ class Backend(Protocol):
     async def register(self, model: TrainableModel, lora: LoraSettings | None = None) -> None: ...
     async def get_step(self, model: TrainableModel) -> int: ...
     async def train(
-        self, model: TrainableModel, groups: Iterable[TrajectoryGroup], config: TrainConfig, *,
-        save_checkpoint: bool = True, extra: dict | None = None,
+        self,
+        model: TrainableModel,
+        groups: Iterable[TrajectoryGroup],
+        config: TrainConfig,
+        *,
+        save_checkpoint: bool = True,
+        extra: dict | None = None,
     ) -> dict[str, float]: ...
     def checkpoint_extra(self, model: TrainableModel) -> dict: ...
     async def train_sft(
-        self, model: TrainableModel, trajectories: list[Trajectory], config: SFTConfig,
+        self,
+        model: TrainableModel,
+        trajectories: list[Trajectory],
+        config: SFTConfig,
         progress: Callable[[dict[str, float]], None] | None = None,
     ) -> list[dict[str, float]]: ...
     async def log(self, model: TrainableModel, trajectories: list[Trajectory], split: str) -> dict[str, float]: ...
-    async def delete_checkpoints(self, model: TrainableModel, best_checkpoint_metric: str = "val/reward", *, maximize: bool = True) -> list[int]: ...
+    async def delete_checkpoints(
+        self, model: TrainableModel, best_checkpoint_metric: str = "val/reward", *, maximize: bool = True
+    ) -> list[int]: ...
 
 
 class TrainableModel(Model):
@@ -107,14 +117,18 @@ class TrainableModel(Model):
         """One RL optimizer step on these groups; the next rollout samples from the updated weights.
         ``save_checkpoint=False`` skips its checkpoint (the history row still goes in); ``extra`` (JSON) is stored
         with the checkpoint and comes back from ``checkpoint_extra()`` after a resume, e.g. a data position."""
-        return await self.backend.train(self, groups, config or TrainConfig(), save_checkpoint=save_checkpoint, extra=extra)
+        return await self.backend.train(
+            self, groups, config or TrainConfig(), save_checkpoint=save_checkpoint, extra=extra
+        )
 
     async def checkpoint_extra(self) -> dict[str, Any]:
         """The ``extra`` of the checkpoint the weights come from (the latest after a resume); ``{}`` if none."""
         return self.backend.checkpoint_extra(self)
 
     async def train_sft(
-        self, trajectories: Iterable[Trajectory] | str | Path, config: SFTConfig | None = None,
+        self,
+        trajectories: Iterable[Trajectory] | str | Path,
+        config: SFTConfig | None = None,
         progress: Callable[[dict[str, float]], None] | None = None,
     ) -> list[dict[str, float]]:
         """Supervised warm start on assistant turns. Accepts trajectories or a JSONL path of
@@ -126,10 +140,14 @@ class TrainableModel(Model):
         return await self.backend.train_sft(self, list(trajectories), config or SFTConfig(), progress)
 
     async def log(self, trajectories: Iterable[Trajectory | TrajectoryGroup], split: str = "val") -> dict[str, float]:
-        flat = [t for item in trajectories for t in (item.trajectories if isinstance(item, TrajectoryGroup) else [item])]
+        flat = [
+            t for item in trajectories for t in (item.trajectories if isinstance(item, TrajectoryGroup) else [item])
+        ]
         return await self.backend.log(self, flat, split)
 
-    async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward", *, maximize: bool = True) -> list[int]:
+    async def delete_checkpoints(
+        self, best_checkpoint_metric: str = "val/reward", *, maximize: bool = True
+    ) -> list[int]:
         """Keep the latest checkpoint and the best one by the metric (lowest if not ``maximize``)."""
         return await self.backend.delete_checkpoints(self, best_checkpoint_metric, maximize=maximize)
 

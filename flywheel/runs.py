@@ -141,7 +141,9 @@ class RunStore:
     def state(self, step: int) -> CheckpointState:
         path = self.checkpoint_dir(step) / STATE
         if not path.is_file():
-            raise FileNotFoundError(f"No checkpoint for step {step} at {path.parent} (checkpoints: {self.steps() or 'none'}).")
+            raise FileNotFoundError(
+                f"No checkpoint for step {step} at {path.parent} (checkpoints: {self.steps() or 'none'})."
+            )
         return CheckpointState.model_validate(json.loads(path.read_text()))
 
     def read(self, step: int, *, full_finetune: bool | None = None, optimizer: bool = True) -> Checkpoint:
@@ -152,7 +154,9 @@ class RunStore:
         if full_finetune is not None and full_finetune != state.lora.full_finetune:
             wanted = FULL_WEIGHTS if full_finetune else ADAPTER_WEIGHTS
             kind = "full fine-tuning" if full_finetune else "a LoRA adapter"
-            raise ValueError(f"checkpoint {directory} has no {wanted}: it was not written by {kind}, as this model trains")
+            raise ValueError(
+                f"checkpoint {directory} has no {wanted}: it was not written by {kind}, as this model trains"
+            )
         weights = load_file(str(directory / (FULL_WEIGHTS if state.lora.full_finetune else ADAPTER_WEIGHTS)))
         opt = directory / OPTIMIZER
         rng = directory / RNG
@@ -171,7 +175,7 @@ class RunStore:
             self.checkpoints.mkdir(parents=True)
             _fsync_dir(self.path)
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP}{step:04d}-", dir=self.checkpoints))
-        aside = self.checkpoints / f"{ASIDE}{tmp.name[len(TMP):]}"
+        aside = self.checkpoints / f"{ASIDE}{tmp.name[len(TMP) :]}"
         try:
             _write_files(tmp, checkpoint)
             for f in tmp.iterdir():
@@ -254,7 +258,11 @@ class RunStore:
             for entry in sorted(self.checkpoints.iterdir()):
                 if not entry.name.startswith("."):
                     continue
-                original = self.checkpoint_dir(int(entry.name[len(ASIDE) :].split("-")[0])) if entry.name.startswith(ASIDE) else None
+                original = (
+                    self.checkpoint_dir(int(entry.name[len(ASIDE) :].split("-")[0]))
+                    if entry.name.startswith(ASIDE)
+                    else None
+                )
                 if original is not None and not original.exists():
                     entry.rename(original)  # the kill came between the two renames of a swap
                 else:
@@ -267,7 +275,9 @@ class RunStore:
         kept = [r for r in rows if r.get("step", 0) <= top]
         if latest is not None:  # rows the latest checkpoint commits, if the kill came before they were appended
             present = {(r.get("step"), r.get("split"), r.get("time")) for r in kept}
-            kept += [r for r in self.state(latest).rows if (r.get("step"), r.get("split"), r.get("time")) not in present]
+            kept += [
+                r for r in self.state(latest).rows if (r.get("step"), r.get("split"), r.get("time")) not in present
+            ]
         if kept != rows or (self._history.exists() and not self._history.read_text().endswith("\n")):
             self._rewrite_history(kept)
         for f in self._trajectory_files(above=top):
@@ -276,7 +286,9 @@ class RunStore:
     def abandon_after(self, step: int) -> Path | None:
         """Move the checkpoints, history rows and trajectory files of steps above ``step`` to ``abandoned/``
         (training goes on from ``step``: they are another branch). Returns where they went, or None if none."""
-        later = sorted((p for p in self.checkpoints.glob("[0-9]*") if p.name.isdigit() and int(p.name) > step), reverse=True)
+        later = sorted(
+            (p for p in self.checkpoints.glob("[0-9]*") if p.name.isdigit() and int(p.name) > step), reverse=True
+        )
         rows = self.history()
         dropped = [r for r in rows if r.get("step", 0) > step]
         files = self._trajectory_files(above=step)

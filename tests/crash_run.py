@@ -49,7 +49,9 @@ async def main(home: str, steps: int) -> None:
             r = await client.chat.completions.create(model=model.name, messages=messages, max_tokens=4, logprobs=True)
             choice = r.choices[0]
             return art.Trajectory(
-                messages_and_choices=[*messages, choice], reward=reward(i, choice.message.content or ""), metrics={"draw": draw}
+                messages_and_choices=[*messages, choice],
+                reward=reward(i, choice.message.content or ""),
+                metrics={"draw": draw},
             )
 
         while step < steps:

@@ -26,7 +26,9 @@ from flywheel.types import Trajectory
 
 
 def call(name: str, arguments: str, id: str) -> ChatCompletionMessageFunctionToolCall:
-    return ChatCompletionMessageFunctionToolCall(id=id, type="function", function=Function(name=name, arguments=arguments))
+    return ChatCompletionMessageFunctionToolCall(
+        id=id, type="function", function=Function(name=name, arguments=arguments)
+    )
 
 
 def calls(*tool_calls: ChatCompletionMessageFunctionToolCall) -> ChatCompletionMessage:
@@ -50,7 +52,9 @@ class ScriptedModel:
         message = self.turns.pop(0)
         finish = "tool_calls" if message.tool_calls else "stop"
         choice = Choice(index=0, finish_reason=finish, message=message)
-        return ChatCompletion(id="scripted", created=0, model=request["model"], object="chat.completion", choices=[choice])
+        return ChatCompletion(
+            id="scripted", created=0, model=request["model"], object="chat.completion", choices=[choice]
+        )
 
 
 @tool
@@ -66,7 +70,10 @@ async def test_a_real_episode_keeps_the_sampled_choices(backend, tokenizer):
     client = openai.AsyncOpenAI(base_url=backend.base_url, api_key="unused", max_retries=0)
     prompt = [
         {"role": "system", "content": "You copy text exactly."},
-        {"role": "user", "content": 'Copy exactly:\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'},
+        {
+            "role": "user",
+            "content": 'Copy exactly:\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
+        },
     ]
     traj = await run_agent(client, EMBEDDED_MODEL, prompt, [add], max_turns=2, temperature=0, max_tokens=24)
     choices = [item for item in traj.messages_and_choices if isinstance(item, Choice)]
@@ -86,13 +93,19 @@ async def test_a_real_episode_keeps_the_sampled_choices(backend, tokenizer):
 
 
 async def test_tool_calls_are_executed_answered_and_sent_back():
-    model = ScriptedModel(calls(call("add", '{"a": 2, "b": 3}', "c1"), call("add", '{"a": 4, "b": 5}', "c2")), answer("Answer: 5"))
+    model = ScriptedModel(
+        calls(call("add", '{"a": 2, "b": 3}', "c1"), call("add", '{"a": 4, "b": 5}', "c2")), answer("Answer: 5")
+    )
     traj = await run_agent(model, "m", TASK, [add], temperature=0.5, max_tokens=64, seed=7)
     assert traj.messages()[1:] == [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}},
-            {"id": "c2", "type": "function", "function": {"name": "add", "arguments": '{"a": 4, "b": 5}'}},
-        ]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}},
+                {"id": "c2", "type": "function", "function": {"name": "add", "arguments": '{"a": 4, "b": 5}'}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "5"},
         {"role": "tool", "tool_call_id": "c2", "content": "9"},
         {"role": "assistant", "content": "Answer: 5"},
@@ -147,7 +160,12 @@ async def test_every_tool_failure_becomes_a_message_and_a_metric():
         "s": "Error: slow did not answer within 0.2 s.",
     }
     assert traj.messages_and_choices[1].tool_statuses == [
-        "unknown_tool", "bad_arguments", "bad_arguments", "error", "error", "timeout"
+        "unknown_tool",
+        "bad_arguments",
+        "bad_arguments",
+        "error",
+        "error",
+        "timeout",
     ]
     m = traj.metrics
     assert (m["unknown_tool"], m["bad_arguments"], m["tool_errors"], m["tool_timeouts"]) == (1, 2, 2, 1)
@@ -231,8 +249,13 @@ async def test_cache_memoises_by_tool_and_canonical_arguments(tmp_path):
     cache.close()
 
     replay = ToolCache(tmp_path / "tools.sqlite")  # a later run replays what the first one saw
-    traj = await run_agent(ScriptedModel(calls(call("lookup", '{"city": "Oslo", "year": 2020}', "c")), answer("ok")),
-                           "m", TASK, [lookup], cache=replay)
+    traj = await run_agent(
+        ScriptedModel(calls(call("lookup", '{"city": "Oslo", "year": 2020}', "c")), answer("ok")),
+        "m",
+        TASK,
+        [lookup],
+        cache=replay,
+    )
     assert len(runs) == 3 and traj.metrics["cache_hits"] == 1 and len(replay) == 1
     replay.close()
 
@@ -250,11 +273,12 @@ async def test_cache_stores_successes_only_and_runs_identical_parallel_calls_onc
         return n
 
     cache = ToolCache()
-    failed = await run_agent(ScriptedModel(calls(call("flaky", '{"n": 1}', "a")), answer("x")), "m", TASK, [flaky], cache=cache)
+    failed = await run_agent(
+        ScriptedModel(calls(call("flaky", '{"n": 1}', "a")), answer("x")), "m", TASK, [flaky], cache=cache
+    )
     assert failed.messages()[2]["content"] == "Error: try again" and len(cache) == 0
     same_turn = calls(call("flaky", '{"n": 1}', "b"), call("flaky", '{"n": 1}', "c"))
     traj = await run_agent(ScriptedModel(same_turn, answer("x")), "m", TASK, [flaky], cache=cache)
     assert attempts == [1, 1]  # the error was not cached; the two identical calls ran once
     assert [m["content"] for m in traj.messages()[2:4]] == ["1", "1"]
     assert (traj.metrics["cache_hits"], traj.metrics["cache_misses"]) == (1, 1)
-

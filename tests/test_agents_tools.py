@@ -44,7 +44,10 @@ def test_schema_comes_from_type_hints_and_the_docstring():
     assert params["properties"]["a"]["$ref"] == "#/$defs/Point"
     assert params["$defs"]["Point"]["required"] == ["x", "y"]
     assert params["properties"]["unit"] == {
-        "default": "m", "description": "Unit of the result.", "enum": ["m", "km"], "type": "string"
+        "default": "m",
+        "description": "Unit of the result.",
+        "enum": ["m", "km"],
+        "type": "string",
     }
 
 

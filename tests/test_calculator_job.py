@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 
 from rich.console import Console
 
-import random
-
 from examples.calculator.task import generate_problems
 from examples.calculator.train import JobConfig, LevelCurriculum, plot, rl_rounds, run, wilson
-from flywheel.types import Trajectory, TrajectoryGroup
 from flywheel.train.config import SFTConfig
+from flywheel.types import Trajectory, TrajectoryGroup
 
 
 def test_wilson_interval():
@@ -31,10 +30,14 @@ def test_level_curriculum_favours_mixed_levels_and_uses_each_problem_once():
     assert set(curriculum.weights().values()) == {0.25}  # nothing seen yet: every level alike
 
     def group(level: int, rewards: list[float]) -> TrajectoryGroup:
-        return TrajectoryGroup([Trajectory(messages_and_choices=[], reward=r, metadata={"level": level}) for r in rewards])
+        return TrajectoryGroup(
+            [Trajectory(messages_and_choices=[], reward=r, metadata={"level": level}) for r in rewards]
+        )
 
     weights = curriculum.record([group(1, [1.0] * 8), group(2, [1.0, 0.0] * 4), group(3, [0.0] * 8)])
-    assert weights["level_weight/2"] > weights["level_weight/1"] and weights["level_weight/2"] > weights["level_weight/3"]
+    assert (
+        weights["level_weight/2"] > weights["level_weight/1"] and weights["level_weight/2"] > weights["level_weight/3"]
+    )
     drawn = [p for _ in range(20) for p in curriculum.sample(3)]
     assert len({p.id for p in drawn}) == 60  # all of them, none twice
     assert [p.level for p in drawn[:30]].count(2) > 10  # level 2 (mixed outcomes) is drawn most while it lasts
@@ -44,8 +47,15 @@ async def test_job_runs_end_to_end_and_writes_report_and_plot(tmp_path, monkeypa
     monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
     # the LoRA variant keeps CI light (full fine-tuning, the job's default, is tested in test_train.py)
     config = JobConfig(
-        name="toy", sft_examples=4, rl_steps=2, groups_per_step=2, group_size=2, eval_every=2, val_problems=4,
-        test_problems=4, levels=[1],
+        name="toy",
+        sft_examples=4,
+        rl_steps=2,
+        groups_per_step=2,
+        group_size=2,
+        eval_every=2,
+        val_problems=4,
+        test_problems=4,
+        levels=[1],
     ).with_lora()
     config.sft = SFTConfig(learning_rate=3e-4, epochs=1, batch_size=4)
     report = await run(config, Console(file=open(os.devnull, "w")))
@@ -70,7 +80,7 @@ async def test_job_runs_end_to_end_and_writes_report_and_plot(tmp_path, monkeypa
     latest = max(r["step"] for r in history if r.get("checkpoint"))
     assert len(kept) <= 2 and kept[-1] == latest and report["best_step"] in kept  # the latest and the best only
     # a checkpoint only where the best is picked from: validation points (eval_every=2: the last step) and SFT's end
-    assert [r["checkpoint"] for r in history if r["split"] == "train"][0] is False
+    assert next(r["checkpoint"] for r in history if r["split"] == "train") is False
 
 
 def test_reward_plot_gives_each_rl_step_its_own_point_and_marks_skipped_updates(tmp_path):
@@ -92,7 +102,10 @@ def test_reward_plot_gives_each_rl_step_its_own_point_and_marks_skipped_updates(
 def test_cli_refuses_a_hub_id_with_a_clear_message(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "flywheel.cli", "prepare", "--model", "Qwen/Qwen2.5-0.5B-Instruct"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "FLYWHEEL_CACHE": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "FLYWHEEL_CACHE": str(tmp_path)},
     )
     assert r.returncode == 2
     message = " ".join(r.stdout.split())  # rich wraps to the terminal width

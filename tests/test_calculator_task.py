@@ -111,9 +111,7 @@ def test_each_level_has_its_operation_count(level: int, op_count: int) -> None:
 
 
 def test_level_contents() -> None:
-    expressions = {
-        level: [p.expression for p in generate_problems("train", 200, levels=(level,))] for level in LEVELS
-    }
+    expressions = {level: [p.expression for p in generate_problems("train", 200, levels=(level,))] for level in LEVELS}
     ops = {level: [op for e in expressions[level] for op in _binary_ops(e)] for level in LEVELS}
     numbers = {level: [x for e in expressions[level] for x in _numbers(e)] for level in LEVELS}
     # Level 1 is addition and subtraction with numbers of one or two digits.

@@ -22,7 +22,8 @@ def _group(human: list[float], key: str = "human_score") -> dict:
     return {
         "id": "g",
         "trajectories": [
-            {"label": labels[i], key: h, "messages": [{"role": "user", "content": f"answer {i}"}]} for i, h in enumerate(human)
+            {"label": labels[i], key: h, "messages": [{"role": "user", "content": f"answer {i}"}]}
+            for i, h in enumerate(human)
         ],
     }
 

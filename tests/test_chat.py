@@ -17,7 +17,9 @@ TOOL = {
 
 
 def test_good_tool_call_is_parsed():
-    content, calls = parse_tool_calls('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>')
+    content, calls = parse_tool_calls(
+        'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+    )
     assert content == "Let me compute."
     assert len(calls) == 1
     assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
@@ -63,7 +65,13 @@ def test_default_format_renders_tools_calls_and_results(tokenizer):
         {
             "role": "assistant",
             "content": None,
-            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}],
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'},
+                }
+            ],
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "5"},
     ]

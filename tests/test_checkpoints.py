@@ -141,11 +141,14 @@ async def sample_groups(model: art.TrainableModel) -> list[art.TrajectoryGroup]:
 
     async def rollout(q: str, i: int) -> art.Trajectory:
         messages = [SYSTEM, {"role": "user", "content": q}]
-        r = await client.chat.completions.create(model=model.get_inference_name(), messages=messages, max_tokens=6, logprobs=True)
+        r = await client.chat.completions.create(
+            model=model.get_inference_name(), messages=messages, max_tokens=6, logprobs=True
+        )
         return art.Trajectory(messages_and_choices=[*messages, r.choices[0]], reward=float(i))
 
     return await art.gather_trajectory_groups(
-        (art.TrajectoryGroup(rollout(q, i) for i in range(2)) for q in ("Name a fruit.", "Name a colour.")), pbar_desc=None
+        (art.TrajectoryGroup(rollout(q, i) for i in range(2)) for q in ("Name a fruit.", "Name a colour.")),
+        pbar_desc=None,
     )
 
 
@@ -195,9 +198,16 @@ async def test_a_skipped_save_writes_its_row_and_a_resume_redoes_the_step(fresh_
     run = fresh_backend.run(model)
     assert await model.get_step() == 2 and run.steps() == [1]
     assert [(r["step"], r["checkpoint"]) for r in run.history()] == [(1, True), (2, False)]
-    demos = [art.Trajectory(messages_and_choices=[SYSTEM, {"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello"}])] * 2
+    demos = [
+        art.Trajectory(
+            messages_and_choices=[SYSTEM, {"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello"}]
+        )
+    ] * 2
     await model.train_sft(demos, SFTConfig(learning_rate=1e-4, batch_size=1))  # two steps, one checkpoint at the end
-    assert run.steps() == [1, 4] and [(r["step"], r["checkpoint"]) for r in run.history()][2:] == [(3, False), (4, True)]
+    assert run.steps() == [1, 4] and [(r["step"], r["checkpoint"]) for r in run.history()][2:] == [
+        (3, False),
+        (4, True),
+    ]
     await model.train(await sample_groups(model), config=TrainConfig(learning_rate=1e-3), save_checkpoint=False)
     await fresh_backend.close()
     resumed = art.LocalBackend(path=tmp_path, serve_http=False)
@@ -213,7 +223,9 @@ async def test_a_skipped_save_writes_its_row_and_a_resume_redoes_the_step(fresh_
 async def test_two_concurrent_steps_on_one_model_each_get_their_own_checkpoint(fresh_backend):
     """Full fine-tuning: the widest window (a 1.6 GB checkpoint write) for a second step to run into a save. The
     second caller's step waits until the first one's checkpoint is written."""
-    model = art.TrainableModel(name="both", project="tests", base_model=EMBEDDED_MODEL, lora=LoraSettings(full_finetune=True))
+    model = art.TrainableModel(
+        name="both", project="tests", base_model=EMBEDDED_MODEL, lora=LoraSettings(full_finetune=True)
+    )
     await model.register(fresh_backend)
     first, second = await sample_groups(model), await sample_groups(model)
     config = TrainConfig(learning_rate=1e-5)
@@ -260,7 +272,17 @@ async def test_one_backend_owns_a_model_directory(tmp_path):
         other.run(model).write(await trainer.engine.call(trainer.checkpoint))  # a checkpoint to evaluate
         data, grader = tmp_path / "data.jsonl", tmp_path / "grader.json"
         data.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi."}]}) + "\n")
-        grader.write_text(json.dumps({"type": "string_check", "name": "hi", "input": "{{sample.output_text}}", "reference": "hi", "operation": "ilike"}))
+        grader.write_text(
+            json.dumps(
+                {
+                    "type": "string_check",
+                    "name": "hi",
+                    "input": "{{sample.output_text}}",
+                    "reference": "hi",
+                    "operation": "ilike",
+                }
+            )
+        )
         evaluation = subprocess.run(  # `flywheel eval` of a model a run is training: a clear error, no traceback
             [sys.executable, "-m", "flywheel.cli", "eval", "--model", "owned@0", "--data", str(data), "--grader", str(grader), "--home", str(tmp_path)],
             capture_output=True, text=True, timeout=300,
@@ -268,7 +290,9 @@ async def test_one_backend_owns_a_model_directory(tmp_path):
         assert evaluation.returncode == 1 and f"in process {os.getpid()} has this model registered" in evaluation.stderr
         assert "Traceback" not in evaluation.stderr
         second = art.LocalBackend(path=tmp_path, serve_http=False)  # a second backend in this very process
-        with pytest.raises(ModelInUseError, match=rf"in process {os.getpid()} has this model registered \(this process\)"):
+        with pytest.raises(
+            ModelInUseError, match=rf"in process {os.getpid()} has this model registered \(this process\)"
+        ):
             await second.register(model)
         await other.close()
         await second.register(model)

@@ -40,7 +40,11 @@ def run(args: list[str], home: Path, timeout: float) -> subprocess.CompletedProc
 def test_serve_answers_a_real_request_then_stops_cleanly_on_a_signal(tmp_path, stop):
     port = free_port()
     proc = subprocess.Popen(
-        [FLYWHEEL, "serve", "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(tmp_path)
+        [FLYWHEEL, "serve", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(tmp_path),
     )
     try:
         base = f"http://127.0.0.1:{port}"
@@ -55,7 +59,9 @@ def test_serve_answers_a_real_request_then_stops_cleanly_on_a_signal(tmp_path, s
                 time.sleep(0.5)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         assert EMBEDDED_MODEL in [m.id for m in client.models.list().data]
-        r = client.chat.completions.create(model=EMBEDDED_MODEL, messages=[{"role": "user", "content": "Hi!"}], max_tokens=8, temperature=0)
+        r = client.chat.completions.create(
+            model=EMBEDDED_MODEL, messages=[{"role": "user", "content": "Hi!"}], max_tokens=8, temperature=0
+        )
         assert r.choices[0].message.content and r.usage.completion_tokens == len(r.choices[0].token_ids)
         proc.send_signal(stop)
         out, err = proc.communicate(timeout=60)
@@ -90,7 +96,11 @@ def test_demo_runs_a_small_group_of_rollouts(tmp_path):
 
 @pytest.mark.parametrize(
     ("args", "fragment"),
-    [(["--steps", "many"], "Invalid value for '--steps'"), (["--group-size"], "requires an argument"), (["--epochs", "2"], "No such option")],
+    [
+        (["--steps", "many"], "Invalid value for '--steps'"),
+        (["--group-size"], "requires an argument"),
+        (["--epochs", "2"], "No such option"),
+    ],
 )
 def test_train_argument_errors_exit_2_with_the_option_named(tmp_path, args, fragment):
     r = run(["train", *args], tmp_path, timeout=120)
@@ -107,7 +117,21 @@ def test_train_argument_errors_exit_2_with_the_option_named(tmp_path, args, frag
 @pytest.mark.timeout(3000)
 def test_train_smallest_run_writes_its_report(tmp_path):
     """The job's smallest settings from the command line, to its report."""
-    args = ["--steps", "1", "--groups", "1", "--group-size", "2", "--sft-examples", "2", "--test-problems", "2", "--lora", "--name", "cli"]
+    args = [
+        "--steps",
+        "1",
+        "--groups",
+        "1",
+        "--group-size",
+        "2",
+        "--sft-examples",
+        "2",
+        "--test-problems",
+        "2",
+        "--lora",
+        "--name",
+        "cli",
+    ]
     r = run(["train", *args], tmp_path, timeout=2700)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "calculator" / "models" / "cli" / "report.json").read_text())

@@ -39,7 +39,11 @@ def turn(
         ChatCompletionMessageFunctionToolCall(id=f"{ids}{i}", type="function", function=Function(name=n, arguments=a))
         for i, (n, a) in enumerate(tool_calls)
     ]
-    choice = Choice(index=0, finish_reason="stop", message=ChatCompletionMessage(role="assistant", content=text or None, tool_calls=calls or None))
+    choice = Choice(
+        index=0,
+        finish_reason="stop",
+        message=ChatCompletionMessage(role="assistant", content=text or None, tool_calls=calls or None),
+    )
     if statuses is not None:
         choice.tool_statuses = statuses
     return choice
@@ -140,7 +144,12 @@ def test_turn_credit_refuses_other_estimators():
 
 
 def test_per_turn_advantages_reach_each_turns_tokens(tokenizer):
-    items = [{"role": "user", "content": "q"}, turn("a"), {"role": "tool", "tool_call_id": "c", "content": "r"}, turn("b")]
+    items = [
+        {"role": "user", "content": "q"},
+        turn("a"),
+        {"role": "tool", "tool_call_id": "c", "content": "r"},
+        turn("b"),
+    ]
     items[1].prompt_token_ids, items[1].token_ids = [1, 2, 3], [4, 5]
     items[3].prompt_token_ids, items[3].token_ids = [1, 2, 3, 4, 5, 6], [7, 8, 9]
     traj = art.Trajectory(messages_and_choices=items)
@@ -168,13 +177,15 @@ def test_air_rewards_well_formed_executed_and_penalises_repeats():
         turn("Answer: 2"),
     )
     config = AIRConfig(well_formed=0.05, executed=0.05, repeated=0.05, cap=0.45)
-    assert air_rewards(traj, config) == pytest.approx([
-        0.1,  # well-formed and executed
-        (0.05 * 1 + 0.05 * 1 - 0.05 * 1) / 2,  # averaged over the turn's two calls: one repeat, one unknown tool
-        0.0,  # schema failure
-        0.05,  # well-formed, failed
-        0.0,  # the answer
-    ])
+    assert air_rewards(traj, config) == pytest.approx(
+        [
+            0.1,  # well-formed and executed
+            (0.05 * 1 + 0.05 * 1 - 0.05 * 1) / 2,  # averaged over the turn's two calls: one repeat, one unknown tool
+            0.0,  # schema failure
+            0.05,  # well-formed, failed
+            0.0,  # the answer
+        ]
+    )
 
 
 def test_air_cap_bounds_the_running_total_so_spam_earns_nothing_more():
@@ -186,8 +197,12 @@ def test_air_cap_bounds_the_running_total_so_spam_earns_nothing_more():
 
 
 def test_air_keeps_the_outcome_dominant():
-    best_spammer = calc_episode(*(turn(tool_calls=[("calc", f'{{"e": "{i}"}}')], statuses=["ok"]) for i in range(9)), reward=0.0)
-    worst_solver = calc_episode(*(turn(tool_calls=[("calc", '{"e": "1"}')], statuses=["ok"]) for _ in range(9)), reward=1.0)
+    best_spammer = calc_episode(
+        *(turn(tool_calls=[("calc", f'{{"e": "{i}"}}')], statuses=["ok"]) for i in range(9)), reward=0.0
+    )
+    worst_solver = calc_episode(
+        *(turn(tool_calls=[("calc", '{"e": "1"}')], statuses=["ok"]) for _ in range(9)), reward=1.0
+    )
     for traj in (best_spammer, worst_solver):
         apply_air(traj, AIRConfig())
     assert total_reward(worst_solver) > total_reward(best_spammer)

@@ -78,7 +78,9 @@ def test_retired_scenarios_come_back_after_retry_after_steps():
 def test_record_groups_pairs_scenarios_with_groups_and_tracks_problems_by_id():
     problems = generate_problems("train", 2, levels=(1,))
     p = ScenarioPool(problems, CurriculumConfig(window=1))
-    groups = [art.TrajectoryGroup([art.Trajectory(messages_and_choices=[], reward=r) for r in rs]) for rs in ([1, 1], [0, 1])]
+    groups = [
+        art.TrajectoryGroup([art.Trajectory(messages_and_choices=[], reward=r) for r in rs]) for rs in ([1, 1], [0, 1])
+    ]
     p.record_groups(problems, groups, step=1)
     assert p.stats[problems[0].id].retired == "solved" and p.sample(2) == [problems[1]]
     with pytest.raises(ValueError, match="2 scenarios but 1 groups"):

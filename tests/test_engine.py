@@ -152,7 +152,9 @@ async def test_a_non_streaming_request_gets_one_event_per_choice(engine: Inferen
         assert [t for s in streamed if s.index == e.index for t in s.token_ids] == e.token_ids
 
 
-async def test_identical_prompts_arriving_together_are_prefilled_once(fp32_engine: InferenceEngine, tokenizer, monkeypatch):
+async def test_identical_prompts_arriving_together_are_prefilled_once(
+    fp32_engine: InferenceEngine, tokenizer, monkeypatch
+):
     """A GRPO group sends one prompt G times at once: the engine prefills it once and copies its cache rows, and
     every request gets what it would get alone."""
     import time
@@ -203,7 +205,9 @@ async def test_call_runs_on_the_engine_thread_between_steps(engine: InferenceEng
     import threading
 
     p = prompts(tokenizer)[2]
-    decoding = asyncio.ensure_future(engine.generate(p, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)))
+    decoding = asyncio.ensure_future(
+        engine.generate(p, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True))
+    )
     await asyncio.sleep(0.05)
     # while a request decodes, a call still runs, on the worker thread, and the request finishes afterwards
     assert await engine.call(lambda a, b: (threading.current_thread() is engine._thread, a + b), 2, 3) == (True, 5)
@@ -254,8 +258,9 @@ async def test_packed_weights_give_the_models_own_numbers_and_follow_weight_chan
             e.close()
 
 
-
-async def test_an_engine_whose_cpu_cannot_pack_falls_back_to_plain_linears(fp32_engine: InferenceEngine, tokenizer, monkeypatch, caplog):
+async def test_an_engine_whose_cpu_cannot_pack_falls_back_to_plain_linears(
+    fp32_engine: InferenceEngine, tokenizer, monkeypatch, caplog
+):
     """A oneDNN build or CPU that refuses to pack must cost speed, never a failed request. This machine packs
     fine, so the refusal is simulated (a fault that cannot be caused for real here)."""
     from flywheel.inference.packed_linear import PackedLinears
@@ -264,6 +269,7 @@ async def test_an_engine_whose_cpu_cannot_pack_falls_back_to_plain_linears(fp32_
     expected = (await fp32_engine.generate(prompt, GREEDY))[0]
     packed = fp32_engine._packed = PackedLinears(fp32_engine.model)  # takes over from the fixture's packer
     try:
+
         def refuse(*_):
             raise RuntimeError("no kernel for this CPU")
 
@@ -286,8 +292,8 @@ def test_llama_forward_gives_the_hf_forwards_logits(tokenizer, dtype):
 
     from flywheel.inference import llama_forward
     from flywheel.inference.kv_attention import DecodeBatch, PrefillBatch
-    from flywheel.inference.lora import fuse_lora_forward
     from flywheel.inference.loading import EMBEDDED_MODEL, load_model
+    from flywheel.inference.lora import fuse_lora_forward
 
     model, tok, _ = load_model(EMBEDDED_MODEL, dtype=dtype)
     engine = InferenceEngine(model, tok, prefix_cache_entries=0)
@@ -308,11 +314,17 @@ def test_llama_forward_gives_the_hf_forwards_logits(tokenizer, dtype):
                     prefill = PrefillBatch(engine.cache, rows=[0, 1, 2], starts=[0, 0, 0], lengths=lengths.tolist())
                     decode = DecodeBatch(engine.cache, lengths=lengths)
                     if fast:
-                        out += [llama_forward.logits(model, ids, pos, prefill, last, engine._packed),
-                                llama_forward.logits(model, step, lengths[:, None], decode, 1, engine._packed)]
+                        out += [
+                            llama_forward.logits(model, ids, pos, prefill, last, engine._packed),
+                            llama_forward.logits(model, step, lengths[:, None], decode, 1, engine._packed),
+                        ]
                     else:
-                        out += [model(input_ids=ids, position_ids=pos, logits_to_keep=last, kv_batch=prefill).logits,
-                                model(input_ids=step, position_ids=lengths[:, None], logits_to_keep=1, kv_batch=decode).logits]
+                        out += [
+                            model(input_ids=ids, position_ids=pos, logits_to_keep=last, kv_batch=prefill).logits,
+                            model(
+                                input_ids=step, position_ids=lengths[:, None], logits_to_keep=1, kv_batch=decode
+                            ).logits,
+                        ]
             assert out[0].shape == (1, 3, model.config.vocab_size) and out[1].shape == (3, 1, model.config.vocab_size)
             for fast, hf in ((out[0], out[2]), (out[1], out[3])):
                 if exact:
@@ -323,7 +335,9 @@ def test_llama_forward_gives_the_hf_forwards_logits(tokenizer, dtype):
 
         stacks = engine._packed._plans if engine._packed is not None else {}  # where this CPU packs this dtype
         plain = both()
-        assert engine._packed is None or any(len(group) == 3 and plan.gemm is not None for group, plan in stacks.items())
+        assert engine._packed is None or any(
+            len(group) == 3 and plan.gemm is not None for group, plan in stacks.items()
+        )
 
         peft_model = None
 
@@ -350,7 +364,9 @@ def test_llama_forward_gives_the_hf_forwards_logits(tokenizer, dtype):
         assert not any(plan.gemm is not None and plan.gemm.b_t is not None for plan in stacks.values())
         # all seven adapted: base weights and A matrices stacked, B matrices block-diagonal
         adapt("all", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-        assert engine._packed is None or any(len(group) == 3 and plan.gemm is not None and plan.gemm.b_t is not None for group, plan in stacks.items())
+        assert engine._packed is None or any(
+            len(group) == 3 and plan.gemm is not None and plan.gemm.b_t is not None for group, plan in stacks.items()
+        )
     finally:
         engine.close()
 
@@ -386,13 +402,22 @@ def test_decode_steps_reuse_their_memory_instead_of_faulting_in_fresh_pages(engi
     from flywheel.inference.sampling import sample
 
     model, rows = engine.model, 32
-    cache = SlotKVCache(model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim,
-                        dtype=model.dtype, device="cpu", max_rows=rows, max_capacity=256)
+    cache = SlotKVCache(
+        model.config.num_hidden_layers,
+        model.config.num_key_value_heads,
+        model.config.head_dim,
+        dtype=model.dtype,
+        device="cpu",
+        max_rows=rows,
+        max_capacity=256,
+    )
     cache.fit(rows, 101)
     lengths, ids = torch.full((rows,), 100), torch.randint(0, 1000, (rows, 1))
 
     def step() -> None:
-        logits = llama_forward.logits(model, ids, lengths[:, None], DecodeBatch(cache, lengths=lengths), 1, engine._packed)
+        logits = llama_forward.logits(
+            model, ids, lengths[:, None], DecodeBatch(cache, lengths=lengths), 1, engine._packed
+        )
         sample(logits[:, 0], [SamplingParams(temperature=1.0)] * rows, [None] * rows)
 
     with engine._model_lock, torch.inference_mode():  # the engine's thread stays out meanwhile

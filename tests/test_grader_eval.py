@@ -72,7 +72,10 @@ async def trained(files, request) -> str:
     full = request.param == "full"
     async with LocalBackend(path=files["home"], serve_http=False) as backend:
         model = TrainableModel(
-            name=f"fruit-{request.param}", project="evaltest", base_model=EMBEDDED_MODEL, lora=LoraSettings(full_finetune=full)
+            name=f"fruit-{request.param}",
+            project="evaltest",
+            base_model=EMBEDDED_MODEL,
+            lora=LoraSettings(full_finetune=full),
         )
         await model.register(backend)
         demos = [Trajectory(messages_and_choices=[{"role": "user", "content": q}, {"role": "assistant", "content": "banana"}])

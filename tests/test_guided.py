@@ -56,7 +56,9 @@ async def test_json_schema_output_validates_for_every_choice(client, tokenizer):
         assert choice.token_ids[-1] == tokenizer.eos_token_id
         assert choice.logprobs.content[-1].logprob == 0.0
         assert [t.logprob for t in choice.logprobs.content[-1].top_logprobs] == [0.0]
-        assert all(t.logprob <= 0.0 and all(a.logprob > float("-inf") for a in t.top_logprobs) for t in choice.logprobs.content)
+        assert all(
+            t.logprob <= 0.0 and all(a.logprob > float("-inf") for a in t.top_logprobs) for t in choice.logprobs.content
+        )
 
 
 async def test_json_object_mode_and_streaming(client):
@@ -65,7 +67,12 @@ async def test_json_object_mode_and_streaming(client):
     )
     assert isinstance(json.loads(r.choices[0].message.content), dict)
     stream = await client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=60, response_format={"type": "json_object"}, stream=True
+        model=MODEL,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=60,
+        response_format={"type": "json_object"},
+        stream=True,
     )
     text = "".join([c.delta.content or "" async for chunk in stream for c in chunk.choices])
     assert text == r.choices[0].message.content
@@ -84,7 +91,9 @@ async def test_text_format_is_unconstrained(client):
 )
 async def test_a_schema_the_grammar_library_rejects_is_a_400_naming_it(client, schema, fragment):
     with pytest.raises(openai.BadRequestError) as caught:
-        await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, response_format=_schema_format(schema))
+        await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=8, response_format=_schema_format(schema)
+        )
     assert caught.value.status_code == 400
     assert caught.value.body["param"] == "response_format"
     assert fragment in caught.value.body["message"]

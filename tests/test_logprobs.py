@@ -113,8 +113,14 @@ def test_models_taken_as_plain_heads_compute_logits_as_the_head_of_the_last_hidd
     from flywheel.train.trainer import fuses_head
 
     config = getattr(transformers, f"{arch}Config")(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
     )
     model = getattr(transformers, f"{arch}ForCausalLM")(config).eval()
     assert fuses_head(model)

@@ -83,7 +83,9 @@ def test_emptying_keeps_small_buffers_zeroed_and_gives_large_ones_back(monkeypat
     cache.k[1][2, 0, :40] = 1.0
     buffer = cache.k[1]
     cache.empty()
-    assert cache.k[1] is buffer and (cache.rows, cache.capacity) != (0, 0) and not any(t.any() for t in cache.k + cache.v)
+    assert (
+        cache.k[1] is buffer and (cache.rows, cache.capacity) != (0, 0) and not any(t.any() for t in cache.k + cache.v)
+    )
     monkeypatch.setattr(kv_attention, "KEEP_BYTES", buffer.nbytes * 4 - 1)  # 4 buffers: one byte too many
     cache.empty()
     assert (cache.rows, cache.capacity) == (0, 0) and cache.k == []
@@ -113,8 +115,12 @@ async def test_next_turn_reuses_the_finished_turn(engine: InferenceEngine, token
     messages = [SYSTEM, {"role": "user", "content": "Say hello."}]
     prompt = render_prompt(tokenizer, messages)
     reply = (await engine.generate(prompt, GREEDY))[0]
-    follow = render_prompt(tokenizer, [*messages, {"role": "assistant", "content": reply.text}, {"role": "user", "content": "Again."}])
-    assert follow[: len(prompt) + len(reply.token_ids)] == prompt + reply.token_ids  # the template renders history as sampled
+    follow = render_prompt(
+        tokenizer, [*messages, {"role": "assistant", "content": reply.text}, {"role": "user", "content": "Again."}]
+    )
+    assert (
+        follow[: len(prompt) + len(reply.token_ids)] == prompt + reply.token_ids
+    )  # the template renders history as sampled
     reused = pc.reused_tokens
     await engine.generate(follow, GREEDY)
     assert pc.reused_tokens - reused >= len(prompt) + len(reply.token_ids) - 1

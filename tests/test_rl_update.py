@@ -43,19 +43,25 @@ def trainer():
 def as_choice(prompt: list[int], completion, temperature: float, logprobs: bool = True) -> Choice:
     content = [ChatCompletionTokenLogprob(token="", logprob=lp, top_logprobs=[]) for lp in completion.logprobs]
     choice = Choice(
-        index=0, finish_reason="stop", message=ChatCompletionMessage(role="assistant", content=completion.text),
+        index=0,
+        finish_reason="stop",
+        message=ChatCompletionMessage(role="assistant", content=completion.text),
         logprobs=ChoiceLogprobs(content=content) if logprobs else None,
     )
     set_sampled_tokens(choice, prompt, completion.token_ids, temperature)
     return choice
 
 
-async def rollouts(engine: InferenceEngine, question: str, n: int, temperature: float, seed: int) -> list[art.Trajectory]:
+async def rollouts(
+    engine: InferenceEngine, question: str, n: int, temperature: float, seed: int
+) -> list[art.Trajectory]:
     messages = [{"role": "user", "content": question}]
     prompt = render_prompt(engine.tokenizer, messages)
     params = SamplingParams(temperature=temperature, max_tokens=16, seed=seed, logprobs=True, n=n)
     return [
-        art.Trajectory(messages_and_choices=[*messages, as_choice(prompt, c, temperature)], reward=float(len(c.token_ids) % 5))
+        art.Trajectory(
+            messages_and_choices=[*messages, as_choice(prompt, c, temperature)], reward=float(len(c.token_ids) % 5)
+        )
         for c in await engine.generate(prompt, params)
     ]
 
@@ -84,7 +90,9 @@ async def test_sampler_and_trainer_score_tokens_under_the_sampling_temperature(t
     assert torch.allclose(sampler, expected, atol=2e-4), (sampler - expected).abs().max()
     assert torch.allclose(trainer_logp, expected, atol=2e-4), (trainer_logp - expected).abs().max()
     # at T = 1 they would differ: the test can tell
-    at_1 = torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq.tokens[1:])[:, None])[:, 0][torch.tensor(seq.trained[1:])]
+    at_1 = torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq.tokens[1:])[:, None])[:, 0][
+        torch.tensor(seq.trained[1:])
+    ]
     assert (at_1 - expected).abs().max() > 0.05
 
 
@@ -93,7 +101,9 @@ async def test_stale_rollouts_train_with_truncated_importance_weights(trainer: T
     # a trajectory built by hand (no sampler log-probs) trains as before and is counted
     tokenizer = trainer.engine.tokenizer
     messages = [{"role": "user", "content": QUESTIONS[0]}]
-    hand = Choice(index=0, finish_reason="stop", message=ChatCompletionMessage(role="assistant", content="Apple, pear, plum."))
+    hand = Choice(
+        index=0, finish_reason="stop", message=ChatCompletionMessage(role="assistant", content="Apple, pear, plum.")
+    )
     gathered[0].trajectories.append(art.Trajectory(messages_and_choices=[*messages, hand], reward=1.0))
     (hand_seq,) = trajectory_sequences(gathered[0].trajectories[-1], tokenizer, 1.0)
     hand_tokens = sum(hand_seq.trained[1:])
@@ -122,7 +132,9 @@ async def test_turn_credit_trains_a_group_whose_total_rewards_tie(trainer: Train
         for text in (first, second):
             prompt = render_prompt(tokenizer, [*items[:1], *[m for m in items[1:] if isinstance(m, dict)]])
             ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-            choice = Choice(index=0, finish_reason="stop", message=ChatCompletionMessage(role="assistant", content=text))
+            choice = Choice(
+                index=0, finish_reason="stop", message=ChatCompletionMessage(role="assistant", content=text)
+            )
             set_sampled_tokens(choice, prompt, ids, 1.0)
             items += [choice, {"role": "user", "content": "Go on."}]
         return art.Trajectory(messages_and_choices=items[:-1], reward=1.0)
@@ -195,7 +207,12 @@ async def test_kl_reference_step_names_a_checkpoint_of_the_model(tmp_path):
         model = art.TrainableModel(name="kl-ref", project="tests", base_model=EMBEDDED_MODEL)
         await model.register(backend)
         demos = [
-            art.Trajectory(messages_and_choices=[{"role": "user", "content": f"Say yes {i}."}, {"role": "assistant", "content": "Yes."}])
+            art.Trajectory(
+                messages_and_choices=[
+                    {"role": "user", "content": f"Say yes {i}."},
+                    {"role": "assistant", "content": "Yes."},
+                ]
+            )
             for i in range(4)
         ]
         await model.train_sft(demos, SFTConfig(learning_rate=1e-3, batch_size=4, epochs=2))

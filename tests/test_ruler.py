@@ -29,7 +29,10 @@ from flywheel.rewards import JudgeCache, JudgeError, JudgeUsage, RetryPolicy, ru
 from flywheel.rewards.ruler import _Candidate, build_request
 from flywheel.server.background import BackgroundServer
 
-SYSTEM = {"role": "system", "content": "You are a RAG-based support agent. Use the retrieved context to answer accurately."}
+SYSTEM = {
+    "role": "system",
+    "content": "You are a RAG-based support agent. Use the retrieved context to answer accurately.",
+}
 USER = {
     "role": "user",
     "content": "What is our refund policy?\n\n[Retrieved context]: Refunds are available within 30 days of purchase. "
@@ -99,7 +102,9 @@ def test_identical_trajectories_are_judged_once_and_tools_and_histories_are_read
         {"role": "tool", "tool_call_id": "call_1", "content": "18C, sunny"},
         {"role": "assistant", "content": "It is 18C."},
     ]
-    side = art.History(messages_and_choices=[{"role": "user", "content": "sub-agent task"}, {"role": "assistant", "content": "done"}])
+    side = art.History(
+        messages_and_choices=[{"role": "user", "content": "sub-agent task"}, {"role": "assistant", "content": "done"}]
+    )
     candidates = [
         _Candidate(messages=with_tool, tools=TOOLS),
         _Candidate(messages=MESSAGE_LISTS[0], tools=TOOLS),
@@ -137,14 +142,16 @@ async def test_real_local_judge_scores_and_a_rerun_is_served_from_the_cache(loca
 
 
 async def test_real_local_judge_scores_a_group_with_tools_histories_and_duplicates(local_judge, tmp_path):
-    def traj(answer: str, reward: float, histories: list[art.History] = []) -> art.Trajectory:
+    def traj(answer: str, reward: float, histories: tuple[art.History, ...] = ()) -> art.Trajectory:
         choice = Choice(finish_reason="stop", index=0, message=ChatCompletionMessage(role="assistant", content=answer))
         return art.Trajectory(
-            messages_and_choices=[SYSTEM, USER, choice], tools=TOOLS, reward=reward, additional_histories=histories,
+            messages_and_choices=[SYSTEM, USER, choice], tools=TOOLS, reward=reward, additional_histories=list(histories),
             metrics={"steps": 1}, logs=["rollout log"],
         )  # fmt: skip
 
-    side = art.History(messages_and_choices=[{"role": "user", "content": "look it up"}, {"role": "assistant", "content": "30 days"}])
+    side = art.History(
+        messages_and_choices=[{"role": "user", "content": "look it up"}, {"role": "assistant", "content": "30 days"}]
+    )
     group = art.TrajectoryGroup([traj(ANSWERS[0], 1.0), traj(ANSWERS[2], 0.0, [side]), traj(ANSWERS[0], 1.0)])
     usage = JudgeUsage()
     judged = await ruler_score_group(
@@ -224,7 +231,10 @@ async def test_malformed_json_gets_one_repair_request(scripted):
 
 async def test_wrong_number_of_scores_twice_is_an_error_naming_it(scripted):
     scripted.play(("ok", _answer([("1", 0.9), ("2", 0.4)])))
-    with pytest.raises(JudgeError, match=r"after one repair request: its trajectory ids \['1', '2'\] do not match the trajectories \['1', '2', '3'\] \(missing ids \['3'\]\)"):
+    with pytest.raises(
+        JudgeError,
+        match=r"after one repair request: its trajectory ids \['1', '2'\] do not match the trajectories \['1', '2', '3'\] \(missing ids \['3'\]\)",
+    ):
         await _rule(scripted)
     assert len(scripted.requests) == 2
     scripted.play(("ok", _answer([("1", 0.9), ("1", 0.4), ("3", 0.1)])), ("ok", GOOD))
@@ -274,7 +284,13 @@ async def test_a_judge_that_keeps_failing_raises_or_drops_the_group(scripted):
     group = art.TrajectoryGroup([art.Trajectory(messages_and_choices=m) for m in MESSAGE_LISTS])
     usage = JudgeUsage()
     dropped = await ruler_score_group(
-        group, "openai/scripted-judge", _params(scripted), swallow_exceptions=True, cache=False, retry=FAST_RETRY, usage=usage
+        group,
+        "openai/scripted-judge",
+        _params(scripted),
+        swallow_exceptions=True,
+        cache=False,
+        retry=FAST_RETRY,
+        usage=usage,
     )
     assert dropped is None and usage.calls == 2 and usage.repairs == 1
 
@@ -292,7 +308,9 @@ async def test_cache_hits_only_for_the_same_model_request_and_rubric(scripted, t
     assert usage.calls == 1 and usage.cache_hits == 1 and len(scripted.requests) == 1
     await _rule(scripted, usage, cache=None, rubric="Prefer short answers.")
     await ruler(MESSAGE_LISTS, "openai/other-judge", _params(scripted), retry=FAST_RETRY, usage=usage)
-    await ruler(MESSAGE_LISTS, "openai/scripted-judge", _params(scripted, temperature=0.5), retry=FAST_RETRY, usage=usage)
+    await ruler(
+        MESSAGE_LISTS, "openai/scripted-judge", _params(scripted, temperature=0.5), retry=FAST_RETRY, usage=usage
+    )
     assert usage.calls == 4 and usage.cache_hits == 1
 
 
@@ -353,7 +371,7 @@ def test_cache_is_safe_under_concurrent_writers_in_processes_and_threads(tmp_pat
         try:
             for i in range(60):
                 cache.put_sync(f"thread-{tag}-{i}", "x" * 1000, model="m")
-        except BaseException as exc:  # noqa: BLE001  # reported below, with the others
+        except BaseException as exc:  # reported below, with the others
             errors.append(exc)
 
     threads = [threading.Thread(target=write, args=(str(k),)) for k in range(4)]

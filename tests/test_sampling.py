@@ -56,7 +56,11 @@ def test_top_p_and_mixed_rows_in_one_batch():
     torch.manual_seed(2)
     logits = torch.randn(3, 500)
     logits[:, 7] = 20.0  # nearly all the mass on one token
-    params = [SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=0.0), SamplingParams(temperature=2.0)]
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=2.0),
+    ]
     for _ in range(20):
         out = sample(logits, params, [None] * 3)
         assert out.tokens[:2] == [7, 7]  # the nucleus is that token alone; greedy picks it too
@@ -66,7 +70,5 @@ def test_top_p_and_mixed_rows_in_one_batch():
 def test_a_seeded_row_repeats_its_draws():
     logits = torch.randn(2, 800)
     params = [SamplingParams(temperature=1.0)] * 2
-    draws = [
-        sample(logits, params, [torch.Generator().manual_seed(5), None]).tokens[0] for _ in range(5)
-    ]
+    draws = [sample(logits, params, [torch.Generator().manual_seed(5), None]).tokens[0] for _ in range(5)]
     assert len(set(draws)) == 1

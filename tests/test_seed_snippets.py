@@ -10,7 +10,6 @@ shows.
 
 from __future__ import annotations
 
-
 import pytest
 from openai.types.chat import ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice
@@ -89,8 +88,7 @@ def _refund_group() -> art.TrajectoryGroup:
         "are non-refundable once downloaded. Email support@example.com to start.",
         "Refunds are available within 30 days. You can also get store credit "
         "for up to 90 days, and our hotline is 1-800-REFUND.",
-        "I'm not sure about the refund policy. Please check the website or "
-        "contact the billing team for more details.",
+        "I'm not sure about the refund policy. Please check the website or contact the billing team for more details.",
         "Based on the information I have, the refund policy states that "
         "refunds are available within 30 days of purchase. It is important "
         "to note that digital products cannot be refunded after they have "
@@ -122,7 +120,9 @@ async def test_snippet_ruler_score_group_with_debug_custom_rubric_and_independen
 
     out = capsys.readouterr().out
     assert '"scores"' in out and "rank" in out  # the raw answer, then the ranked table
-    assert [t.metrics["ruler_score"] for t in judged_group.trajectories] == [t.reward for t in judged_group.trajectories]
+    assert [t.metrics["ruler_score"] for t in judged_group.trajectories] == [
+        t.reward for t in judged_group.trajectories
+    ]
 
     custom_rubric = """
 - Prioritize responses that are concise and clear
@@ -137,7 +137,9 @@ async def test_snippet_ruler_score_group_with_debug_custom_rubric_and_independen
     for traj in judged_group.trajectories:
         independent_reward = verify_correctness(traj)  # binary 0/1
         traj.reward += independent_reward
-    assert [t.reward - t.metrics["ruler_score"] for t in judged_group.trajectories] == pytest.approx([1.0, 0.0, 0.0, 1.0])
+    assert [t.reward - t.metrics["ruler_score"] for t in judged_group.trajectories] == pytest.approx(
+        [1.0, 0.0, 0.0, 1.0]
+    )
     assert all(t.metrics["independent_reward"] == 0.0 for t in judged_group.trajectories)
 
 
@@ -157,7 +159,7 @@ async def test_snippet_full_training_loop(backend: LocalBackend, judge_env):
         )
         return art.Trajectory(messages_and_choices=[*messages, response.choices[0]], reward=0.0)
 
-    for step in range(num_steps):
+    for _step in range(num_steps):
         groups = await art.gather_trajectory_groups(
             (
                 art.TrajectoryGroup(

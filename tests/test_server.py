@@ -26,7 +26,9 @@ async def test_models_lists_the_served_model(client):
 
 
 async def test_chat_completion_non_streaming(client):
-    r = await client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=16, logprobs=True, top_logprobs=2)
+    r = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=16, logprobs=True, top_logprobs=2
+    )
     choice = r.choices[0]
     assert choice.message.role == "assistant" and choice.message.content
     assert choice.finish_reason in ("stop", "length")
@@ -55,13 +57,17 @@ async def test_streaming_matches_non_streaming(client):
 async def test_n_choices_and_stop(client):
     r = await client.chat.completions.create(model=MODEL, messages=MESSAGES, n=3, max_tokens=8, seed=5)
     assert [c.index for c in r.choices] == [0, 1, 2]
-    stopped = await client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=40, stop=["Tuesday"])
+    stopped = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=40, stop=["Tuesday"]
+    )
     assert "Tuesday" not in stopped.choices[0].message.content
 
 
 async def test_concurrent_clients_are_batched(client, engine):
     async def one(i):
-        r = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=24)
+        r = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=24
+        )
         return r.choices[0].message.content
 
     peak = 0
@@ -80,11 +86,22 @@ async def test_concurrent_clients_are_batched(client, engine):
 
 
 async def test_tools_are_accepted_and_answer_is_consistent(client):
-    tool = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
     r = await client.chat.completions.create(
         model=MODEL,
-        messages=[{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 17 * 23?"}],
-        tools=[tool], max_tokens=48, temperature=0,
+        messages=[
+            {"role": "system", "content": "Use the calculator."},
+            {"role": "user", "content": "What is 17 * 23?"},
+        ],
+        tools=[tool],
+        max_tokens=48,
+        temperature=0,
     )
     c = r.choices[0]
     if c.message.tool_calls:
@@ -131,12 +148,16 @@ async def test_malformed_requests_are_400_with_the_place(backend, body, where):
 
 async def test_non_json_body_is_400(backend):
     async with httpx.AsyncClient() as http:
-        r = await http.post(f"{backend.base_url}/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+        r = await http.post(
+            f"{backend.base_url}/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+        )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
 async def test_server_keeps_serving_after_errors(client):
     with pytest.raises(openai.BadRequestError):
-        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+        await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+        )
     r = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
     assert r.choices[0].message.content

@@ -34,15 +34,39 @@ def body(**fields) -> dict:
         (body(stop=5), "stop", "a string or a list of strings"),
         (body(stop=["ok", 7]), "stop", "a string or a list of strings"),
         (body(seed=2**70), "seed", "less than or equal to"),
-        (body(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages.0.content", "part 0 is a text part without a string 'text'"),
-        (body(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": 5}]}]), "messages.0.content", "part 1"),
-        (body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "messages.0.content", "only text parts"),
-        (body(messages=[*MESSAGES, {"role": "assistant", "tool_calls": [{"function": "calculator"}]}]), "messages.1.tool_calls.0.function", "valid dictionary"),
-        (body(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "weather"}}), "tool_choice", "'weather' is not one of the tools: calculator"),
+        (
+            body(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+            "messages.0.content",
+            "part 0 is a text part without a string 'text'",
+        ),
+        (
+            body(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": 5}]}]),
+            "messages.0.content",
+            "part 1",
+        ),
+        (
+            body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+            "messages.0.content",
+            "only text parts",
+        ),
+        (
+            body(messages=[*MESSAGES, {"role": "assistant", "tool_calls": [{"function": "calculator"}]}]),
+            "messages.1.tool_calls.0.function",
+            "valid dictionary",
+        ),
+        (
+            body(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "weather"}}),
+            "tool_choice",
+            "'weather' is not one of the tools: calculator",
+        ),
         (body(tools=[TOOL], tool_choice="sometimes"), "tool_choice", "'none', 'auto', 'required'"),
         (body(tools=[TOOL], tool_choice={"type": "function"}), "tool_choice", "'none', 'auto', 'required'"),
         (body(tool_choice="required"), "tool_choice", "needs 'tools'"),
-        (body(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]), "tools", "parameters must be a JSON schema object"),
+        (
+            body(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]),
+            "tools",
+            "parameters must be a JSON schema object",
+        ),
     ],
 )
 async def test_bad_field_is_400_naming_it(backend: LocalBackend, request_body, param, fragment):

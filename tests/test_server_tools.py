@@ -33,8 +33,14 @@ WEATHER_PARAMS = {
     "additionalProperties": False,
     "$defs": {"unit": {"enum": ["celsius", "fahrenheit"]}},
 }
-CALCULATOR = {"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.", "parameters": CALCULATOR_PARAMS}}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather.", "parameters": WEATHER_PARAMS}}
+CALCULATOR = {
+    "type": "function",
+    "function": {"name": "calculator", "description": "Evaluate arithmetic.", "parameters": CALCULATOR_PARAMS},
+}
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "Current weather.", "parameters": WEATHER_PARAMS},
+}
 SCHEMAS = {"calculator": CALCULATOR_PARAMS, "get_weather": WEATHER_PARAMS}
 MESSAGES = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "What is 17 * 23?"}]
 
@@ -76,14 +82,16 @@ async def test_a_named_function_is_the_one_called(client):
 async def test_parameters_llguidance_cannot_compile_still_give_a_call_with_an_object(client):
     """Tools are not checked under "auto", so forcing one must not fail on its schema: any JSON object instead."""
     odd = {"type": "function", "function": {"name": "odd", "parameters": {"type": "objekt"}}}
-    r = await client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[odd], tool_choice="required", temperature=0, max_tokens=60)
+    r = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=[odd], tool_choice="required", temperature=0, max_tokens=60
+    )
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.tool_calls[0].function.name == "odd"
     assert isinstance(json.loads(c.message.tool_calls[0].function.arguments), dict)
 
 
 async def test_tool_choice_none_offers_no_tools(client):
-    """"none": the prompt is the one without tools (so the model has nothing to call), and the answer is content."""
+    """ "none": the prompt is the one without tools (so the model has nothing to call), and the answer is content."""
     kwargs = dict(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=16)
     plain = await client.chat.completions.create(**kwargs)
     none = await client.chat.completions.create(**kwargs, tools=[CALCULATOR], tool_choice="none")
@@ -116,7 +124,14 @@ async def collect(stream) -> tuple[dict[int, dict], list]:
 
 
 async def test_streamed_tool_call_arrives_as_a_tool_calls_delta(client):
-    kwargs = dict(model=MODEL, messages=MESSAGES, tools=[CALCULATOR, WEATHER], tool_choice="required", temperature=0, max_tokens=80)
+    kwargs = dict(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=[CALCULATOR, WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=80,
+    )
     whole = await client.chat.completions.create(**kwargs)
     out, _ = await collect(await client.chat.completions.create(**kwargs, stream=True))
     assert list(out) == [0] and out[0]["finish"] == ["tool_calls"]
@@ -129,7 +144,9 @@ async def test_streamed_tool_call_arrives_as_a_tool_calls_delta(client):
 async def test_streaming_n_choices_each_index_complete(client):
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], n=3, seed=3, max_tokens=20)
     whole = await client.chat.completions.create(**kwargs)
-    out, usage = await collect(await client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    out, usage = await collect(
+        await client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
     assert sorted(out) == [0, 1, 2]
     for choice in whole.choices:
         streamed = out[choice.index]

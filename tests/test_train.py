@@ -57,7 +57,11 @@ def test_multi_turn_masking_trains_only_sampled_tokens(tokenizer):
 
 def test_assistant_message_dicts_are_context_for_rl_but_trained_by_sft(tokenizer):
     traj = art.Trajectory(
-        messages_and_choices=[SYSTEM, {"role": "user", "content": "Colour of the sky?"}, {"role": "assistant", "content": "Blue"}]
+        messages_and_choices=[
+            SYSTEM,
+            {"role": "user", "content": "Colour of the sky?"},
+            {"role": "assistant", "content": "Blue"},
+        ]
     )
     assert trajectory_sequences(traj, tokenizer) == []
     (seq,) = trajectory_sequences(traj, tokenizer, train_message_dicts=True)
@@ -77,12 +81,16 @@ async def sample_groups(model: art.TrainableModel, n_groups: int = 2, size: int 
 
     async def rollout(q: str) -> art.Trajectory:
         messages = [SYSTEM, {"role": "user", "content": q}]
-        r = await client.chat.completions.create(model=model.get_inference_name(), messages=messages, max_tokens=12, logprobs=True)
+        r = await client.chat.completions.create(
+            model=model.get_inference_name(), messages=messages, max_tokens=12, logprobs=True
+        )
         choice = r.choices[0]
         return art.Trajectory(messages_and_choices=[*messages, choice], reward=float(len(choice.message.content or "")))
 
     questions = ["Name a fruit.", "Name a colour.", "Name an animal."][:n_groups]
-    return await art.gather_trajectory_groups((art.TrajectoryGroup(rollout(q) for _ in range(size)) for q in questions), pbar_desc=None)
+    return await art.gather_trajectory_groups(
+        (art.TrajectoryGroup(rollout(q) for _ in range(size)) for q in questions), pbar_desc=None
+    )
 
 
 async def _greedy_logprobs(client, model: str, messages: list[dict]) -> list[float]:
@@ -101,7 +109,11 @@ async def test_two_steps_change_the_adapter_checkpoint_and_resume(fresh_backend:
     before = trainer.adapter_state()
     probe = [SYSTEM, {"role": "user", "content": "Name a fruit."}]
     client = model.openai_client()
-    lp_before = (await client.chat.completions.create(model=model.name, messages=probe, max_tokens=4, temperature=0, logprobs=True)).choices[0]
+    lp_before = (
+        await client.chat.completions.create(
+            model=model.name, messages=probe, max_tokens=4, temperature=0, logprobs=True
+        )
+    ).choices[0]
 
     config = TrainConfig(learning_rate=1e-3, loss="dapo")
     for expected_step in (1, 2):
@@ -115,10 +127,16 @@ async def test_two_steps_change_the_adapter_checkpoint_and_resume(fresh_backend:
             lp_step1 = await _greedy_logprobs(client, "smoke", probe)
     after = trainer.adapter_state()
     assert any(not torch.equal(before[k], after[k]) for k in before), "training must change the adapter"
-    assert all(torch.equal(p, m.to(p.dtype)) for p, m in zip(trainer.params, trainer.master)), "sampler adapters = masters"
+    assert all(torch.equal(p, m.to(p.dtype)) for p, m in zip(trainer.params, trainer.master)), (
+        "sampler adapters = masters"
+    )
 
     # the very next request samples from the new weights (shared model, no stale adapter)
-    lp_after = (await client.chat.completions.create(model=model.get_inference_name(2), messages=probe, max_tokens=4, temperature=0, logprobs=True)).choices[0]
+    lp_after = (
+        await client.chat.completions.create(
+            model=model.get_inference_name(2), messages=probe, max_tokens=4, temperature=0, logprobs=True
+        )
+    ).choices[0]
     assert [t.logprob for t in lp_after.logprobs.content] != [t.logprob for t in lp_before.logprobs.content]
     served = [m.id for m in (await client.models.list()).data]
     assert "smoke" in served and "smoke@2" in served and "smoke@0" not in served and "smoke@1" not in served
@@ -132,7 +150,10 @@ async def test_two_steps_change_the_adapter_checkpoint_and_resume(fresh_backend:
     assert sorted(p.name for p in ckpt.iterdir()) == ["0001", "0002"]
     assert (ckpt / "0002" / "adapter_model.safetensors").exists() and (ckpt / "0002" / "optimizer.pt").exists()
     assert json.loads((ckpt / "0002" / "trainer_state.json").read_text())["step"] == 2
-    rows = [json.loads(line) for line in (tmp_path / "tests" / "models" / "smoke" / "history.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "tests" / "models" / "smoke" / "history.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in rows if r["split"] == "train"] == [1, 2]
     assert (tmp_path / "tests" / "models" / "smoke" / "trajectories" / "train" / "0002.jsonl").exists()
 
@@ -153,7 +174,9 @@ async def test_two_steps_change_the_adapter_checkpoint_and_resume(fresh_backend:
 
 
 async def test_full_fine_tuning_trains_every_weight_checkpoints_and_resumes(fresh_backend: art.LocalBackend, tmp_path):
-    model = art.TrainableModel(name="full", project="tests", base_model=EMBEDDED_MODEL, lora=LoraSettings(full_finetune=True))
+    model = art.TrainableModel(
+        name="full", project="tests", base_model=EMBEDDED_MODEL, lora=LoraSettings(full_finetune=True)
+    )
     await model.register(fresh_backend)
     trainer = fresh_backend.trainer(model)
     assert trainer.peft is None and "lora" not in " ".join(trainer.names)
@@ -170,7 +193,11 @@ async def test_full_fine_tuning_trains_every_weight_checkpoints_and_resumes(fres
     after = trainer.adapter_state()
     assert set(after) == set(before) and "model.embed_tokens.weight" in after
     changed = [k for k in before if not torch.equal(before[k], after[k])]
-    assert "model.embed_tokens.weight" in changed and any("mlp" in k for k in changed) and any("self_attn" in k for k in changed)
+    assert (
+        "model.embed_tokens.weight" in changed
+        and any("mlp" in k for k in changed)
+        and any("self_attn" in k for k in changed)
+    )
 
     ckpt = tmp_path / "tests" / "models" / "full" / "checkpoints" / "0002"
     assert (ckpt / "model.safetensors").exists() and not (ckpt / "adapter_model.safetensors").exists()
@@ -180,7 +207,9 @@ async def test_full_fine_tuning_trains_every_weight_checkpoints_and_resumes(fres
     gc.collect()
     resumed = art.LocalBackend(path=tmp_path)
     try:
-        again = art.TrainableModel(name="full", project="tests", base_model=EMBEDDED_MODEL, lora=LoraSettings(full_finetune=True))
+        again = art.TrainableModel(
+            name="full", project="tests", base_model=EMBEDDED_MODEL, lora=LoraSettings(full_finetune=True)
+        )
         await again.register(resumed)
         assert await again.get_step() == 2
         state = resumed.trainer(again).adapter_state()
@@ -203,7 +232,9 @@ async def test_zero_variance_groups_are_dropped_and_an_empty_step_is_skipped(fre
         for t in g.trajectories:
             t.reward = 1.0
     metrics = await model.train(groups)
-    assert metrics["skipped"] == 1.0 and metrics["groups_zero_variance"] == 2 and metrics["zero_variance_fraction"] == 1.0
+    assert (
+        metrics["skipped"] == 1.0 and metrics["groups_zero_variance"] == 2 and metrics["zero_variance_fraction"] == 1.0
+    )
     assert await model.get_step() == 0
     assert not (tmp_path / "tests" / "models" / "flat" / "checkpoints").exists()
     # one group with signal trains, the flat one is counted
@@ -217,7 +248,13 @@ async def test_sft_warm_start_lowers_the_loss_and_log_and_delete_checkpoints(fre
     model = art.TrainableModel(name="sft", project="tests", base_model=EMBEDDED_MODEL)
     await model.register(fresh_backend)
     demos = [
-        art.Trajectory(messages_and_choices=[SYSTEM, {"role": "user", "content": f"Say the secret word {i}."}, {"role": "assistant", "content": "Flywheel"}])
+        art.Trajectory(
+            messages_and_choices=[
+                SYSTEM,
+                {"role": "user", "content": f"Say the secret word {i}."},
+                {"role": "assistant", "content": "Flywheel"},
+            ]
+        )
         for i in range(4)
     ]
     trainer = fresh_backend.trainer(model)
@@ -258,7 +295,10 @@ def test_sft_jsonl_rows_load_and_bad_rows_say_where(tmp_path):
     good = tmp_path / "data.jsonl"
     traj = art.Trajectory(messages_and_choices=[SYSTEM, {"role": "user", "content": "x"}, sampled("y", [1], [2])])
     good.write_text(
-        json.dumps({"messages": [SYSTEM, {"role": "assistant", "content": "ok"}], "tools": None}) + "\n\n" + traj.model_dump_json() + "\n"
+        json.dumps({"messages": [SYSTEM, {"role": "assistant", "content": "ok"}], "tools": None})
+        + "\n\n"
+        + traj.model_dump_json()
+        + "\n"
     )
     rows = _read_jsonl(good)
     assert [len(r.messages_and_choices) for r in rows] == [2, 3]
@@ -279,8 +319,10 @@ async def test_packed_rows_with_shared_prompts_give_the_same_log_probs(fp32_engi
 
     system = {"role": "system", "content": "Be brief."}  # too short to share across the groups
     seqs, prompt_lengths = [], []
-    questions = [("Fruit: name one that grows on trees and tastes sweet. " * 3, ["Apple", "Pear, a green one"]),
-                 ("River: name one that flows through a capital city. " * 3, ["Nile", "The Danube", "Rhine"])]
+    questions = [
+        ("Fruit: name one that grows on trees and tastes sweet. " * 3, ["Apple", "Pear, a green one"]),
+        ("River: name one that flows through a capital city. " * 3, ["Nile", "The Danube", "Rhine"]),
+    ]
     for q, answers in questions:
         prompt = render_prompt(tokenizer, [system, {"role": "user", "content": q}])
         prompt_lengths.append(len(prompt))
@@ -291,7 +333,10 @@ async def test_packed_rows_with_shared_prompts_give_the_same_log_probs(fp32_engi
         s.index = i
     groups = families(seqs)
     # one family per prompt (each shares its whole prompt), not one for all (which would share the system prompt)
-    assert sorted((len(members), prefix) for prefix, members in groups) == [(2, prompt_lengths[0]), (3, prompt_lengths[1])]
+    assert sorted((len(members), prefix) for prefix, members in groups) == [
+        (2, prompt_lengths[0]),
+        (3, prompt_lengths[1]),
+    ]
     (mb,) = pack(seqs, max_tokens=4096)
     plain = _micro_batch([(0, [s]) for s in seqs])
     assert mb.input_ids.shape[1] == plain.input_ids.shape[1] - sum(p * (len(m) - 1) for p, m in groups)
@@ -300,8 +345,13 @@ async def test_packed_rows_with_shared_prompts_give_the_same_log_probs(fp32_engi
 
     def logprobs(mb) -> dict[int, list[float]]:
         with fp32_engine.exclusive(), torch.no_grad():
-            out = fp32_engine.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-                                    logits_to_keep=mb.positions, kv_batch=PackedBatch(mb.lengths, mb.context))
+            out = fp32_engine.model(
+                input_ids=mb.input_ids,
+                position_ids=mb.position_ids,
+                use_cache=False,
+                logits_to_keep=mb.positions,
+                kv_batch=PackedBatch(mb.lengths, mb.context),
+            )
         lp = torch.log_softmax(out.logits[0].float(), -1).gather(-1, mb.targets[:, None])[:, 0]
         by_seq: dict[int, list[float]] = {}
         for value, j in zip(lp.tolist(), mb.seq.tolist()):
@@ -389,7 +439,10 @@ def test_small_training_attention_is_as_accurate_as_flash_attention(dtype):
 
     gen = torch.Generator().manual_seed(0)
     segments, heads, kv_heads, n, m, dim = 5, 9, 3, 20, 36, 64
-    q, k, v = (torch.randn(segments, h, length, dim, generator=gen, dtype=torch.float64) for h, length in ((heads, n), (kv_heads, m), (kv_heads, m)))
+    q, k, v = (
+        torch.randn(segments, h, length, dim, generator=gen, dtype=torch.float64)
+        for h, length in ((heads, n), (kv_heads, m), (kv_heads, m))
+    )
     seen = torch.arange(m)[None, :] < torch.randint(n + 1, m + 1, (segments,), generator=gen)[:, None]  # [S, m]
     mask = (seen[:, None, :] & (torch.arange(m)[None, :] <= torch.arange(n)[:, None] + m - n))[:, None]  # [S, 1, n, m]
     out_grad = torch.randn(segments, heads, n, dim, generator=gen, dtype=torch.float64)
@@ -401,7 +454,9 @@ def test_small_training_attention_is_as_accurate_as_flash_attention(dtype):
         return [out.detach().double()] + [t.grad.double() for t in inputs]
 
     def sdpa(q_, k_, v_):
-        return torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=dim**-0.5, enable_gqa=True)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q_, k_, v_, attn_mask=mask, scale=dim**-0.5, enable_gqa=True
+        )
 
     exact = run(sdpa, torch.float64)
     small = run(lambda q_, k_, v_: _small_attention(q_, k_, v_, mask, dim**-0.5), dtype)
@@ -453,7 +508,9 @@ class Bounded(NamedTuple):
         return Bounded(value, carried + k * U_FP32 / (1 - k * U_FP32) * size).rounded()
 
 
-def fused_lora_bounds(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float, g: torch.Tensor) -> list[Bounded]:
+def fused_lora_bounds(
+    x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float, g: torch.Tensor
+) -> list[Bounded]:
     """The fused LoRA layer's output y = x W^T + s (x A^T) B^T and its gradients dx, dA, dB (for the output's
     gradient g), each as computed from bf16 operands: the base GEMM rounded, then the B GEMM summed into it by
     ``addmm`` and rounded again; backward, each GEMM rounded once (addmm multiplies by s after its GEMM)."""
@@ -482,11 +539,15 @@ def check_fused_lora_layers_in_bf16(trainer, layers: list, seen: dict) -> None:
             a.grad = b.grad = None
             with torch.no_grad():
                 flat = [t.reshape(-1, t.shape[-1]) for t in (x, g)]
-                bounds = fused_lora_bounds(flat[0], m.base_layer.weight, a.bfloat16(), b.bfloat16(), m.scaling["default"], flat[1])
+                bounds = fused_lora_bounds(
+                    flat[0], m.base_layer.weight, a.bfloat16(), b.bfloat16(), m.scaling["default"], flat[1]
+                )
                 for name, c, bound in zip(("y", "dx", "dA", "dB"), computed, bounds):
                     error = (c.double().reshape(bound.value.shape) - bound.value).abs()
                     within = bool((error <= bound.error).all())
-                    assert within, f"{name} of {names[m]}: {(error / bound.error).nan_to_num(0).max():.2f} x its rounding bound"
+                    assert within, (
+                        f"{name} of {names[m]}: {(error / bound.error).nan_to_num(0).max():.2f} x its rounding bound"
+                    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -23,9 +23,20 @@ TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type"
 
 
 def sampled(content: str | None, prompt: list[int], tokens: list[int], call: str | None = None) -> Choice:
-    calls = [ChatCompletionMessageFunctionToolCall(id=call, type="function", function=Function(name="calc", arguments='{"e": "2+3"}'))] if call else None
-    choice = Choice(index=0, finish_reason="tool_calls" if call else "stop",
-                    message=ChatCompletionMessage(role="assistant", content=content, tool_calls=calls))
+    calls = (
+        [
+            ChatCompletionMessageFunctionToolCall(
+                id=call, type="function", function=Function(name="calc", arguments='{"e": "2+3"}')
+            )
+        ]
+        if call
+        else None
+    )
+    choice = Choice(
+        index=0,
+        finish_reason="tool_calls" if call else "stop",
+        message=ChatCompletionMessage(role="assistant", content=content, tool_calls=calls),
+    )
     choice.prompt_token_ids, choice.token_ids = prompt, tokens
     if call:
         choice.tool_statuses = ["ok"]
@@ -82,11 +93,26 @@ def test_round_trip_rebuilds_the_trajectories(tmp_path):
 
 def test_rows_from_elsewhere_read_the_last_reward_as_the_outcome():
     rows = [
-        Transition(trajectory_id="x", t=0, input=[{"role": "user", "content": "q"}],
-                   output={"role": "assistant", "content": "step"}, reward=0.15, **{"return": 1.15}),
-        Transition(trajectory_id="x", t=1,
-                   input=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "step"}, {"role": "user", "content": "go"}],
-                   output={"role": "assistant", "content": "Answer: 4"}, reward=1.0, **{"return": 1.0}),
+        Transition(
+            trajectory_id="x",
+            t=0,
+            input=[{"role": "user", "content": "q"}],
+            output={"role": "assistant", "content": "step"},
+            reward=0.15,
+            **{"return": 1.15},
+        ),
+        Transition(
+            trajectory_id="x",
+            t=1,
+            input=[
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "step"},
+                {"role": "user", "content": "go"},
+            ],
+            output={"role": "assistant", "content": "Answer: 4"},
+            reward=1.0,
+            **{"return": 1.0},
+        ),
     ]
     (traj,) = from_transitions(reversed(rows))  # any order
     assert traj.reward == 1.0 and turn_rewards(traj) == [0.15, 0.0]
@@ -95,8 +121,12 @@ def test_rows_from_elsewhere_read_the_last_reward_as_the_outcome():
 
 def test_rows_that_cannot_make_one_conversation_are_refused(tmp_path):
     base = dict(trajectory_id="x", output={"role": "assistant", "content": "a"}, reward=0.0, **{"return": 0.0})
-    rewritten = [Transition(t=0, input=[{"role": "user", "content": "q"}], **base),
-                 Transition(t=1, input=[{"role": "user", "content": "summary of q"}, {"role": "assistant", "content": "a"}], **base)]
+    rewritten = [
+        Transition(t=0, input=[{"role": "user", "content": "q"}], **base),
+        Transition(
+            t=1, input=[{"role": "user", "content": "summary of q"}, {"role": "assistant", "content": "a"}], **base
+        ),
+    ]
     with pytest.raises(ValueError, match="the input of turn 1 does not extend the conversation of turn 0"):
         from_transitions(rewritten)
     with pytest.raises(ValueError, match=r"turns \[0, 2\] are not 0..1"):
@@ -123,7 +153,9 @@ async def test_cli_exports_a_run_the_backend_logged(tmp_path, monkeypatch):
     assert {r.step for r in rows} == {0}
     assert [t.messages() for t in from_transitions(rows)] == [t.messages() for t in trajectories]
 
-    piped = runner.invoke(app, ["export", "transitions", str(backend.model_dir(model)), "--split", "val", "-o", "-", "--gamma", "0.9"])
+    piped = runner.invoke(
+        app, ["export", "transitions", str(backend.model_dir(model)), "--split", "val", "-o", "-", "--gamma", "0.9"]
+    )
     assert piped.exit_code == 0
     lines = [json.loads(line) for line in piped.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 6 and lines[0]["return"] == pytest.approx(0.1 + 0.9 * (0.0 + 0.9 * 1.05))

@@ -67,7 +67,10 @@ async def rollout(
             traj.messages_and_choices.append({"role": "tool", "tool_call_id": call.id, "content": result})
     traj.reward = reward(problem, final)
     traj.metrics.update(
-        correct=traj.reward, turns=sum(1 for m in traj.messages_and_choices if not isinstance(m, dict)),
-        tool_calls=tool_calls, tool_errors=tool_errors, answered=extract_answer(final) is not None,
+        correct=traj.reward,
+        turns=sum(1 for m in traj.messages_and_choices if not isinstance(m, dict)),
+        tool_calls=tool_calls,
+        tool_errors=tool_errors,
+        answered=extract_answer(final) is not None,
     )
     return traj

@@ -350,8 +350,7 @@ _SHAPES: dict[int, tuple[_Shape, ...]] = {
             "{a} + {b} - {c}",
             {"a": (2, 99), "b": (2, 99), "c": (2, 99)},
             (
-                "{name} had {a} marbles, won {b} more, and then lost {c}. "
-                "How many marbles does {name} have now?",
+                "{name} had {a} marbles, won {b} more, and then lost {c}. How many marbles does {name} have now?",
                 "A parking lot has {a} cars. Then {b} cars arrive and {c} cars leave. "
                 "How many cars are in the lot now?",
             ),

@@ -72,7 +72,9 @@ def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
 
 async def evaluate(model: TrainableModel, problems: list[Problem], desc: str) -> list[Trajectory]:
     groups = await gather_trajectory_groups(
-        (TrajectoryGroup([rollout(model, p, temperature=0.0)]) for p in problems), pbar_desc=desc, max_exceptions=len(problems)
+        (TrajectoryGroup([rollout(model, p, temperature=0.0)]) for p in problems),
+        pbar_desc=desc,
+        max_exceptions=len(problems),
     )
     return [t for g in groups for t in g.trajectories]
 
@@ -150,9 +152,14 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
         report["peak_rss_gb_by_phase"] = {"baseline": peak_rss_gb()}
         console.print(f"baseline test accuracy: {report['base']:.1%}")
 
-        demos = [Trajectory(messages_and_choices=demonstration(p), tools=[CALCULATOR_TOOL]) for p in train[: config.sft_examples]]
+        demos = [
+            Trajectory(messages_and_choices=demonstration(p), tools=[CALCULATOR_TOOL])
+            for p in train[: config.sft_examples]
+        ]
         sft_history = await warm_start(model, demos, config.sft)
-        console.print(f"SFT warm start: {len(sft_history)} steps, loss {sft_history[0]['loss']:.3f} -> {sft_history[-1]['loss']:.3f}")
+        console.print(
+            f"SFT warm start: {len(sft_history)} steps, loss {sft_history[0]['loss']:.3f} -> {sft_history[-1]['loss']:.3f}"
+        )
         sft_step = await model.get_step()
         report["peak_rss_gb_by_phase"]["sft"] = peak_rss_gb()
         sft = await evaluate(model, test, "after SFT (test)")
@@ -167,16 +174,26 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
         # the whole phase's bar (steps done, time left, the last rewards) above each step's rollouts and validation
         with tqdm(total=config.rl_steps, desc="GRPO", unit="step") as bar:
             for i in range(config.rl_steps):
-                scenarios = levels.sample(config.groups_per_step) if levels else rng.sample(pool, config.groups_per_step)
+                scenarios = (
+                    levels.sample(config.groups_per_step) if levels else rng.sample(pool, config.groups_per_step)
+                )
                 groups = await gather_trajectory_groups(
-                    (TrajectoryGroup(rollout(model, p, temperature=config.temperature) for _ in range(config.group_size)) for p in scenarios),
-                    pbar_desc=f"step {i + 1} rollouts", max_exceptions=0.1,
+                    (
+                        TrajectoryGroup(
+                            rollout(model, p, temperature=config.temperature) for _ in range(config.group_size)
+                        )
+                        for p in scenarios
+                    ),
+                    pbar_desc=f"step {i + 1} rollouts",
+                    max_exceptions=0.1,
                 )
                 bar.set_postfix_str(f"step {i + 1}: training on {sum(len(g.trajectories) for g in groups)} rollouts")
                 validate = (i + 1) % config.eval_every == 0 or i + 1 == config.rl_steps
                 # a checkpoint only where one can be needed: where the best is picked from (validation points; the
                 # last step is one), not at every step (1.6 GB each when every weight trains)
-                metrics = await model.train(groups, config=config.rl, save_checkpoint=validate)  # with rollout_seconds and train/<metric> means
+                metrics = await model.train(
+                    groups, config=config.rl, save_checkpoint=validate
+                )  # with rollout_seconds and train/<metric> means
                 row = {"step": await model.get_step(), **metrics, "peak_rss_gb": peak_rss_gb()}
                 if levels:
                     row |= levels.record(groups)
@@ -185,15 +202,27 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
                     row |= await model.log(await evaluate(model, val, f"step {i + 1} val"), split="val")
                 await model.delete_checkpoints("val/reward")  # the latest and the best so far (1.6 GB each when full)
                 rl_rows.append(row)
-                shown = {"reward": f"{metrics['reward_mean']:.2f}", "skipped": sum(int(r.get("skipped", 0)) for r in rl_rows)}
-                shown |= {"val": f"{r['val/reward']:.2f}" for r in rl_rows if "val/reward" in r}  # the latest
+                shown = {
+                    "reward": f"{metrics['reward_mean']:.2f}",
+                    "skipped": sum(int(r.get("skipped", 0)) for r in rl_rows),
+                }
+                vals = [r["val/reward"] for r in rl_rows if "val/reward" in r]
+                if vals:
+                    shown["val"] = f"{vals[-1]:.2f}"  # the latest
                 bar.set_postfix(shown, refresh=False)
                 bar.update()
         report["rl_history"] = rl_rows
 
         history = backend.history(model)
         saved = set(backend.run(model).steps())  # a validated step whose update was skipped may have none
-        best = max(((r["val/reward"], r["step"]) for r in history if "val/reward" in r and r["step"] >= sft_step and r["step"] in saved), default=(0.0, sft_step))
+        best = max(
+            (
+                (r["val/reward"], r["step"])
+                for r in history
+                if "val/reward" in r and r["step"] >= sft_step and r["step"] in saved
+            ),
+            default=(0.0, sft_step),
+        )
         await backend.restore(model, best[1])
         rl = await evaluate(model, test, f"best checkpoint step {best[1]} (test)")
         report["rl"] = accuracy(rl, len(test))
@@ -252,7 +281,13 @@ def plot(history: list[dict], sft_step: int, temperature: float, path: Path) -> 
     if train:
         ax.plot([t[0] for t in train], [t[1] for t in train], color="C0", alpha=0.4)
         updated = [t for t in train if not t[2]]
-        ax.plot([t[0] for t in updated], [t[1] for t in updated], "o", color="C0", label=f"train reward (rollouts, T={temperature})")
+        ax.plot(
+            [t[0] for t in updated],
+            [t[1] for t in updated],
+            "o",
+            color="C0",
+            label=f"train reward (rollouts, T={temperature})",
+        )
         for reason, (why, marker) in SKIP_REASONS.items():
             skipped = [t for t in train if t[2] == reason]
             if skipped:
@@ -261,7 +296,9 @@ def plot(history: list[dict], sft_step: int, temperature: float, path: Path) -> 
     if val:
         ax.plot([v[0] for v in val], [v[1] for v in val], marker="s", color="C1", label="validation accuracy (greedy)")
         for x, y, step in val:
-            ax.annotate(f"step {step}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7, color="C1")
+            ax.annotate(
+                f"step {step}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7, color="C1"
+            )
     ax.axvline(0, color="grey", linestyle=":", label=f"end of SFT warm start (step {sft_step})")
     ax.set_xlabel("RL step (rollouts, then an update unless skipped); validations name the optimizer step")
     ax.set_ylabel("reward / accuracy")
@@ -277,9 +314,15 @@ def print_report(console: Console, report: dict, n: int, out: Path) -> None:
     table = Table(title=f"Calculator agent, test accuracy ({n} problems, greedy)")
     for col in ("model", "accuracy", "95% interval"):
         table.add_column(col)
-    for key, label in (("base", "base model"), ("sft", "SFT warm start"), ("rl", f"GRPO (best checkpoint, step {report['best_step']})")):
+    for key, label in (
+        ("base", "base model"),
+        ("sft", "SFT warm start"),
+        ("rl", f"GRPO (best checkpoint, step {report['best_step']})"),
+    ):
         lo, hi = wilson(report[key] * n, n)
         table.add_row(label, f"{report[key]:.1%}", f"[{lo:.1%}, {hi:.1%}]")
     console.print(table)
-    console.print(f"RL lift over SFT: {100 * (report['rl'] - report['sft']):+.1f} points; wall time {report['wall_seconds'] / 60:.1f} min; peak RSS {report['peak_rss_gb']:.1f} GB")
+    console.print(
+        f"RL lift over SFT: {100 * (report['rl'] - report['sft']):+.1f} points; wall time {report['wall_seconds'] / 60:.1f} min; peak RSS {report['peak_rss_gb']:.1f} GB"
+    )
     console.print(f"report: {out / 'report.json'}  plot: {out / 'reward.png'}")

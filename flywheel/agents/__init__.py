@@ -7,7 +7,13 @@ from flywheel.agents.cache import ToolCache
 from flywheel.agents.curriculum import CurriculumConfig, ScenarioPool
 from flywheel.agents.loop import final_answer, run_agent
 from flywheel.agents.tools import ArgumentsError, Tool, ToolError, mcp_tools, tool
-from flywheel.agents.transitions import Transition, from_transitions, read_transitions, to_transitions, write_transitions
+from flywheel.agents.transitions import (
+    Transition,
+    from_transitions,
+    read_transitions,
+    to_transitions,
+    write_transitions,
+)
 
 __all__ = [
     "AIRConfig",

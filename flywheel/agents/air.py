@@ -67,10 +67,13 @@ def _statuses(choice: Choice, history: History) -> list[ToolStatus]:
         return recorded
     known = {t.get("function", {}).get("name") for t in history.tools or []}
     replies = {
-        m.get("tool_call_id"): m for m in history.messages_and_choices if isinstance(m, dict) and m.get("role") == "tool"
+        m.get("tool_call_id"): m
+        for m in history.messages_and_choices
+        if isinstance(m, dict) and m.get("role") == "tool"
     }
     return [
-        _inferred_status(c.function.name, c.function.arguments, known, replies.get(c.id)) if c.type == "function"
+        _inferred_status(c.function.name, c.function.arguments, known, replies.get(c.id))
+        if c.type == "function"
         else "unknown_tool"
         for c in calls
     ]
@@ -97,7 +100,9 @@ def air_rewards(traj: Trajectory, config: AIRConfig | None = None) -> list[float
                     key = tool_call_key(call)
                     repeated += key in seen
                     seen.add(key)
-                reward = (config.well_formed * well_formed + config.executed * executed - config.repeated * repeated) / len(calls)
+                reward = (
+                    config.well_formed * well_formed + config.executed * executed - config.repeated * repeated
+                ) / len(calls)
             clipped = min(max(total + reward, -config.cap), config.cap)
             rewards.append(clipped - total)
             total = clipped

@@ -98,7 +98,11 @@ class ToolCache:
 
     def stats(self) -> dict[str, float]:
         total = self.hits + self.misses
-        return {"cache_hits": self.hits, "cache_misses": self.misses, "cache_hit_rate": self.hits / total if total else 0.0}
+        return {
+            "cache_hits": self.hits,
+            "cache_misses": self.misses,
+            "cache_hit_rate": self.hits / total if total else 0.0,
+        }
 
     def close(self) -> None:
         if self._db is not None:

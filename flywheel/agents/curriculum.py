@@ -132,7 +132,9 @@ class ScenarioPool(Generic[S]):
             "pool/retired_unsolved": sum(s.retired == "unsolved" for s in self.stats.values()),
             "pool/mixed_fraction": len(mixed) / len(tried) if tried else 0.0,
             "pool/success_mean": (
-                sum(sum(a for a, _ in s.groups) / sum(n for _, n in s.groups) for s in tried) / len(tried) if tried else 0.0
+                sum(sum(a for a, _ in s.groups) / sum(n for _, n in s.groups) for s in tried) / len(tried)
+                if tried
+                else 0.0
             ),
         }
 

@@ -41,8 +41,17 @@ class _Episode:
         self.tools, self.timeout, self.cache = tools, timeout, cache
         self.seen: set[str] = set()
         self.metrics: dict[str, int | bool] = {
-            "turns": 0, "tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "unknown_tool": 0, "bad_arguments": 0,
-            "repeated_calls": 0, "cache_hits": 0, "cache_misses": 0, "truncated_turns": 0, "max_turns_reached": False,
+            "turns": 0,
+            "tool_calls": 0,
+            "tool_errors": 0,
+            "tool_timeouts": 0,
+            "unknown_tool": 0,
+            "bad_arguments": 0,
+            "repeated_calls": 0,
+            "cache_hits": 0,
+            "cache_misses": 0,
+            "truncated_turns": 0,
+            "max_turns_reached": False,
         }
 
     async def execute(self, call: Any) -> tuple[str, ToolStatus]:
@@ -91,7 +100,9 @@ class _Episode:
             key = tool_call_key(call)
             self.metrics["repeated_calls"] += key in self.seen
             self.seen.add(key)
-        return [{"role": "tool", "tool_call_id": call.id, "content": content} for call, (content, _) in zip(calls, results)]
+        return [
+            {"role": "tool", "tool_call_id": call.id, "content": content} for call, (content, _) in zip(calls, results)
+        ]
 
 
 def _check_messages(messages: Sequence[Message]) -> list[Message]:

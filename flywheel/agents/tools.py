@@ -144,7 +144,11 @@ def tool(
     *, name: str | None = None, description: str | None = None, cacheable: bool = True
 ) -> Callable[[Callable[..., Any]], Tool]: ...
 def tool(
-    fn: Callable[..., Any] | None = None, /, *, name: str | None = None, description: str | None = None,
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
     cacheable: bool = True,
 ) -> Tool | Callable[[Callable[..., Any]], Tool]:
     """Decorator: ``@tool`` or ``@tool(cacheable=False)`` turns a function into a ``Tool``."""
@@ -181,13 +185,16 @@ async def mcp_tools(client: Any, *, cacheable: bool = False) -> list[Tool]:
         def check(arguments: Arguments, validator: jsonschema.Validator = validator) -> Arguments:
             errors = sorted(validator.iter_errors(arguments), key=lambda e: list(e.absolute_path))
             if errors:
-                raise ArgumentsError("; ".join(f"{'.'.join(map(str, e.absolute_path)) or 'arguments'}: {e.message}" for e in errors))
+                raise ArgumentsError(
+                    "; ".join(f"{'.'.join(map(str, e.absolute_path)) or 'arguments'}: {e.message}" for e in errors)
+                )
             return arguments
 
         async def call(arguments: Arguments, name: str = spec.name) -> str:
             result = await client.call_tool(name, arguments)
             text = "\n".join(
-                block.text if getattr(block, "type", None) == "text" else to_json(block).decode() for block in result.content
+                block.text if getattr(block, "type", None) == "text" else to_json(block).decode()
+                for block in result.content
             )
             if result.is_error:
                 raise ToolError(text)

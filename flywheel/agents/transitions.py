@@ -65,8 +65,16 @@ def to_transitions(traj: Trajectory, *, gamma: float = 1.0, step: int | None = N
                 t = len(rows)
                 rows.append(
                     Transition(
-                        trajectory_id=traj.id, t=t, input=list(context), output=item, reward=rewards[t],
-                        return_=returns[t], tools=history.tools, history=h, outcome=traj.reward, step=step,
+                        trajectory_id=traj.id,
+                        t=t,
+                        input=list(context),
+                        output=item,
+                        reward=rewards[t],
+                        return_=returns[t],
+                        tools=history.tools,
+                        history=h,
+                        outcome=traj.reward,
+                        step=step,
                     )
                 )
                 context.append(choice_to_message(item))
@@ -100,14 +108,23 @@ def from_transitions(rows: Iterable[Transition]) -> list[Trajectory]:
     for trajectory_id, group in by_id.items():
         group.sort(key=lambda row: row.t)
         if [row.t for row in group] != list(range(len(group))):
-            raise ValueError(f"trajectory {trajectory_id}: turns {[row.t for row in group]} are not 0..{len(group) - 1}")
-        histories = [_history(trajectory_id, [r for r in group if r.history == h]) for h in sorted({r.history for r in group})]
+            raise ValueError(
+                f"trajectory {trajectory_id}: turns {[row.t for row in group]} are not 0..{len(group) - 1}"
+            )
+        histories = [
+            _history(trajectory_id, [r for r in group if r.history == h]) for h in sorted({r.history for r in group})
+        ]
         if len(histories) != max(r.history for r in group) + 1:
-            raise ValueError(f"trajectory {trajectory_id}: a history index is missing from {sorted({r.history for r in group})}")
+            raise ValueError(
+                f"trajectory {trajectory_id}: a history index is missing from {sorted({r.history for r in group})}"
+            )
         outcome = group[-1].outcome
         traj = Trajectory(
-            id=trajectory_id, messages_and_choices=histories[0].messages_and_choices, tools=histories[0].tools,
-            additional_histories=histories[1:], reward=outcome if outcome is not None else group[-1].reward,
+            id=trajectory_id,
+            messages_and_choices=histories[0].messages_and_choices,
+            tools=histories[0].tools,
+            additional_histories=histories[1:],
+            reward=outcome if outcome is not None else group[-1].reward,
         )
         if outcome is None:
             set_turn_rewards(traj, [row.reward for row in group[:-1]] + [0.0])
@@ -164,7 +181,9 @@ def run_transitions(run_dir: Path, split: str = "train", *, gamma: float = 1.0) 
     directory = run_dir / "trajectories" / split
     files = sorted(directory.glob("*.jsonl"))
     if not files:
-        found = sorted(p.name for p in (run_dir / "trajectories").glob("*")) if (run_dir / "trajectories").is_dir() else []
+        found = (
+            sorted(p.name for p in (run_dir / "trajectories").glob("*")) if (run_dir / "trajectories").is_dir() else []
+        )
         raise FileNotFoundError(f"no trajectories under {directory} (splits saved in this run: {found or 'none'})")
     for file in files:
         step = int(file.stem) if file.stem.isdigit() else None
@@ -186,7 +205,8 @@ def export_transitions(
     run: Annotated[str, typer.Argument(help="A model directory, or PROJECT/NAME under $FLYWHEEL_HOME.")],
     split: Annotated[str, typer.Option(help="Which saved trajectories: train, val, ...")] = "train",
     output: Annotated[
-        str | None, typer.Option("--output", "-o", help="JSONL file, '-' for stdout [default: RUN/transitions/SPLIT.jsonl]")
+        str | None,
+        typer.Option("--output", "-o", help="JSONL file, '-' for stdout [default: RUN/transitions/SPLIT.jsonl]"),
     ] = None,
     gamma: Annotated[float, typer.Option(min=0.0, max=1.0, help="Discount of the returns.")] = 1.0,
 ) -> None:
@@ -209,4 +229,3 @@ def export_transitions(
         console.print(f"[red]{exc}[/]")
         raise typer.Exit(2) from exc
     console.print(f"{count} transitions written to {target}")
-

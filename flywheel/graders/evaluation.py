@@ -17,7 +17,6 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from flywheel.backend import LocalBackend
-from flywheel.home import default_home
 from flywheel.gather import gather_trajectories
 from flywheel.graders.data import RFTRow, load_rft_jsonl
 from flywheel.graders.model_graders import JudgeSettings
@@ -26,6 +25,7 @@ from flywheel.graders.rollout import rft_rollout
 from flywheel.graders.run import GradeResult
 from flywheel.graders.sandbox import PythonSandbox, SandboxLimits
 from flywheel.graders.spec import Grader, MultiGrader, load_grader
+from flywheel.home import default_home
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.model import Model, TrainableModel
 from flywheel.runs import RunStore, model_path
@@ -152,8 +152,15 @@ def _summaries(graders: list[Grader], results: list[list[GradeResult]], rollout_
         sub_scores = {}
         if isinstance(grader, MultiGrader):
             sub_scores = {key: mean_interval([r.sub_rewards.get(key, 0.0) for r in per_row]) for key in grader.graders}
-        summaries.append(GraderSummary(name=grader.name, n=len(per_row), score=mean_interval([r.reward for r in per_row]),
-                                       sub_scores=sub_scores, errors=errors))  # fmt: skip
+        summaries.append(
+            GraderSummary(
+                name=grader.name,
+                n=len(per_row),
+                score=mean_interval([r.reward for r in per_row]),
+                sub_scores=sub_scores,
+                errors=errors,
+            )
+        )
     return summaries
 
 
@@ -167,16 +174,24 @@ async def evaluate(config: EvalConfig) -> EvalReport:
         sampling = {"temperature": config.temperature, "max_tokens": config.max_tokens}
         answered = await gather_trajectories(
             (rft_rollout(policy, row, **sampling) for row in rows),
-            pbar_desc=f"eval {config.model}", max_exceptions=len(rows), max_concurrency=config.concurrency,
-        )  # fmt: skip
+            pbar_desc=f"eval {config.model}",
+            max_exceptions=len(rows),
+            max_concurrency=config.concurrency,
+        )
     by_row: dict[int, Trajectory] = {int(t.metadata["rft_row"]): t for t in answered}  # type: ignore[arg-type]
     trajectories = [by_row.get(row.index) or Trajectory(messages_and_choices=row.messages) for row in rows]
 
     async def grade_row(row: RFTRow, trajectory: Trajectory) -> list[GradeResult]:
-        return list(await asyncio.gather(*(
-            score_trajectory(grader, trajectory, row.item, set_reward=i == 0, sandbox=sandbox, judge=config.judge)
-            for i, grader in enumerate(graders)
-        )))  # fmt: skip
+        return list(
+            await asyncio.gather(
+                *(
+                    score_trajectory(
+                        grader, trajectory, row.item, set_reward=i == 0, sandbox=sandbox, judge=config.judge
+                    )
+                    for i, grader in enumerate(graders)
+                )
+            )
+        )
 
     results = await asyncio.gather(*(grade_row(row, t) for row, t in zip(rows, trajectories)))
     for row, row_results in zip(rows, results):  # a failed rollout scores 0, whatever graders made of no answer
@@ -190,7 +205,7 @@ async def evaluate(config: EvalConfig) -> EvalReport:
             "tool_calls": sample_of(t).output_tools,
             "rollout_failed": row.index not in by_row,
             "graders": [r.to_openai() for r in row_results],
-        }  # fmt: skip
+        }
         for row, t, row_results in zip(rows, trajectories, results)
     ]
     summaries = _summaries(graders, results, len(rows) - len(by_row))

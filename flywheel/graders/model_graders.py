@@ -116,7 +116,9 @@ async def _ask(
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     import litellm
 
-    litellm.suppress_debug_info = True  # its "Give Feedback / Get Help" banner on every failed call: GraderError says it
+    litellm.suppress_debug_info = (
+        True  # its "Give Feedback / Get Help" banner on every failed call: GraderError says it
+    )
     try:
         response = await litellm.acompletion(model=model, messages=messages, **kwargs)
     except Exception as exc:  # any failure to get an answer (connection, auth, 5xx, bad request) is the server's

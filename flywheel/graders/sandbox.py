@@ -124,7 +124,7 @@ def _hiding_script(python_dirs: list[Path], hidden: set[Path]) -> str:
     lines += [f"mount -t tmpfs -o mode=0755,size=1m flywheel-hidden {q(str(d))}" for d in sorted(hidden)]
     lines += [f'mkdir -p {q(str(path))}; mount --rbind "$stage/{i}" {q(str(path))}; umount -l "$stage/{i}"'
               for i, path in enumerate(rebound)]  # fmt: skip
-    lines += ['rm -r "$stage"', 'unset PWD OLDPWD', 'exec "$@"']  # the grader's environment stays as given
+    lines += ['rm -r "$stage"', "unset PWD OLDPWD", 'exec "$@"']  # the grader's environment stays as given
     return "\n".join(lines)
 
 

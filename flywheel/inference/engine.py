@@ -210,7 +210,9 @@ class InferenceEngine:
         if not prompt:
             raise ValueError("The prompt is empty.")
         self.check_fits(len(prompt), params.max_tokens)
-        request = _Request(prompt=list(prompt), params=params, loop=asyncio.get_running_loop(), queue=asyncio.Queue(), whole=whole)
+        request = _Request(
+            prompt=list(prompt), params=params, loop=asyncio.get_running_loop(), queue=asyncio.Queue(), whole=whole
+        )
         with self._wake:
             if self._closed:
                 raise EngineClosedError("The inference engine is closed: it accepts no new requests.")
@@ -402,7 +404,9 @@ class InferenceEngine:
         self._waiting.extendleft(reversed(deferred))
         return taken
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch, keep: torch.Tensor | int) -> torch.Tensor:
+    def _forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, batch, keep: torch.Tensor | int
+    ) -> torch.Tensor:
         if self._llama:
             return llama_forward.logits(self.model, input_ids, position_ids, batch, keep, self._packed)
         out = self.model(
@@ -466,7 +470,9 @@ class InferenceEngine:
             ids = torch.tensor([t for i in todo for t in requests[i].prompt[starts[i] :]], device=device)[None]
             pos = torch.cat([torch.arange(starts[i], len(requests[i].prompt), device=device) for i in todo])[None]
             last = torch.tensor(list(itertools.accumulate(lengths)), device=device) - 1
-            batch = PrefillBatch(self.cache, rows=[rows[i] for i in todo], starts=[starts[i] for i in todo], lengths=lengths)
+            batch = PrefillBatch(
+                self.cache, rows=[rows[i] for i in todo], starts=[starts[i] for i in todo], lengths=lengths
+            )
             fresh = self._forward(ids, pos, batch, last)[0].float()  # [len(todo), V]
             for j, i in enumerate(todo):
                 logits[i] = fresh[j]

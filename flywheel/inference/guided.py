@@ -68,9 +68,7 @@ def _ll_tokenizer(tokenizer: PreTrainedTokenizerBase, eos_ids: Sequence[int]) ->
         return _tokenizers[key]
 
 
-def compile_guide(
-    tokenizer: PreTrainedTokenizerBase, eos_ids: Sequence[int], schema: dict[str, Any] | None
-) -> Guide:
+def compile_guide(tokenizer: PreTrainedTokenizerBase, eos_ids: Sequence[int], schema: dict[str, Any] | None) -> Guide:
     """Compile a JSON schema (None: any JSON object) for this tokenizer; GrammarError says what is wrong with it."""
     schema = _ANY_OBJECT if schema is None else schema
     try:
@@ -108,7 +106,7 @@ def tool_call_grammar(tools: Sequence[dict[str, Any]], llt: llguidance.LLTokeniz
     for i, tool in enumerate(tools):
         fn = tool["function"]
         head = '{"name": ' + json.dumps(fn["name"], ensure_ascii=False) + ', "arguments": '
-        calls.append(f"call_{i}: {json.dumps(head, ensure_ascii=False)} @args_{i} \"}}\"")
+        calls.append(f'call_{i}: {json.dumps(head, ensure_ascii=False)} @args_{i} "}}"')
         schemas.append({"name": f"args_{i}", "json_schema": _arguments_schema(fn.get("parameters"), llt, fn["name"])})
     alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
     start = f"start: {json.dumps(TOOL_CALL_OPEN)} ({alternatives}) {json.dumps(TOOL_CALL_CLOSE)}"

@@ -42,8 +42,15 @@ class SlotKVCache:
     """Per-layer K/V buffers of shape [rows, kv_heads, capacity, head_dim]; grown in steps when needed."""
 
     def __init__(
-        self, n_layers: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype, device: torch.device | str,
-        max_rows: int | None = None, max_capacity: int | None = None,
+        self,
+        n_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_rows: int | None = None,
+        max_capacity: int | None = None,
     ):
         self.n_layers, self.kv_heads, self.head_dim = n_layers, kv_heads, head_dim
         self.dtype, self.device = dtype, device
@@ -209,8 +216,14 @@ def _decode(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch
 
 
 def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-    slots: torch.Tensor, bias: torch.Tensor, scaling: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    slots: torch.Tensor,
+    bias: torch.Tensor,
+    scaling: float,
 ) -> torch.Tensor:
     """One decode step's attention in one layer: the new ``k``/``v`` [B, kv_heads, 1, d] stored at ``slots`` of the
     layer's buffers, then ``q`` [B, heads, 1, d] over rows 0..B-1 of them with the additive mask ``bias``
@@ -256,7 +269,9 @@ def _packed(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch
     return o.transpose(1, 2).flatten(0, 1).index_select(0, back)[None]  # back to row order: [1, T, heads, head_dim]
 
 
-def _small_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+def _small_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float
+) -> torch.Tensor:
     """Attention of q [S, heads, n, d] over k, v [S, kv_heads, m, d] with a boolean mask [S, 1, n, m], as two
     matmuls that take all query heads of a K/V head at once. Where the scores are small, forward and backward are
     ~2.5x faster than CPU flash attention (a GRPO group of 8 completions of 64 tokens after a 70-token prompt);
@@ -274,12 +289,21 @@ def _small_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 def flywheel_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     batch = kwargs.pop("kv_batch", None)
     if batch is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     return attend(module.layer_idx, query, key, value, batch, scaling), None
 
 
-def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PrefillBatch | DecodeBatch | PackedBatch, scaling: float) -> torch.Tensor:
+def attend(
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: PrefillBatch | DecodeBatch | PackedBatch,
+    scaling: float,
+) -> torch.Tensor:
     """Attention of ``q``/``k``/``v`` [1 or B, heads, T, head_dim] for one layer of ``batch``: [1 or B, T, heads, head_dim]."""
     fn = _decode if isinstance(batch, DecodeBatch) else _packed if isinstance(batch, PackedBatch) else _prefill
     return fn(layer, q, k, v, batch, scaling)

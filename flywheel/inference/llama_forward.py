@@ -34,7 +34,8 @@ def supports(model: torch.nn.Module) -> bool:
         type(model) is LlamaForCausalLM
         and type(model.model.norm) is LlamaRMSNorm
         and all(
-            type(layer) is LlamaDecoderLayer and type(layer.input_layernorm) is type(layer.post_attention_layernorm) is LlamaRMSNorm
+            type(layer) is LlamaDecoderLayer
+            and type(layer.input_layernorm) is type(layer.post_attention_layernorm) is LlamaRMSNorm
             for layer in model.model.layers
         )
     )
@@ -80,8 +81,12 @@ def _groups(model: LlamaForCausalLM) -> list[tuple[tuple[torch.nn.Module, ...], 
 
 
 def logits(
-    model: LlamaForCausalLM, ids: torch.Tensor, positions: torch.Tensor, batch: PrefillBatch | DecodeBatch,
-    keep: torch.Tensor | int, packed: PackedLinears | None,
+    model: LlamaForCausalLM,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    batch: PrefillBatch | DecodeBatch,
+    keep: torch.Tensor | int,
+    packed: PackedLinears | None,
 ) -> torch.Tensor:
     """Logits [R, K, V] of the ``keep`` positions (indices, or the last ``keep``) of ``ids`` [R, T] at
     ``positions`` [R, T]: what ``model(input_ids=ids, position_ids=positions, logits_to_keep=keep, kv_batch=batch)``
@@ -89,14 +94,18 @@ def logits(
     inner, config = model.model, model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     rows, length = ids.shape
-    x, cos, sin_signed = _inputs(model, ids, positions)  # every linear and norm works on tokens; attention sees [R, heads, T, d]
+    x, cos, sin_signed = _inputs(
+        model, ids, positions
+    )  # every linear and norm works on tokens; attention sees [R, heads, T, d]
     groups = _groups(model)
     # the plans are checked once per forward here, not at every call (a few microseconds each, 121 a step)
     packs = packed is not None and x.device.type == "cpu"
     gemms = [tuple(packed.ready(g, x.dtype) if packs else None for g in gs) for gs in groups]
     for layer, (qkv_g, o_g, gate_up_g, down_g), (qkv_p, o_p, gate_up_p, down_p) in zip(inner.layers, groups, gemms):
         attn, mlp, norm1, norm2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
-        qkv = _linear(_norm(x, norm1.weight, norm1.variance_epsilon), qkv_g, qkv_p).view(-1, heads + 2 * kv_heads, attn.head_dim)
+        qkv = _linear(_norm(x, norm1.weight, norm1.variance_epsilon), qkv_g, qkv_p).view(
+            -1, heads + 2 * kv_heads, attn.head_dim
+        )
         qk = _rotate(qkv[:, : heads + kv_heads], cos, sin_signed).view(rows, length, heads + kv_heads, attn.head_dim)
         v = qkv[:, heads + kv_heads :].view(rows, length, kv_heads, attn.head_dim)
         q, k = qk[:, :, :heads], qk[:, :, heads:]
@@ -156,16 +165,39 @@ class CompiledDecode:
             torch._dynamo.mark_dynamic(t, d)
         attn = inner.layers[0].self_attn
         out = self._step(
-            x, cos, sin_signed, slots, bias, layers, inner.norm.weight, head, inner.layers[0].mlp.act_fn,
-            heads, kv_heads, attn.head_dim, inner.norm.variance_epsilon, attn.scaling,
+            x,
+            cos,
+            sin_signed,
+            slots,
+            bias,
+            layers,
+            inner.norm.weight,
+            head,
+            inner.layers[0].mlp.act_fn,
+            heads,
+            kv_heads,
+            attn.head_dim,
+            inner.norm.variance_epsilon,
+            attn.scaling,
         )
         return out[:, None]
 
 
 def _decode_step(
-    x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, slots: torch.Tensor, bias: torch.Tensor,
-    layers: list[tuple], final_norm: torch.Tensor, head: Gemm, act: torch.nn.Module,
-    heads: int, kv_heads: int, head_dim: int, eps: float, scaling: float,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    slots: torch.Tensor,
+    bias: torch.Tensor,
+    layers: list[tuple],
+    final_norm: torch.Tensor,
+    head: Gemm,
+    act: torch.nn.Module,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    eps: float,
+    scaling: float,
 ) -> torch.Tensor:
     """``logits``' layer loop for one decode step, on tensors only (what ``torch.compile`` traces): ``x`` [B,
     hidden] the new tokens, ``layers`` per layer (norm weight, q/k/v GEMM, o GEMM, norm weight, gate/up GEMM,

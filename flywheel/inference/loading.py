@@ -39,7 +39,11 @@ def best_dtype() -> torch.dtype:
     """bf16 where the CPU has native bf16 (AVX512-BF16 / AMX) or on CUDA; fp32 otherwise."""
     if torch.cuda.is_available():
         return torch.bfloat16
-    return torch.bfloat16 if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    return (
+        torch.bfloat16
+        if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        else torch.float32
+    )
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     """De-quantise a GGUF once into a safetensors checkpoint; atomic (temp dir + rename) so a kill leaves no half copy."""
     from rich.console import Console
 
-    Console(stderr=True).print(f"[dim]flywheel: converting {gguf.name} to a safetensors checkpoint in {out} (once)...[/]")
+    Console(stderr=True).print(
+        f"[dim]flywheel: converting {gguf.name} to a safetensors checkpoint in {out} (once)...[/]"
+    )
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     config = quantized.config

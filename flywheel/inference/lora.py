@@ -28,7 +28,9 @@ def plain_adapter(module: nn.Module) -> str | None:
     if len(active) != 1 or active[0] in module.lora_variant or type(module.base_layer) is not nn.Linear:
         return None
     adapter = active[0]
-    if module.lora_B[adapter].bias is not None or (module.training and not isinstance(module.lora_dropout[adapter], nn.Identity)):
+    if module.lora_B[adapter].bias is not None or (
+        module.training and not isinstance(module.lora_dropout[adapter], nn.Identity)
+    ):
         return None
     return adapter
 

@@ -146,7 +146,9 @@ def packed_linear(
 
 
 @packed_linear.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, attr: str, scalars: list[float], algorithm: str) -> torch.Tensor:
+def _(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, attr: str, scalars: list[float], algorithm: str
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], packed.shape[0])  # a packed weight keeps its logical [out, in] shape
 
 

@@ -31,8 +31,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class PrefixCache:
     def __init__(self, like: SlotKVCache, max_entries: int = 32):
         self.store = SlotKVCache(
-            like.n_layers, like.kv_heads, like.head_dim, dtype=like.dtype, device=like.device,
-            max_rows=max_entries, max_capacity=like.max_capacity,
+            like.n_layers,
+            like.kv_heads,
+            like.head_dim,
+            dtype=like.dtype,
+            device=like.device,
+            max_rows=max_entries,
+            max_capacity=like.max_capacity,
         )
         self.max_entries = max_entries
         self.entries: OrderedDict[int, list[int]] = OrderedDict()  # store row -> tokens, least recent first
@@ -65,14 +70,22 @@ class PrefixCache:
         return best_row, best, logits
 
     def insert(
-        self, tokens: list[int], cache: SlotKVCache, row: int, logits: torch.Tensor | None = None, *, generation: int = 0
+        self,
+        tokens: list[int],
+        cache: SlotKVCache,
+        row: int,
+        logits: torch.Tensor | None = None,
+        *,
+        generation: int = 0,
     ) -> None:
         """Remember the KV of ``tokens`` (in ``cache`` row ``row``) and, for a prompt, its next-token logits; KV of
         weights other than the current ones (``generation`` is not the cache's) is not kept."""
         if len(tokens) < MIN_REUSE or generation != self.generation:
             return
         for r, known in self.entries.items():
-            if common_prefix(known, tokens) == len(tokens) and (logits is None or len(known) > len(tokens) or r in self.logits):
+            if common_prefix(known, tokens) == len(tokens) and (
+                logits is None or len(known) > len(tokens) or r in self.logits
+            ):
                 self.entries.move_to_end(r)  # already covered
                 return
         # entries this one extends are redundant now (unless they hold a prompt's logits): their rows go first

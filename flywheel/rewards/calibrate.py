@@ -169,10 +169,14 @@ def measure(group: LabelledGroup, scores: list[Score]) -> tuple[GroupResult, lis
     judge = [s.score for s in scores]
     names = [t.label or str(i) for i, t in enumerate(group.trajectories, 1)]
     result = GroupResult(
-        id=group.id, size=len(human), judge_scores=judge, explanations=[s.explanation for s in scores],
-        kendall_tau=kendall_tau_b(human, judge), spread=max(judge) - min(judge),
+        id=group.id,
+        size=len(human),
+        judge_scores=judge,
+        explanations=[s.explanation for s in scores],
+        kendall_tau=kendall_tau_b(human, judge),
+        spread=max(judge) - min(judge),
         top1_agrees=all(human[i] == max(human) for i, s in enumerate(judge) if s == max(judge)),
-    )  # fmt: skip
+    )
     disagreements = []
     for i, j in itertools.combinations(range(len(human)), 2):
         if human[i] == human[j]:
@@ -184,10 +188,13 @@ def measure(group: LabelledGroup, scores: list[Score]) -> tuple[GroupResult, lis
         if agreement <= 0:
             disagreements.append(
                 Disagreement(
-                    group=group.id, better=names[better], worse=names[worse],
-                    human=(human[better], human[worse]), judge=(judge[better], judge[worse]),
+                    group=group.id,
+                    better=names[better],
+                    worse=names[worse],
+                    human=(human[better], human[worse]),
+                    judge=(judge[better], judge[worse]),
                     explanations=(scores[better].explanation, scores[worse].explanation),
-                )  # fmt: skip
+                )
             )
     return result, disagreements
 
@@ -212,10 +219,16 @@ async def calibrate(
         async with slots:
             try:
                 scores = await ruler(
-                    [t.messages for t in group.trajectories], judge_model, extra_litellm_params,
-                    rubric or group.rubric or DEFAULT_RUBRIC, group.tools, cache=cache, retry=retry, usage=usage,
+                    [t.messages for t in group.trajectories],
+                    judge_model,
+                    extra_litellm_params,
+                    rubric or group.rubric or DEFAULT_RUBRIC,
+                    group.tools,
+                    cache=cache,
+                    retry=retry,
+                    usage=usage,
                     max_explanation_chars=max_explanation_chars,
-                )  # fmt: skip
+                )
             except Exception as exc:  # one failed group must not lose the others' results
                 return GroupResult(id=group.id, size=len(group.trajectories), error=repr(exc)), []
         return measure(group, scores)

@@ -13,13 +13,15 @@ from rich.table import Table
 
 from flywheel.rewards.ruler import DEFAULT_JUDGE
 
-app = typer.Typer(help="LLM judges (RULER): check a judge against human labels before training on it.", no_args_is_help=True)
+app = typer.Typer(
+    help="LLM judges (RULER): check a judge against human labels before training on it.", no_args_is_help=True
+)
 console = Console()
 
 
-def _params(api_base: str | None, params: list[str]) -> dict[str, Any]:
+def _params(api_base: str | None, params: list[str] | None) -> dict[str, Any]:
     extra: dict[str, Any] = {"api_base": api_base} if api_base else {}
-    for item in params:
+    for item in params or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise typer.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--param")
@@ -40,11 +42,15 @@ def calibrate(
     data: Annotated[
         Path | None, typer.Option(help="Labelled JSONL (one group per line); default: the shipped refund-policy set.")
     ] = None,
-    rubric: Annotated[Path | None, typer.Option(help="A file with the rubric (default: RULER's default rubric).")] = None,
+    rubric: Annotated[
+        Path | None, typer.Option(help="A file with the rubric (default: RULER's default rubric).")
+    ] = None,
     api_base: Annotated[str | None, typer.Option(help="Base URL of an OpenAI-compatible judge server (…/v1).")] = None,
-    param: Annotated[list[str], typer.Option(help="Extra LiteLLM parameter KEY=VALUE (repeatable).")] = [],
+    param: Annotated[list[str] | None, typer.Option(help="Extra LiteLLM parameter KEY=VALUE (repeatable).")] = None,
     concurrency: Annotated[int, typer.Option(min=1, help="Groups judged at once.")] = 4,
-    cache_dir: Annotated[Path | None, typer.Option(help="Judge cache directory (default: $FLYWHEEL_HOME/judge-cache).")] = None,
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="Judge cache directory (default: $FLYWHEEL_HOME/judge-cache).")
+    ] = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Always call the judge.")] = False,
     max_explanation_chars: Annotated[
         int | None, typer.Option(help="Cap on each explanation (default: 240 for local judges, none otherwise).")
@@ -54,7 +60,8 @@ def calibrate(
 ):
     """Judge labelled groups and report agreement with the human labels: pairwise ranking accuracy, Kendall tau
     per group, top-1 agreement, score spread, and the disagreements to inspect."""
-    from flywheel.rewards.calibrate import DEFAULT_DATA, calibrate as run_calibration, load_groups, report_json
+    from flywheel.rewards.calibrate import DEFAULT_DATA, load_groups, report_json
+    from flywheel.rewards.calibrate import calibrate as run_calibration
 
     try:
         groups = load_groups(data if data is not None else Path(str(DEFAULT_DATA)))
@@ -64,10 +71,14 @@ def calibrate(
         raise typer.Exit(2) from exc
     report = asyncio.run(
         run_calibration(
-            groups, judge, _params(api_base, param), rubric_text, concurrency=concurrency,
+            groups,
+            judge,
+            _params(api_base, param),
+            rubric_text,
+            concurrency=concurrency,
             cache=False if no_cache else cache_dir,
             max_explanation_chars=max_explanation_chars if max_explanation_chars is not None else "auto",
-        )  # fmt: skip
+        )
     )
     labels = {g.id: [t.label or str(i) for i, t in enumerate(g.trajectories, 1)] for g in groups}
     table = Table(title=f"Judge calibration: {judge} on {len(groups)} groups")
@@ -94,7 +105,9 @@ def calibrate(
         for column in ("group", "humans prefer", "over", "judge scores", "judge's explanations"):
             worst.add_column(column, overflow="fold")
         for d in report.disagreements[:show]:
-            worst.add_row(d.group, d.better, d.worse, f"{d.judge[0]:.2f} vs {d.judge[1]:.2f}", " | ".join(d.explanations))
+            worst.add_row(
+                d.group, d.better, d.worse, f"{d.judge[0]:.2f} vs {d.judge[1]:.2f}", " | ".join(d.explanations)
+            )
         console.print(worst)
     if json_out is not None:
         json_out.write_text(report_json(report), encoding="utf-8")

@@ -291,13 +291,18 @@ def _problem(content: str | None, ids: list[str]) -> tuple[JudgeResponse | None,
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
-        return None, f"the reply is not valid JSON of the required shape ({first['msg']}{f' at {where}' if where else ''})"
+        return (
+            None,
+            f"the reply is not valid JSON of the required shape ({first['msg']}{f' at {where}' if where else ''})",
+        )
     got = [s.trajectory_id for s in parsed.scores]
     if sorted(got) != sorted(ids):
         missing = [i for i in ids if i not in got]
         extra = sorted({i for i in got if i not in ids or got.count(i) > 1})
         detail = "; ".join(
-            x for x in (f"missing ids {missing}" if missing else "", f"unknown or repeated ids {extra}" if extra else "") if x
+            x
+            for x in (f"missing ids {missing}" if missing else "", f"unknown or repeated ids {extra}" if extra else "")
+            if x
         )
         return None, f"its trajectory ids {got} do not match the trajectories {ids} ({detail})"
     return parsed, ""
@@ -434,19 +439,25 @@ async def _score(
         return []
     local = is_local_judge(judge_model, extra_litellm_params)
     if max_explanation_chars == "auto":
-        max_explanation_chars = _auto_explanation_chars(local, len(candidates), (extra_litellm_params or {}).get("max_tokens"))
+        max_explanation_chars = _auto_explanation_chars(
+            local, len(candidates), (extra_litellm_params or {}).get("max_tokens")
+        )
     request = build_request(candidates, rubric, max_explanation_chars=max_explanation_chars, self_hosted=local)
     if local and max_explanation_chars is not None and "max_tokens" not in (extra_litellm_params or {}):
         # a bound on a runaway answer (a small model may write digits forever): a token per character at worst
         budget = len(request.ids) * (max_explanation_chars + 64) + 32
         extra_litellm_params = {**(extra_litellm_params or {}), "max_tokens": budget}
-    answer = await _judge(request, judge_model, extra_litellm_params, resolve_cache(cache), retry or RetryPolicy(), usage)
+    answer = await _judge(
+        request, judge_model, extra_litellm_params, resolve_cache(cache), retry or RetryPolicy(), usage
+    )
     by_id: dict[str, Score] = {}
     for s in answer.scores:
         clamped = min(max(s.score, 0.0), 1.0)
         if clamped != s.score:
             usage.clamped += 1
-            log.warning("judge score %g for trajectory %s is outside [0, 1]; clamped to %g", s.score, s.trajectory_id, clamped)
+            log.warning(
+                "judge score %g for trajectory %s is outside [0, 1]; clamped to %g", s.score, s.trajectory_id, clamped
+            )
         by_id[s.trajectory_id] = Score(trajectory_id=s.trajectory_id, explanation=s.explanation, score=clamped)
     if debug:
         _print_ranking(answer, by_id, judge_model)

@@ -20,15 +20,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice, ChoiceLogprobs
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
-from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkLogprobs
 from openai.types.chat.chat_completion_chunk import ChoiceDelta, ChoiceDeltaToolCall
+from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkLogprobs
 from openai.types.chat.chat_completion_message_tool_call import ChatCompletionMessageToolCall
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob, TopLogprob
 from openai.types.completion_usage import CompletionUsage
 
 from flywheel.inference.chat import parse_tool_calls, render_prompt
 from flywheel.inference.engine import Completion, ContextOverflowError, EngineClosedError, InferenceEngine
-from flywheel.inference.guided import Guide, GrammarError, compile_guide, compile_tool_call_guide
+from flywheel.inference.guided import GrammarError, Guide, compile_guide, compile_tool_call_guide
 from flywheel.inference.registry import ModelRegistry, UnknownModelError
 from flywheel.inference.sampling import SamplingParams
 from flywheel.server.protocol import ChatCompletionRequest, ErrorDetail, ErrorResponse, JsonSchemaFormat, TextFormat
@@ -50,7 +50,10 @@ def _logprob_items(engine: InferenceEngine, c: Completion) -> list[ChatCompletio
     items = []
     for i, (token_id, lp) in enumerate(zip(c.token_ids, c.logprobs)):
         text, raw = piece(token_id)
-        tops = [TopLogprob(token=piece(t)[0], bytes=piece(t)[1], logprob=v) for t, v in (c.top_logprobs[i] if c.top_logprobs else [])]
+        tops = [
+            TopLogprob(token=piece(t)[0], bytes=piece(t)[1], logprob=v)
+            for t, v in (c.top_logprobs[i] if c.top_logprobs else [])
+        ]
         items.append(ChatCompletionTokenLogprob(token=text, bytes=raw, logprob=lp, top_logprobs=tops))
     return items
 
@@ -192,9 +195,7 @@ async def _stream(
 
     for i in range(params.n):
         yield chunk([ChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=""))])
-    held: dict[int, Completion] = {
-        i: Completion(i, "", [], [], [], "") for i in range(params.n)
-    }
+    held: dict[int, Completion] = {i: Completion(i, "", [], [], [], "") for i in range(params.n)}
     completion_tokens = 0
     try:
         async for ev in engine.stream(prompt, params):

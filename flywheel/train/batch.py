@@ -9,6 +9,7 @@ history differently) starts a sequence of its own, so nothing is ever trained on
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -19,7 +20,6 @@ from transformers import PreTrainedTokenizerBase
 from flywheel.inference.chat import render_prompt, to_default_format
 from flywheel.inference.prefix_cache import common_prefix
 from flywheel.types import History, Trajectory, choice_to_message, sampled_tokens
-
 
 NO_LOGPROB = math.nan  # a sampled token whose sampler log-prob is unknown (or a context token)
 
@@ -160,7 +160,10 @@ def families(sequences: list[Sequence]) -> list[Family]:
     (e.g. a system prompt common to every group). Each sequence keeps at least one token of its own."""
     order = sorted(sequences, key=lambda s: s.tokens)
     # shared[j]: what order[j] and order[j + 1] share, leaving each at least one token
-    shared = [min(common_prefix(a.tokens, b.tokens), len(a.tokens) - 1, len(b.tokens) - 1) for a, b in zip(order, order[1:])]
+    shared = [
+        min(common_prefix(a.tokens, b.tokens), len(a.tokens) - 1, len(b.tokens) - 1)
+        for a, b in itertools.pairwise(order)
+    ]
     saved, start = [0] * (len(order) + 1), [0] * (len(order) + 1)  # best over order[:i]; its last family's start
     for i in range(1, len(order) + 1):
         saved[i], start[i], prefix = saved[i - 1], i - 1, len(order[i - 1].tokens)
@@ -256,7 +259,9 @@ def _micro_batch(items: list[Family], device: torch.device | str = "cpu") -> Mic
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         targets=torch.tensor(targets, dtype=torch.long, device=device),
         sampler_logprobs=torch.tensor(sampler, dtype=torch.float32, device=device),
-        inverse_t=torch.tensor(inverse_t, dtype=torch.float32, device=device) if any(x != 1.0 for x in inverse_t) else None,
+        inverse_t=torch.tensor(inverse_t, dtype=torch.float32, device=device)
+        if any(x != 1.0 for x in inverse_t)
+        else None,
         advantages=torch.tensor(adv, dtype=torch.float32, device=device),
         seq=torch.tensor(seq_of, dtype=torch.long, device=device),
         traj=torch.tensor(traj, dtype=torch.long, device=device),

@@ -64,7 +64,10 @@ class TrainConfig(BaseModel):
     @property
     def clip(self) -> tuple[float, float]:
         low, high = DEFAULT_CLIP[self.loss]
-        return (self.epsilon if self.epsilon is not None else low, self.epsilon_high if self.epsilon_high is not None else high)
+        return (
+            self.epsilon if self.epsilon is not None else low,
+            self.epsilon_high if self.epsilon_high is not None else high,
+        )
 
     @model_validator(mode="after")
     def _dr_grpo_has_no_std(self) -> TrainConfig:

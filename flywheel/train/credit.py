@@ -41,7 +41,9 @@ def set_turn_rewards(traj: Trajectory, rewards: list[float]) -> None:
     """Store one intermediate reward per sampled turn (replacing any set before)."""
     turns = sampled_turns(traj)
     if len(rewards) != len(turns):
-        raise ValueError(f"trajectory {traj.id} has {len(turns)} sampled turns but {len(rewards)} turn rewards were given")
+        raise ValueError(
+            f"trajectory {traj.id} has {len(turns)} sampled turns but {len(rewards)} turn rewards were given"
+        )
     for t, (choice, r) in enumerate(zip(turns, rewards)):
         if not math.isfinite(r):
             raise ValueError(f"turn reward {t} of trajectory {traj.id} was {r}; rewards must be finite")
@@ -91,8 +93,11 @@ def turn_advantages(trajectories: list[Trajectory], gamma: float, norm: str, sca
 def credit_advantages(groups: list[TrajectoryGroup], config: TrainConfig) -> list[list[float | list[float]]]:
     """For each group, each trajectory's advantage: one number (uniform) or one per sampled turn (turn)."""
     from flywheel.train.loss import advantages  # torch: not for the agents and exports that use the rest of this module
+
     if config.credit == "uniform":
-        return advantages([[total_reward(t) for t in g.trajectories] for g in groups], config.advantage, config.scale_rewards)
+        return advantages(
+            [[total_reward(t) for t in g.trajectories] for g in groups], config.advantage, config.scale_rewards
+        )
     return [turn_advantages(g.trajectories, config.gamma, config.turn_norm, config.scale_rewards) for g in groups]
 
 

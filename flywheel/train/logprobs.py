@@ -44,7 +44,9 @@ class _TokenLogProbs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logp: torch.Tensor, _grad_entropy: torch.Tensor | None):
         if ctx.consumed:
-            raise RuntimeError("token_logprobs: a second backward pass through the same graph (retain_graph) is not supported")
+            raise RuntimeError(
+                "token_logprobs: a second backward pass through the same graph (retain_graph) is not supported"
+            )
         ctx.consumed = True
         hidden, weight, targets, probs, logp, inverse_t = ctx.saved_tensors
         # d logp / d logits = onehot(target) - p. The probabilities become the gradient in place (they are not read

@@ -89,10 +89,16 @@ def policy_loss(
         loss = per_token.sum() / (batch_tokens or logp.numel())
 
     clipped = ((ratio < 1 - low) | (ratio > 1 + high)).float().mean()
-    return loss, {"clip_fraction": float(clipped), "kl": float(kl.detach().mean()), "ratio_mean": float(ratio.detach().mean())}
+    return loss, {
+        "clip_fraction": float(clipped),
+        "kl": float(kl.detach().mean()),
+        "ratio_mean": float(ratio.detach().mean()),
+    }
 
 
-def importance_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+def importance_weights(
+    old_logp: torch.Tensor, sampler_logp: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, dict[str, float]]:
     """TIS: min(pi_old / pi_sampler, cap) per token, 1 where the sampler's log-prob is unknown (NaN); and its
     metrics over the tokens that have one."""
     known = ~torch.isnan(sampler_logp)

@@ -64,8 +64,11 @@ def fuses_head(model: PreTrainedModel) -> bool:
 
 def _lora_config(settings: LoraSettings) -> LoraConfig:
     return LoraConfig(
-        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-        target_modules=settings.targets, task_type="CAUSAL_LM",
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=settings.targets,
+        task_type="CAUSAL_LM",
     )
 
 
@@ -80,7 +83,9 @@ def load_for_serving(model: PreTrainedModel, checkpoint: Checkpoint) -> None:
         fuse_lora_forward(model)
         unexpected = set_peft_model_state_dict(peft, checkpoint.weights).unexpected_keys
     if unexpected:
-        raise ValueError(f"checkpoint of step {checkpoint.state.step} does not match model {model.name_or_path}: {unexpected[:3]}")
+        raise ValueError(
+            f"checkpoint of step {checkpoint.state.step} does not match model {model.name_or_path}: {unexpected[:3]}"
+        )
     for p in model.parameters():
         p.data = p.data.to(model.dtype)
     model.requires_grad_(False)
@@ -189,7 +194,10 @@ class Trainer:
         from, softmax(logits / T), and the entropy there (a metric only)."""
         model = self.engine.model
         inputs = dict(
-            input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, kv_batch=PackedBatch(mb.lengths, mb.context)
+            input_ids=mb.input_ids,
+            position_ids=mb.position_ids,
+            use_cache=False,
+            kv_batch=PackedBatch(mb.lengths, mb.context),
         )
         with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             if self.fused_head:  # hidden states only at the positions that predict trained tokens: [K, d]
@@ -280,7 +288,12 @@ class Trainer:
         return metrics | {"skipped": 0.0, "train_seconds": time.perf_counter() - start}
 
     def _rl_update(
-        self, sequences: list[Sequence], config: TrainConfig, traj_tokens: list[int], n_trajectories: int, batch_tokens: int
+        self,
+        sequences: list[Sequence],
+        config: TrainConfig,
+        traj_tokens: list[int],
+        n_trajectories: int,
+        batch_tokens: int,
     ) -> dict[str, float]:
         batches = pack(sequences, config.micro_batch_tokens, self.engine.model.device)
         n_tokens = sum(len(mb.targets) for mb in batches)
@@ -297,7 +310,7 @@ class Trainer:
             # differently (other weights, another numeric path) is corrected by TIS: pi_old / pi_sampler, capped.
             olds: list[torch.Tensor | None] = [None] * len(batches)
             is_weights: list[torch.Tensor | None] = [None] * len(batches)
-            for epoch in range(config.epochs):
+            for _epoch in range(config.epochs):
                 loss_sum, entropy_sum, clip_sum, kl_sum = 0.0, 0.0, 0.0, 0.0
                 for i, mb in enumerate(batches):
                     logp, entropy = self._token_logprobs(mb)
@@ -307,12 +320,23 @@ class Trainer:
                         gap_sum += float((olds[i] - mb.sampler_logprobs)[known].abs().sum())
                         known_tokens += int(known.sum())
                         if config.importance_sampling_cap is not None:
-                            is_weights[i], s = importance_weights(olds[i], mb.sampler_logprobs, config.importance_sampling_cap)
+                            is_weights[i], s = importance_weights(
+                                olds[i], mb.sampler_logprobs, config.importance_sampling_cap
+                            )
                             for k, v in s.items():
                                 tis[k] = max(tis[k], v) if k == "ratio_max" else tis[k] + v
                     loss, s = policy_loss(
-                        logp, olds[i], mb.advantages, mb.seq, mb.n_seqs, config, ref_logp=refs[i], is_weight=is_weights[i],
-                        traj_tokens=tokens_of[mb.traj], n_trajectories=n_trajectories, batch_tokens=batch_tokens,
+                        logp,
+                        olds[i],
+                        mb.advantages,
+                        mb.seq,
+                        mb.n_seqs,
+                        config,
+                        ref_logp=refs[i],
+                        is_weight=is_weights[i],
+                        traj_tokens=tokens_of[mb.traj],
+                        n_trajectories=n_trajectories,
+                        batch_tokens=batch_tokens,
                     )
                     loss.backward()
                     self._accumulate()
@@ -323,7 +347,13 @@ class Trainer:
                     kl_sum += s["kl"] * w
                 grad_norm, stepped = self._apply(config.max_grad_norm, optimizer)
                 steps += stepped
-                stats = {"loss": loss_sum, "entropy": entropy_sum, "clip_fraction": clip_sum, "kl": kl_sum, "grad_norm": grad_norm}
+                stats = {
+                    "loss": loss_sum,
+                    "entropy": entropy_sum,
+                    "clip_fraction": clip_sum,
+                    "kl": kl_sum,
+                    "grad_norm": grad_norm,
+                }
         out = stats | {
             "tokens_trained": n_tokens,
             "sequences": len(sequences),
@@ -398,7 +428,10 @@ class Trainer:
     # ---- SFT ---------------------------------------------------------------------------------------------------
 
     def sft(
-        self, trajectories: list[Trajectory], config: SFTConfig, progress: Callable[[dict[str, float]], None] | None = None
+        self,
+        trajectories: list[Trajectory],
+        config: SFTConfig,
+        progress: Callable[[dict[str, float]], None] | None = None,
     ) -> list[dict[str, float]]:
         """Cross-entropy on assistant turns (sampled choices and assistant message dicts); one entry per optimizer
         step that changed the weights (a non-finite gradient skips its step, logged), also handed to ``progress``
@@ -408,7 +441,9 @@ class Trainer:
             for i in range(0, len(trajectories), config.batch_size):
                 chunk = trajectories[i : i + config.batch_size]
                 sequences = [
-                    s for t in chunk for s in trajectory_sequences(t, self.engine.tokenizer, train_message_dicts=True)
+                    s
+                    for t in chunk
+                    for s in trajectory_sequences(t, self.engine.tokenizer, train_message_dicts=True)
                     if any(s.trained[1:])
                 ]
                 if not sequences:
@@ -438,7 +473,12 @@ class Trainer:
                 self._accumulate()
                 loss_sum += float(loss.detach())
             grad_norm, stepped = self._apply(config.max_grad_norm, optimizer)
-        return {"loss": loss_sum, "grad_norm": grad_norm, "tokens_trained": n_tokens, "sequences": len(sequences)}, stepped
+        return {
+            "loss": loss_sum,
+            "grad_norm": grad_norm,
+            "tokens_trained": n_tokens,
+            "sequences": len(sequences),
+        }, stepped
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
 
@@ -477,7 +517,9 @@ class Trainer:
                             m.copy_(weights[name])
                             p.copy_(m)
             if unexpected:
-                raise ValueError(f"checkpoint of step {checkpoint.state.step} does not match this model's trained weights: {unexpected[:3]}")
+                raise ValueError(
+                    f"checkpoint of step {checkpoint.state.step} does not match this model's trained weights: {unexpected[:3]}"
+                )
         self.optimizer = None
         if checkpoint.optimizer is not None:
             self._optimizer(1e-5, 0.0).load_state_dict(checkpoint.optimizer)
