@@ -24,9 +24,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from examples.calculator import task
 from flywheel.agents import AIRConfig, Tool, ToolError, final_answer, run_agent
 from flywheel.backend import LocalBackend
+from flywheel.examples.calculator import task
 from flywheel.gather import gather_trajectory_groups
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.model import TrainableModel

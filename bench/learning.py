@@ -35,8 +35,8 @@ from blocks import report, run_child  # bench/blocks.py
 from credit import rollout, validate  # bench/credit.py: the calculator agent on run_agent, greedy validation
 from machine import describe  # bench/machine.py
 
-from examples.calculator import task
 from flywheel.backend import LocalBackend
+from flywheel.examples.calculator import task
 from flywheel.gather import gather_trajectory_groups
 from flywheel.inference.chat import render_prompt, to_default_format
 from flywheel.inference.loading import EMBEDDED_MODEL, resolve_model

@@ -29,8 +29,8 @@ import torch
 from blocks import report, run_child, summary  # bench/blocks.py
 from machine import describe  # bench/machine.py
 
-from examples.calculator.task import extract_answer, generate_problems
 from flywheel.backend import LocalBackend
+from flywheel.examples.calculator.task import extract_answer, generate_problems
 from flywheel.gather import gather_trajectory_groups
 from flywheel.inference.loading import EMBEDDED_MODEL, resolve_model
 from flywheel.model import TrainableModel

@@ -105,9 +105,9 @@ def demo(
 
 
 async def _demo(n_problems: int, group_size: int, level: int, base_model: str, seed: int) -> None:
-    from examples.calculator.agent import rollout
-    from examples.calculator.task import extract_answer, generate_problems
     from flywheel.backend import LocalBackend
+    from flywheel.examples.calculator.agent import rollout
+    from flywheel.examples.calculator.task import extract_answer, generate_problems
     from flywheel.gather import gather_trajectory_groups
     from flywheel.model import TrainableModel
     from flywheel.types import TrajectoryGroup, completion_token_count
@@ -173,7 +173,7 @@ def train(
     ] = True,
 ):
     """The main job: train the calculator agent (baseline, SFT warm start, GRPO, best checkpoint, report, plot)."""
-    from examples.calculator.train import JobConfig, run
+    from flywheel.examples.calculator.train import JobConfig, run
 
     config = JobConfig(
         base_model=model,

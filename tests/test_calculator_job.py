@@ -10,8 +10,8 @@ import sys
 
 from rich.console import Console
 
-from examples.calculator.task import generate_problems
-from examples.calculator.train import JobConfig, LevelCurriculum, plot, rl_rounds, run, wilson
+from flywheel.examples.calculator.task import generate_problems
+from flywheel.examples.calculator.train import JobConfig, LevelCurriculum, plot, rl_rounds, run, wilson
 from flywheel.train.config import SFTConfig
 from flywheel.types import Trajectory, TrajectoryGroup
 

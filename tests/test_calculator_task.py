@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from examples.calculator import (
+from flywheel.examples.calculator import (
     CALCULATOR_TOOL,
     LEVELS,
     SYSTEM_PROMPT,
@@ -53,7 +53,7 @@ def test_same_arguments_give_same_problems() -> None:
 def test_generation_does_not_depend_on_hash_randomisation() -> None:
     # Python salts str hashes per process; the problems must not change with it.
     code = (
-        "from examples.calculator import generate_problems; "
+        "from flywheel.examples.calculator import generate_problems; "
         "print([p.id for p in generate_problems('val', 20, levels=(1, 2, 3, 4), seed=5)])"
     )
     outputs = {

@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 
 import flywheel as art
-from examples.calculator.task import generate_problems
 from flywheel.agents import CurriculumConfig, ScenarioPool
+from flywheel.examples.calculator.task import generate_problems
 
 
 def pool(n: int = 6, **config) -> ScenarioPool[str]:

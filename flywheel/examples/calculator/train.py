@@ -18,9 +18,9 @@ from rich.console import Console
 from rich.table import Table
 from tqdm.auto import tqdm
 
-from examples.calculator.agent import rollout
-from examples.calculator.task import CALCULATOR_TOOL, Problem, demonstration, generate_problems
 from flywheel.backend import LocalBackend
+from flywheel.examples.calculator.agent import rollout
+from flywheel.examples.calculator.task import CALCULATOR_TOOL, Problem, demonstration, generate_problems
 from flywheel.gather import gather_trajectory_groups
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.model import TrainableModel

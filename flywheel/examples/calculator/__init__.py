@@ -1,6 +1,6 @@
 """Calculator word-problem task: problems, tool, prompt, reward and SFT demonstrations."""
 
-from examples.calculator.task import (
+from flywheel.examples.calculator.task import (
     CALCULATOR_TOOL,
     LEVELS,
     SYSTEM_PROMPT,

@@ -6,7 +6,14 @@ import json
 
 from openai import AsyncOpenAI
 
-from examples.calculator.task import CALCULATOR_TOOL, SYSTEM_PROMPT, Problem, calculator, extract_answer, reward
+from flywheel.examples.calculator.task import (
+    CALCULATOR_TOOL,
+    SYSTEM_PROMPT,
+    Problem,
+    calculator,
+    extract_answer,
+    reward,
+)
 from flywheel.model import Model
 from flywheel.types import Trajectory
 

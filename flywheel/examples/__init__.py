@@ -1,0 +1,1 @@
+"""Runnable examples shipped with the package; the CLI runs them (``flywheel train``, ``flywheel demo``)."""
