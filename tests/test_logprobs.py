@@ -64,7 +64,7 @@ def test_trainer_log_probs_and_adapter_gradients_match_the_logits_path(tokenizer
     log-probs from the model's own logits, on a packed micro-batch."""
     from flywheel.inference.engine import InferenceEngine
     from flywheel.inference.loading import load_model
-    from flywheel.train.batch import Sequence, pack
+    from flywheel.train.batch import TrainingSequence, pack
     from flywheel.train.trainer import Trainer
 
     model, tok, _ = load_model(EMBEDDED_MODEL, dtype=dtype)
@@ -79,7 +79,9 @@ def test_trainer_log_probs_and_adapter_gradients_match_the_logits_path(tokenizer
             trainer._adopt_params()  # the fp32 masters (what an update trains from) take the new values
         prompt = tokenizer.encode("Question: what is 2+3? Answer:")
         seqs = [
-            Sequence(tokens=prompt + (a := tokenizer.encode(text)), trained=[False] * len(prompt) + [True] * len(a))
+            TrainingSequence(
+                tokens=prompt + (a := tokenizer.encode(text)), trained=[False] * len(prompt) + [True] * len(a)
+            )
             for text in (" 5, because two plus three is five.", " Five.", " It is 6.")
         ]
         (mb,) = pack(seqs, max_tokens=4096)

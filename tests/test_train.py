@@ -315,7 +315,7 @@ async def test_packed_rows_with_shared_prompts_give_the_same_log_probs(fp32_engi
     its sequence alone."""
     from flywheel.inference.chat import render_prompt
     from flywheel.inference.kv_attention import PackedBatch
-    from flywheel.train.batch import Sequence, _micro_batch, families, pack
+    from flywheel.train.batch import TrainingSequence, _micro_batch, families, pack
 
     system = {"role": "system", "content": "Be brief."}  # too short to share across the groups
     seqs, prompt_lengths = [], []
@@ -328,7 +328,7 @@ async def test_packed_rows_with_shared_prompts_give_the_same_log_probs(fp32_engi
         prompt_lengths.append(len(prompt))
         for a in answers:
             answer = tokenizer.encode(a, add_special_tokens=False) + [tokenizer.eos_token_id]
-            seqs.append(Sequence(tokens=prompt + answer, trained=[False] * len(prompt) + [True] * len(answer)))
+            seqs.append(TrainingSequence(tokens=prompt + answer, trained=[False] * len(prompt) + [True] * len(answer)))
     for i, s in enumerate(seqs):
         s.index = i
     groups = families(seqs)
@@ -368,10 +368,10 @@ async def test_packed_rows_with_shared_prompts_give_the_same_log_probs(fp32_engi
 
 
 def test_families_share_the_longest_prefixes_and_split_to_fit_rows():
-    from flywheel.train.batch import MIN_SHARED_PREFIX, Sequence, families, pack
+    from flywheel.train.batch import MIN_SHARED_PREFIX, TrainingSequence, families, pack
 
-    def seq(tokens: list[int]) -> Sequence:
-        return Sequence(tokens=tokens, trained=[False] * (len(tokens) - 1) + [True])
+    def seq(tokens: list[int]) -> TrainingSequence:
+        return TrainingSequence(tokens=tokens, trained=[False] * (len(tokens) - 1) + [True])
 
     common = list(range(1000, 1000 + MIN_SHARED_PREFIX))  # a system prompt every sequence has
     a, b = common + list(range(100)), common + list(range(200, 300))
@@ -389,7 +389,7 @@ def test_families_share_the_longest_prefixes_and_split_to_fit_rows():
 def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradients(tokenizer):
     from flywheel.inference.engine import InferenceEngine
     from flywheel.inference.loading import load_model
-    from flywheel.train.batch import Sequence, _micro_batch
+    from flywheel.train.batch import TrainingSequence, _micro_batch
     from flywheel.train.trainer import Trainer
 
     model, tok, _ = load_model(EMBEDDED_MODEL, dtype=torch.float32)
@@ -402,7 +402,7 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradients(t
                     p.normal_(std=0.02)
             trainer._adopt_params()  # the fp32 masters (what an update trains from) take the new values
         tokens = tokenizer.encode("Question: what is 2+3? Answer: 5, because two plus three is five.")
-        mb = _micro_batch([(0, [Sequence(tokens=tokens, trained=[False] * 6 + [True] * (len(tokens) - 6))])])
+        mb = _micro_batch([(0, [TrainingSequence(tokens=tokens, trained=[False] * 6 + [True] * (len(tokens) - 6))])])
         # HF checkpoints a layer's forward inside its hooks, and the recompute stops once it has what backward
         # needs, so count entries into a module within the layer
         calls = []
@@ -556,11 +556,11 @@ def test_fused_lora_training_forward_gives_peft_gradients_and_leaves_dropout_to_
 
     from flywheel.inference.engine import InferenceEngine
     from flywheel.inference.loading import load_model
-    from flywheel.train.batch import Sequence, pack
+    from flywheel.train.batch import TrainingSequence, pack
     from flywheel.train.trainer import Trainer
 
     tokens = tokenizer.encode("Question: what is 2+3? Answer: 5, because two plus three is five.")
-    (mb,) = pack([Sequence(tokens=tokens, trained=[False] * 6 + [True] * (len(tokens) - 6))], max_tokens=4096)
+    (mb,) = pack([TrainingSequence(tokens=tokens, trained=[False] * 6 + [True] * (len(tokens) - 6))], max_tokens=4096)
 
     def gradients(trainer: Trainer) -> torch.Tensor:
         with trainer._training_mode(False):

@@ -25,7 +25,10 @@ NO_LOGPROB = math.nan  # a sampled token whose sampler log-prob is unknown (or a
 
 
 @dataclass
-class Sequence:
+class TrainingSequence:
+    """One rendered token sequence of a trajectory (one turn, or consecutive turns that extend each other) with
+    what trains on it: the trained-token mask, the sampler's log-probs and temperatures, the advantage(s)."""
+
     tokens: list[int]
     trained: list[bool]  # trained[t]: token t is a sampled token whose log-prob trains
     sampler_logprobs: list[float] = field(default_factory=list)  # per token, NaN where unknown; [] if none known
@@ -53,7 +56,7 @@ class MicroBatch:
     inverse_t: torch.Tensor | None  # [K] fp32, 1 / each token's sampling temperature; None when all are 1
     advantages: torch.Tensor  # [K]
     seq: torch.Tensor  # [K] sequence index within this micro-batch
-    traj: torch.Tensor  # [K] trajectory index of each token (Sequence.trajectory)
+    traj: torch.Tensor  # [K] trajectory index of each token (TrainingSequence.trajectory)
     n_seqs: int
     seq_ids: list[int] = field(default_factory=list)  # batch-level sequence indices
 
@@ -80,7 +83,7 @@ def assistant_turn_tokens(
 
 
 def _append_turn(
-    sequences: list[Sequence],
+    sequences: list[TrainingSequence],
     prompt: list[int],
     completion: list[int],
     logprobs: list[float] | None,
@@ -91,7 +94,7 @@ def _append_turn(
     if last is not None and prompt[: len(last.tokens)] == last.tokens:
         context = prompt[len(last.tokens) :]
     else:
-        last, context = Sequence(tokens=[], trained=[]), prompt
+        last, context = TrainingSequence(tokens=[], trained=[]), prompt
         sequences.append(last)
     last.tokens += context + completion
     last.trained += [False] * len(context) + [True] * len(completion)
@@ -102,10 +105,10 @@ def _append_turn(
 
 def history_sequences(
     history: History, tokenizer: PreTrainedTokenizerBase, *, train_message_dicts: bool = False, first_turn: int = 0
-) -> list[Sequence]:
+) -> list[TrainingSequence]:
     """Sequences of one conversation. ``train_message_dicts`` (SFT) also trains assistant message dicts.
     Sampled turns are numbered from ``first_turn`` on."""
-    sequences: list[Sequence] = []
+    sequences: list[TrainingSequence] = []
     context: list[dict] = []
     turn = first_turn
     for item in history.messages_and_choices:
@@ -128,9 +131,9 @@ def trajectory_sequences(
     advantage: float | list[float] = 0.0,
     *,
     train_message_dicts: bool = False,
-) -> list[Sequence]:
+) -> list[TrainingSequence]:
     """``advantage``: one for the whole trajectory, or one per sampled turn (main history, then additional ones)."""
-    sequences: list[Sequence] = []
+    sequences: list[TrainingSequence] = []
     turns = 0
     for history in [traj, *traj.additional_histories]:
         sequences += history_sequences(history, tokenizer, train_message_dicts=train_message_dicts, first_turn=turns)
@@ -150,10 +153,10 @@ def trajectory_sequences(
 
 MIN_SHARED_PREFIX = 32  # below this, sharing is not worth the extra segment
 
-Family = tuple[int, list[Sequence]]  # (shared prefix length, sequences starting with it); 0: none shared
+Family = tuple[int, list[TrainingSequence]]  # (shared prefix length, sequences starting with it); 0: none shared
 
 
-def families(sequences: list[Sequence]) -> list[Family]:
+def families(sequences: list[TrainingSequence]) -> list[Family]:
     """Sequences grouped by the prefix they share (the prompt of a group of rollouts), choosing the grouping that
     stores the fewest prefix tokens: sorted by tokens, sequences sharing a prefix are neighbours, and a dynamic
     programme splits that order where one long shared prompt per group saves more than a short one for all
@@ -199,7 +202,7 @@ def _size(family: Family) -> int:
     return prefix + sum(len(s.tokens) - prefix for s in members)
 
 
-def pack(sequences: list[Sequence], max_tokens: int, device: torch.device | str = "cpu") -> list[MicroBatch]:
+def pack(sequences: list[TrainingSequence], max_tokens: int, device: torch.device | str = "cpu") -> list[MicroBatch]:
     """First-fit-decreasing packing into rows of at most ``max_tokens`` (a longer sequence gets its own row).
     Sequences that share a prefix (the prompt of a group of rollouts) keep it once per row (``families``).
     The tensors are made on ``device`` (the model's)."""

@@ -23,7 +23,7 @@ from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.kv_attention import PackedBatch
 from flywheel.inference.lora import fuse_lora_forward
 from flywheel.runs import Checkpoint, CheckpointState
-from flywheel.train.batch import MicroBatch, Sequence, pack, trajectory_sequences
+from flywheel.train.batch import MicroBatch, TrainingSequence, pack, trajectory_sequences
 from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
 from flywheel.train.credit import credit_advantages, has_signal, total_reward
 from flywheel.train.logprobs import token_logprobs
@@ -262,7 +262,7 @@ class Trainer:
         # DAPO/CISPO's token mean over the groups that train (all of them when the KL term gives every token a
         # gradient). Trajectories whose advantage is zero are not computed unless the KL term needs them.
         counted = groups if config.beta > 0 else usable
-        sequences: list[Sequence] = []
+        sequences: list[TrainingSequence] = []
         traj_tokens: list[int] = []
         batch_tokens = 0
         for g in counted:
@@ -289,7 +289,7 @@ class Trainer:
 
     def _rl_update(
         self,
-        sequences: list[Sequence],
+        sequences: list[TrainingSequence],
         config: TrainConfig,
         traj_tokens: list[int],
         n_trajectories: int,
@@ -458,7 +458,7 @@ class Trainer:
                         progress(history[-1])
         return history
 
-    def _sft_update(self, sequences: list[Sequence], config: SFTConfig) -> tuple[dict[str, float], bool]:
+    def _sft_update(self, sequences: list[TrainingSequence], config: SFTConfig) -> tuple[dict[str, float], bool]:
         for s in sequences:  # SFT's targets are the model's own distribution (T = 1)
             s.temperature = []
         batches = pack(sequences, config.micro_batch_tokens, self.engine.model.device)
