@@ -401,7 +401,7 @@ async def test_score_model_sends_rendered_prompt_schema_and_sampling(judge):
     )
     assert "a number from 0 to 1" in request["messages"][0]["content"]
     assert request["messages"][1] == {"role": "user", "content": "Reference: Paris\nAnswer: Paris"}
-    # the scripted judge listens on 127.0.0.1, so it gets the bounded schema of a self-hosted judge
+    # the scripted judge listens on 127.0.0.1, so it gets the bounded schema of a local judge
     schema = request["response_format"]["json_schema"]["schema"]
     assert schema["properties"]["result"] == {"type": "number", "enum": score_grid(0, 1)}
     steps = schema["properties"]["steps"]

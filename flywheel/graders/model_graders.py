@@ -72,10 +72,10 @@ def _sampling(grader: ScoreModelGrader) -> dict[str, Any]:
     return {key: value for key, value in kwargs.items() if value is not None}
 
 
-def _steps_schema(local: bool, max_tokens: int | None) -> dict[str, Any]:
+def _steps_schema(local_judge: bool, max_tokens: int | None) -> dict[str, Any]:
     text: dict[str, Any] = {"type": "string"}
     steps: dict[str, Any] = {"type": "array"}
-    if local:  # 2 strings per step, a character at most a token, ~48 tokens of JSON around them
+    if local_judge:  # 2 strings per step, a character at most a token, ~48 tokens of JSON around them
         budget = LOCAL_STEP_CHARS if max_tokens is None else (int(max_tokens) - 48) // (2 * LOCAL_MAX_STEPS)
         text["maxLength"] = max(8, min(LOCAL_STEP_CHARS, budget))
         steps["maxItems"] = LOCAL_MAX_STEPS
@@ -89,19 +89,20 @@ def _steps_schema(local: bool, max_tokens: int | None) -> dict[str, Any]:
 
 
 def score_grid(low: float, high: float) -> list[float]:
-    """The scores a self-hosted judge may give: ~100 to ~1,000 round numbers from low to high (a step of
-    1/100 of the range's order of magnitude: 0.01 for [0, 1] or [1, 5], 0.1 for [0, 10]), both ends included."""
+    """The scores a local judge (``is_local_judge``) may give: ~100 to ~1,000 round numbers from low to high (a
+    step of 1/100 of the range's order of magnitude: 0.01 for [0, 1] or [1, 5], 0.1 for [0, 10]), both ends
+    included."""
     step = 10.0 ** math.floor(math.log10(high - low)) / 100 if high > low else 1.0
     decimals = max(0, -math.floor(math.log10(step)))
     count = math.floor((high - low) / step + 1e-9)
     return sorted({round(low + i * step, decimals) for i in range(count + 1)} | {low, high})
 
 
-def _response_format(name: str, result: dict[str, Any], kwargs: dict[str, Any], local: bool) -> dict[str, Any]:
+def _response_format(name: str, result: dict[str, Any], kwargs: dict[str, Any], local_judge: bool) -> dict[str, Any]:
     max_tokens = kwargs.get("max_tokens") or kwargs.get("max_completion_tokens")
     schema = {
         "type": "object",
-        "properties": {"steps": _steps_schema(local, max_tokens), "result": result},
+        "properties": {"steps": _steps_schema(local_judge, max_tokens), "result": result},
         "required": ["steps", "result"],
         "additionalProperties": False,
     }
@@ -158,11 +159,11 @@ async def score_model(
         f"where steps is your reasoning and result your score, a number from {low:g} to {high:g}."
     )
     model, kwargs = judge.model or grader.model, _sampling(grader) | judge.params
-    local = is_local_judge(model, judge.params)
+    local_judge = is_local_judge(model, judge.params)
     result_schema: dict[str, Any] = {"type": "number", "minimum": low, "maximum": high}
-    if local:  # digits could otherwise run on forever
+    if local_judge:  # digits could otherwise run on forever
         result_schema = {"type": "number", "enum": score_grid(low, high)}
-    kwargs["response_format"] = _response_format("score", result_schema, kwargs, local)
+    kwargs["response_format"] = _response_format("score", result_schema, kwargs, local_judge)
     answer, details = await _ask(model, _messages(grader, namespaces, instruction), kwargs)
     result = answer["result"]
     if isinstance(result, bool) or not isinstance(result, (int, float)) or not math.isfinite(result):

@@ -18,7 +18,7 @@ Messages are rendered as readable text: ``[role]`` headers, tool calls as ``name
 with the id of the call they answer, and tool definitions as ``name(arg: type, ...)`` lines with descriptions.
 
 The judge must answer ``{"scores": [{"trajectory_id", "explanation", "score"}]}``. The response format sent
-narrows that schema to this group (its ids, exactly one entry each); for a self-hosted judge (``is_local_judge``)
+narrows that schema to this group (its ids, exactly one entry each); for a local judge (``is_local_judge``)
 it also pins each entry to its id, bounds scores to [0, 1], caps explanations and the answer's length, so that a
 judge behind a server with constrained decoding (``flywheel serve``, vLLM, Ollama) cannot answer anything else,
 however small it is. Answers are validated with pydantic; a wrong set of ids or unparseable JSON gets one repair request that says what was wrong, then fails.
@@ -211,7 +211,7 @@ def build_request(
     *,
     dedupe_prefix: bool = True,
     max_explanation_chars: int | None = None,
-    self_hosted: bool = False,
+    local_judge: bool = False,
 ) -> JudgeRequest:
     """The judge prompt for a group. ``dedupe_prefix=False`` repeats shared messages in every trajectory (only
     for measuring what de-duplication saves). See ``_response_format`` for the other two."""
@@ -235,15 +235,15 @@ def build_request(
         parts.append(f'<trajectory id="{tid}">\n{body}\n</trajectory>')
     system = _INSTRUCTIONS.format(rubric=rubric.strip(), ids=", ".join(f'"{i}"' for i in ids))
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
-    response_format = _response_format(ids, max_explanation_chars, self_hosted)
+    response_format = _response_format(ids, max_explanation_chars, local_judge)
     return JudgeRequest(messages=messages, ids=ids, assignment=assignment, response_format=response_format)
 
 
-def _response_format(ids: list[str], max_explanation_chars: int | None, self_hosted: bool) -> dict[str, Any]:
-    """JudgeResponse's JSON schema, narrowed to this group: its ids, one entry each. For a ``self_hosted``
-    judge it also pins entry k to id k (``prefixItems``) and scores to hundredths in [0, 1], which a constrained decoder
-    then enforces, so that even a tiny judge cannot repeat or skip an id; ``max_explanation_chars`` caps
-    explanations (``maxLength``). Hosted APIs accept only a subset of JSON Schema in strict mode, hence the
+def _response_format(ids: list[str], max_explanation_chars: int | None, local_judge: bool) -> dict[str, Any]:
+    """JudgeResponse's JSON schema, narrowed to this group: its ids, one entry each. For a local judge
+    (``is_local_judge``) it also pins entry k to id k (``prefixItems``) and scores to hundredths in [0, 1], which
+    a constrained decoder then enforces, so that even a tiny judge cannot repeat or skip an id;
+    ``max_explanation_chars`` caps explanations (``maxLength``). Hosted APIs accept only a subset of JSON Schema in strict mode, hence the
     plainer schema for them."""
     explanation: dict[str, Any] = {"type": "string"}
     if max_explanation_chars is not None:
@@ -258,9 +258,9 @@ def _response_format(ids: list[str], max_explanation_chars: int | None, self_hos
         }
 
     # a bounded number (0, 0.01, ..., 1 as an enum), not merely [0, 1]: digits could otherwise run on forever
-    score: dict[str, Any] = {"type": "number"} | ({"enum": _SCORE_STEPS} if self_hosted else {})
+    score: dict[str, Any] = {"type": "number"} | ({"enum": _SCORE_STEPS} if local_judge else {})
     scores: dict[str, Any] = {"type": "array", "minItems": len(ids), "maxItems": len(ids)}
-    if self_hosted:
+    if local_judge:
         scores |= {"prefixItems": [entry({"type": "string", "const": i}) for i in ids], "items": False}
     else:
         scores["items"] = entry({"type": "string", "enum": ids})
@@ -272,8 +272,11 @@ def _response_format(ids: list[str], max_explanation_chars: int | None, self_hos
 
 
 def is_local_judge(judge_model: str, extra_litellm_params: dict[str, Any] | None) -> bool:
-    """A self-hosted judge: a local provider, or any provider pointed at a loopback ``api_base`` (in the params,
-    or for ``openai/`` models in LiteLLM's ``OPENAI_BASE_URL`` / ``OPENAI_API_BASE`` environment variables)."""
+    """A local judge: one the user runs (a local provider, or any provider pointed at a loopback ``api_base``, in
+    the params or for ``openai/`` models in LiteLLM's ``OPENAI_BASE_URL`` / ``OPENAI_API_BASE`` environment
+    variables), such as ``flywheel serve``, rather than a hosted API. Its server is taken to decode under the full
+    JSON schema, so it gets the strict, bounded one, and by default (``max_explanation_chars="auto"``) its
+    explanations are capped: a small model might otherwise write on until its token budget runs out."""
     params = extra_litellm_params or {}
     base = params.get("api_base") or params.get("base_url")
     if base is None and judge_model.startswith("openai/"):
@@ -412,10 +415,10 @@ async def _cached(operation: Awaitable[str | None], cache: JudgeCache) -> str | 
         return None
 
 
-def _auto_explanation_chars(local: bool, n: int, max_tokens: int | None) -> int | None:
+def _auto_explanation_chars(local_judge: bool, n: int, max_tokens: int | None) -> int | None:
     """Hosted judges write freely; a local one is capped so that n guided explanations fit the token budget
     (a character is at most a token; ~40 tokens of JSON around each), else the JSON would be cut off."""
-    if not local:
+    if not local_judge:
         return None
     if max_tokens is None:
         return LOCAL_EXPLANATION_CHARS
@@ -437,13 +440,13 @@ async def _score(
     """One score per candidate, in input order (identical candidates share theirs)."""
     if not candidates:
         return []
-    local = is_local_judge(judge_model, extra_litellm_params)
+    local_judge = is_local_judge(judge_model, extra_litellm_params)
     if max_explanation_chars == "auto":
         max_explanation_chars = _auto_explanation_chars(
-            local, len(candidates), (extra_litellm_params or {}).get("max_tokens")
+            local_judge, len(candidates), (extra_litellm_params or {}).get("max_tokens")
         )
-    request = build_request(candidates, rubric, max_explanation_chars=max_explanation_chars, self_hosted=local)
-    if local and max_explanation_chars is not None and "max_tokens" not in (extra_litellm_params or {}):
+    request = build_request(candidates, rubric, max_explanation_chars=max_explanation_chars, local_judge=local_judge)
+    if local_judge and max_explanation_chars is not None and "max_tokens" not in (extra_litellm_params or {}):
         # a bound on a runaway answer (a small model may write digits forever): a token per character at worst
         budget = len(request.ids) * (max_explanation_chars + 64) + 32
         extra_litellm_params = {**(extra_litellm_params or {}), "max_tokens": budget}
