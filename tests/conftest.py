@@ -3,6 +3,7 @@ closing section that lists what the run did not check (skipped tests, by reason)
 
 from __future__ import annotations
 
+import openai
 import pytest
 import pytest_asyncio
 
@@ -28,6 +29,20 @@ def engine(backend: LocalBackend) -> InferenceEngine:
 @pytest.fixture(scope="session")
 def tokenizer(engine: InferenceEngine):
     return engine.tokenizer
+
+
+@pytest.fixture
+def client(backend: LocalBackend) -> openai.AsyncOpenAI:
+    """The openai SDK on the session's server."""
+    return openai.AsyncOpenAI(base_url=backend.base_url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+async def fresh_backend(tmp_path):
+    """A backend of the test's own (its own home directory), closed after it."""
+    backend = LocalBackend(path=tmp_path)
+    yield backend
+    await backend.close()
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

@@ -11,17 +11,9 @@ import sys
 from rich.console import Console
 
 from flywheel.examples.calculator.task import generate_problems
-from flywheel.examples.calculator.train import JobConfig, LevelCurriculum, plot, rl_rounds, run, wilson
+from flywheel.examples.calculator.train import JobConfig, LevelCurriculum, plot, rl_rounds, run
 from flywheel.train.config import SFTConfig
 from flywheel.types import Trajectory, TrajectoryGroup
-
-
-def test_wilson_interval():
-    assert wilson(0, 0) == (0.0, 0.0)
-    lo, hi = wilson(50, 100)
-    assert round(lo, 3) == 0.404 and round(hi, 3) == 0.596
-    lo, hi = wilson(0, 40)
-    assert lo == 0.0 and 0.08 < hi < 0.09
 
 
 def test_level_curriculum_favours_mixed_levels_and_uses_each_problem_once():

@@ -128,13 +128,6 @@ def test_abandon_after_archives_the_later_branch(tmp_path):
 # ---- with the real model ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def fresh_backend(tmp_path):
-    backend = art.LocalBackend(path=tmp_path)
-    yield backend
-    await backend.close()
-
-
 async def sample_groups(model: art.TrainableModel) -> list[art.TrajectoryGroup]:
     """2 groups x 2 short real rollouts; rewards differ inside each group, so every step trains."""
     client = model.openai_client()

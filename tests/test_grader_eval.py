@@ -114,6 +114,14 @@ def test_eval_refuses_bad_inputs_before_loading_a_model(files):
     assert result.exit_code == 1 and "rows.jsonl:1: 'messages' must be a non-empty list" in result.output
 
 
+def test_wilson_interval():
+    assert wilson(0, 0) == (0.0, 0.0)
+    lo, hi = wilson(50, 100)
+    assert round(lo, 3) == 0.404 and round(hi, 3) == 0.596
+    lo, hi = wilson(0, 40)
+    assert lo == 0.0 and 0.08 < hi < 0.09
+
+
 def test_intervals_and_model_specs():
     low, high = wilson(0, 3)
     assert low == 0.0 and high == pytest.approx(0.5615, abs=1e-4)

@@ -33,11 +33,6 @@ class Verdict(BaseModel):
     confidence: float = Field(ge=0, le=1)
 
 
-@pytest.fixture
-def client(backend: LocalBackend) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=backend.base_url, api_key="unused", max_retries=0)
-
-
 def _schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
 

@@ -10,6 +10,8 @@ from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.train.config import LoraSettings
 from flywheel.train.logprobs import CHUNK, token_logprobs
 
+from helpers import lora_b_off_zero
+
 
 def plain(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logp_all = torch.log_softmax((hidden @ weight.T).float(), dim=-1)
@@ -72,11 +74,7 @@ def test_trainer_log_probs_and_adapter_gradients_match_the_logits_path(tokenizer
     try:
         trainer = Trainer(engine, LoraSettings(rank=4))
         assert trainer.fused_head
-        with torch.no_grad():  # adapters away from their zero init, so every adapter weight gets a gradient
-            for name, p in zip(trainer.names, trainer.params):
-                if "lora_B" in name:
-                    p.normal_(std=0.02)
-            trainer._adopt_params()  # the fp32 masters (what an update trains from) take the new values
+        lora_b_off_zero(trainer, std=0.02)  # so every adapter weight gets a gradient
         prompt = tokenizer.encode("Question: what is 2+3? Answer:")
         seqs = [
             TrainingSequence(

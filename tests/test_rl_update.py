@@ -23,6 +23,8 @@ from flywheel.train.credit import set_turn_rewards
 from flywheel.train.trainer import Trainer, lr_multiplier
 from flywheel.types import set_sampled_tokens
 
+from helpers import lora_b_off_zero
+
 QUESTIONS = ["Name three fruits.", "Name a colour and an animal."]
 
 
@@ -240,11 +242,7 @@ def _restart(trainer: Trainer, masters: list[torch.Tensor]) -> None:
 
 async def test_knobs_do_what_they_say_micro_batches_grad_norm_weight_decay_epochs(trainer: Trainer):
     gathered = await groups(trainer.engine)
-    with torch.no_grad():  # B away from zero, so that weight decay has something to decay everywhere
-        for name, p in zip(trainer.names, trainer.params):
-            if "lora_B" in name:
-                p.normal_(std=0.01, generator=torch.Generator().manual_seed(len(name)))
-    trainer._adopt_params()
+    lora_b_off_zero(trainer, std=0.01, seeded=True)  # so that weight decay has something to decay everywhere
     start = [m.detach().clone() for m in trainer.master]
 
     def after(config: TrainConfig) -> tuple[list[torch.Tensor], dict]:

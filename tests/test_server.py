@@ -8,16 +8,10 @@ import httpx
 import openai
 import pytest
 
-from flywheel.backend import LocalBackend
 from flywheel.inference.loading import EMBEDDED_MODEL
 
 MODEL = EMBEDDED_MODEL
 MESSAGES = [{"role": "user", "content": "List the days of the week."}]
-
-
-@pytest.fixture
-def client(backend: LocalBackend) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=backend.base_url, api_key="unused", max_retries=0)
 
 
 async def test_models_lists_the_served_model(client):

@@ -11,7 +11,6 @@ import jsonschema
 import openai
 import pytest
 
-from flywheel.backend import LocalBackend
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.loading import EMBEDDED_MODEL, load_model
 from flywheel.inference.registry import ModelRegistry
@@ -43,11 +42,6 @@ WEATHER = {
 }
 SCHEMAS = {"calculator": CALCULATOR_PARAMS, "get_weather": WEATHER_PARAMS}
 MESSAGES = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "What is 17 * 23?"}]
-
-
-@pytest.fixture
-def client(backend: LocalBackend) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=backend.base_url, api_key="unused", max_retries=0)
 
 
 def assert_valid_call(call, name: str | None = None) -> None:

@@ -13,7 +13,6 @@ from typing import NamedTuple
 import openai
 import pytest
 import torch
-from openai.types.chat import ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice
 
 import flywheel as art
@@ -21,13 +20,9 @@ from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.train.batch import pack, trajectory_sequences
 from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
 
+from helpers import lora_b_off_zero, sampled
+
 SYSTEM = {"role": "system", "content": "You answer with one word."}
-
-
-def sampled(text: str, prompt: list[int], tokens: list[int]) -> Choice:
-    c = Choice(finish_reason="stop", index=0, message=ChatCompletionMessage(role="assistant", content=text))
-    c.prompt_token_ids, c.token_ids = prompt, tokens
-    return c
 
 
 def test_multi_turn_masking_trains_only_sampled_tokens(tokenizer):
@@ -67,13 +62,6 @@ def test_assistant_message_dicts_are_context_for_rl_but_trained_by_sft(tokenizer
     (seq,) = trajectory_sequences(traj, tokenizer, train_message_dicts=True)
     trained = [t for t, m in zip(seq.tokens, seq.trained) if m]
     assert tokenizer.decode(trained) == "Blue<|im_end|>"
-
-
-@pytest.fixture
-async def fresh_backend(tmp_path):
-    backend = art.LocalBackend(path=tmp_path)
-    yield backend
-    await backend.close()
 
 
 async def sample_groups(model: art.TrainableModel, n_groups: int = 2, size: int = 4) -> list[art.TrajectoryGroup]:
@@ -396,11 +384,7 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradients(t
     engine = InferenceEngine(model, tok)
     try:
         trainer = Trainer(engine, LoraSettings(rank=4))
-        with torch.no_grad():  # adapters away from their zero init, so every adapter weight gets a gradient
-            for name, p in zip(trainer.names, trainer.params):
-                if "lora_B" in name:
-                    p.normal_(std=0.02)
-            trainer._adopt_params()  # the fp32 masters (what an update trains from) take the new values
+        lora_b_off_zero(trainer, std=0.02)  # so every adapter weight gets a gradient
         tokens = tokenizer.encode("Question: what is 2+3? Answer: 5, because two plus three is five.")
         mb = _micro_batch([(0, [TrainingSequence(tokens=tokens, trained=[False] * 6 + [True] * (len(tokens) - 6))])])
         # HF checkpoints a layer's forward inside its hooks, and the recompute stops once it has what backward
@@ -583,11 +567,7 @@ def test_fused_lora_training_forward_gives_peft_gradients_and_leaves_dropout_to_
             dropped = []
             for m in layers:
                 m.lora_dropout["default"].register_forward_hook(lambda *_: dropped.append(1))
-            with torch.no_grad():  # adapters away from their zero init, so every adapter weight gets a gradient
-                for name, p in zip(trainer.names, trainer.params):
-                    if "lora_B" in name:
-                        p.normal_(std=0.02, generator=torch.Generator().manual_seed(len(name)))
-                trainer._adopt_params()  # the fp32 masters (what an update trains from) take the new values
+            lora_b_off_zero(trainer, std=0.02, seeded=True)  # so every adapter weight gets a gradient
             if dropout:  # peft's forward runs, with its dropout
                 gradients(trainer)
                 assert len(dropped) == len(layers)

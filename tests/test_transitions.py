@@ -6,12 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from openai.types.chat import ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice
-from openai.types.chat.chat_completion_message_function_tool_call import (
-    ChatCompletionMessageFunctionToolCall,
-    Function,
-)
 from typer.testing import CliRunner
 
 import flywheel as art
@@ -19,28 +14,9 @@ from flywheel.agents import Transition, from_transitions, read_transitions, to_t
 from flywheel.cli import app
 from flywheel.train.credit import set_turn_rewards, turn_rewards
 
+from helpers import sampled
+
 TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
-
-
-def sampled(content: str | None, prompt: list[int], tokens: list[int], call: str | None = None) -> Choice:
-    calls = (
-        [
-            ChatCompletionMessageFunctionToolCall(
-                id=call, type="function", function=Function(name="calc", arguments='{"e": "2+3"}')
-            )
-        ]
-        if call
-        else None
-    )
-    choice = Choice(
-        index=0,
-        finish_reason="tool_calls" if call else "stop",
-        message=ChatCompletionMessage(role="assistant", content=content, tool_calls=calls),
-    )
-    choice.prompt_token_ids, choice.token_ids = prompt, tokens
-    if call:
-        choice.tool_statuses = ["ok"]
-    return choice
 
 
 def agent_episode(reward: float = 1.0) -> art.Trajectory:

@@ -31,6 +31,13 @@ class CurriculumConfig(BaseModel):
     seed: int = 0
 
 
+def mixed_outcome_weight(successes: float, attempts: int) -> float:
+    """The sampling weight p (1 - p), p the success rate's posterior mean under a uniform prior ((successes + 1) /
+    (attempts + 2): 0.5 with no attempts, never exactly 0 or 1): 0.25 untried, highest for mixed outcomes."""
+    p = (successes + 1) / (attempts + 2)
+    return p * (1 - p)
+
+
 class ScenarioStats(BaseModel):
     groups: list[tuple[int, int]] = []  # (successes, attempts) of each recent group, oldest first
     last_step: int | None = None
@@ -38,11 +45,9 @@ class ScenarioStats(BaseModel):
     retired_at: int | None = None
 
     @property
-    def success_rate(self) -> float:
-        """Posterior mean under a uniform prior: 0.5 for an unseen scenario, never exactly 0 or 1."""
-        successes = sum(s for s, _ in self.groups)
-        attempts = sum(n for _, n in self.groups)
-        return (successes + 1) / (attempts + 2)
+    def weight(self) -> float:
+        """``mixed_outcome_weight`` of the recent groups' successes and attempts."""
+        return mixed_outcome_weight(sum(s for s, _ in self.groups), sum(n for _, n in self.groups))
 
 
 class PoolState(BaseModel):
@@ -84,7 +89,7 @@ class ScenarioPool(Generic[S]):
         ids = self.active()
         if not ids:
             return []
-        weights = np.array([self.stats[k].success_rate * (1 - self.stats[k].success_rate) for k in ids])
+        weights = np.array([self.stats[k].weight for k in ids])
         chosen = self._rng.choice(len(ids), size=min(n, len(ids)), replace=False, p=weights / weights.sum())
         return [self.scenarios[ids[i]] for i in chosen]
 

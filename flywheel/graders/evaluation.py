@@ -44,7 +44,9 @@ class Interval(BaseModel):
 
 
 def wilson(successes: float, n: int, z: float = _Z95) -> tuple[float, float]:
-    """Wilson score interval for a proportion."""
+    """Wilson score interval for a proportion (95% by default); (0, 0) for no trials."""
+    if n == 0:
+        return (0.0, 0.0)
     p = successes / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)

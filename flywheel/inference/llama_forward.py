@@ -183,6 +183,7 @@ class CompiledDecode:
         return out[:, None]
 
 
+# Not merged with ``logits``' loop: torch.compile traces tensors only; that one calls modules (prefill, unpacked groups)
 def _decode_step(
     x: torch.Tensor,
     cos: torch.Tensor,

@@ -18,10 +18,12 @@ from rich.console import Console
 from rich.table import Table
 from tqdm.auto import tqdm
 
+from flywheel.agents.curriculum import mixed_outcome_weight
 from flywheel.backend import LocalBackend
 from flywheel.examples.calculator.agent import rollout
 from flywheel.examples.calculator.task import CALCULATOR_TOOL, Problem, demonstration, generate_problems
 from flywheel.gather import gather_trajectory_groups
+from flywheel.graders.evaluation import wilson
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.model import TrainableModel
 from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
@@ -60,16 +62,6 @@ class JobConfig(BaseModel):
         })  # fmt: skip
 
 
-def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval for a proportion."""
-    if n == 0:
-        return (0.0, 0.0)
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (max(0.0, centre - half), min(1.0, centre + half))
-
-
 async def evaluate(model: TrainableModel, problems: list[Problem], desc: str) -> list[Trajectory]:
     groups = await gather_trajectory_groups(
         (TrajectoryGroup([rollout(model, p, temperature=0.0)]) for p in problems),
@@ -99,7 +91,12 @@ def accuracy(trajectories: list[Trajectory], n: int) -> float:
 class LevelCurriculum:
     """Draws RL problems by difficulty level with weight p (1 - p), p being the level's recent success rate at the
     sampling temperature (uniform prior): a level the policy nearly always solves (or never does) gives groups
-    with equal rewards, which train nothing. Each problem is used once."""
+    with equal rewards, which train nothing. Each problem is used once.
+
+    The weighting is ``ScenarioPool``'s (``mixed_outcome_weight``), but not its sampling: that pool draws distinct
+    scenarios to reuse and retires settled ones, with its own numpy generator; this one draws a level per problem
+    (a level may repeat within a step), never reuses a problem, and draws from the job's ``random.Random``, whose
+    sequence the job's results (docs/benchmarks.md) were measured with."""
 
     def __init__(self, problems: list[Problem], rng: random.Random, window: int = 48):
         self.rng, self.window = rng, window
@@ -109,8 +106,7 @@ class LevelCurriculum:
         self.recent: dict[int, list[float]] = {level: [] for level in self.unused}
 
     def weights(self) -> dict[int, float]:
-        rates = {level: (sum(r) + 1) / (len(r) + 2) for level, r in self.recent.items() if self.unused[level]}
-        return {level: p * (1 - p) for level, p in rates.items()}
+        return {level: mixed_outcome_weight(sum(r), len(r)) for level, r in self.recent.items() if self.unused[level]}
 
     def sample(self, n: int) -> list[Problem]:
         """``n`` unused problems (fewer once the pool runs dry)."""

@@ -1,0 +1,51 @@
+"""Helpers shared by several test files (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from openai.types.chat import ChatCompletionMessage
+from openai.types.chat.chat_completion import Choice
+from openai.types.chat.chat_completion_message_function_tool_call import (
+    ChatCompletionMessageFunctionToolCall,
+    Function,
+)
+
+if TYPE_CHECKING:
+    from flywheel.train.trainer import Trainer
+
+
+def sampled(content: str | None, prompt: list[int], tokens: list[int], call: str | None = None) -> Choice:
+    """A choice as the server returns it (prompt and sampled token ids); with ``call``, one ``calc`` tool call of
+    that id whose tool ran ("ok")."""
+    calls = (
+        [
+            ChatCompletionMessageFunctionToolCall(
+                id=call, type="function", function=Function(name="calc", arguments='{"e": "2+3"}')
+            )
+        ]
+        if call
+        else None
+    )
+    choice = Choice(
+        index=0,
+        finish_reason="tool_calls" if call else "stop",
+        message=ChatCompletionMessage(role="assistant", content=content, tool_calls=calls),
+    )
+    choice.prompt_token_ids, choice.token_ids = prompt, tokens
+    if call:
+        choice.tool_statuses = ["ok"]
+    return choice
+
+
+def lora_b_off_zero(trainer: Trainer, std: float, *, seeded: bool = False) -> None:
+    """Draw the LoRA B matrices from N(0, std) (peft starts them at zero: the adapter adds nothing and A gets no
+    gradient), from a generator seeded by each weight's name with ``seeded`` (else torch's global one), and give the
+    fp32 masters (what an update trains from) the new values."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in zip(trainer.names, trainer.params):
+            if "lora_B" in name:
+                p.normal_(std=std, generator=torch.Generator().manual_seed(len(name)) if seeded else None)
+    trainer._adopt_params()
