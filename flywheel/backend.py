@@ -58,7 +58,7 @@ class LocalBackend:
         compile: bool = False,
     ):
         """``compile``: engines decode with a compiled step (``InferenceEngine(compile=True)``: faster sampling at
-        few concurrent rows, ~1-2 minutes to compile per engine, needs a C++ compiler)."""
+        few concurrent rows, minutes to compile per engine, needs a C++ compiler)."""
         self.path = Path(path) if path is not None else default_home()
         self.registry = ModelRegistry(loader=self._serve_checkpoint)
         self._engines: dict[str, InferenceEngine] = {}

@@ -116,7 +116,7 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     # one event per choice when it finishes, not one per token: each event wakes the request's coroutine on its
-    # loop's thread, whose Python work then takes the GIL and a core from the decode step (~5% of 32-row decoding)
+    # loop's thread, whose Python work then takes the GIL and a core from the decode step
     whole: bool = False
     cancelled: bool = False
 
@@ -253,7 +253,8 @@ class InferenceEngine:
             self.weights_generation += 1  # sequences decoding now carry KV of the old weights: never cached
             if not self._running:
                 # released, not kept (SlotKVCache.empty): decoding attends over the whole capacity, and a kept one
-                # would start the next phase at the last phase's longest length (~2x the resizes' cost in attention)
+                # would start the next phase at the last phase's longest length (costing more in attention than
+                # the resizes it saves)
                 self.cache.release()
             self._drop_derived_state()
             release_free_memory()  # what sampling held goes back to the OS before the update allocates
@@ -275,7 +276,7 @@ class InferenceEngine:
 
         Training steps run here rather than in a thread of their own: every thread that runs torch ops gets its
         own OpenMP team, and once a process has more OpenMP threads than cores, libgomp stops spinning between
-        parallel regions. On 2 cores that made every decode step after the first training step ~1.6x slower."""
+        parallel regions. On 2 cores that made every decode step after the first training step slower."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._wake:
             if self._closed:

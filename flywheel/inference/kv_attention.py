@@ -100,13 +100,13 @@ class SlotKVCache:
 
     def release(self) -> None:
         """Give the buffers back (nothing stored survives); the next ``reserve`` allocates afresh. The caller trims
-        the heap (``release_free_memory``) once it has released all it will: a trim costs ~30 ms."""
+        the heap (``release_free_memory``) once it has released all it will: a trim has a cost of its own."""
         self.k, self.v = [], []
         self.rows, self.capacity = 0, 0
 
     def empty(self) -> None:
         """Forget what is stored: buffers of up to KEEP_BYTES are kept, zeroed (a prefix store grows one entry at
-        a time, and growing it again after every training step cost ~0.15 s: fresh pages, zeroing, copies); larger
+        a time, and growing it again after every training step cost time: fresh pages, zeroing, copies); larger
         ones are released, so that a training step's activations and a large cache never add up."""
         if sum(t.nbytes for t in self.k + self.v) > KEEP_BYTES:
             self.release()
@@ -235,8 +235,8 @@ def decode_attention(
     keys, values = k_buffer[:b].flatten(0, 1), v_buffer[:b].flatten(0, 1)  # views, neither is copied
     grouped = q.reshape(b * kv_heads, heads // kv_heads, dim)
     if b == 1 and torch.compiler.is_compiling():
-        # compiled, for one row: multiply-and-sum, which inductor fuses into two C++ loops over the cache, ~2x faster
-        # than the two oneDNN calls below at this size (~30 us a layer); at more rows the matmuls win
+        # compiled, for one row: multiply-and-sum, which inductor fuses into two C++ loops over the cache, faster
+        # than the two oneDNN calls below at this size; at more rows the matmuls win
         scores = (grouped[:, :, None] * keys[:, None]).sum(-1) * scaling + bias
         return (scores.softmax(dim=-1)[..., None] * values[:, None]).sum(-2).view(b, 1, heads, dim)
     # Grouped-query attention as two batched matmuls: [B * kvh, group, d] x [B * kvh, d, L]. For one query token
@@ -249,14 +249,15 @@ def decode_attention(
 
 def _segments(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """The tokens ``index`` [S, m] of ``x`` [1, heads, T, d]: [S, heads, m, d]. ``index_select`` on the token
-    dimension, whose backward (``index_add``) is ~5x faster on CPU than advanced indexing's (``index_put``)."""
+    dimension, whose backward (``index_add``) is several times faster on CPU than advanced indexing's
+    (``index_put``)."""
     rows = x[0].transpose(0, 1).index_select(0, index.flatten())  # [S * m, heads, d]
     return rows.view(*index.shape, *rows.shape[1:]).transpose(1, 2)
 
 
 def _packed(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch, scaling: float):
     # One attention call for all segments (padded to the longest, masked) instead of one per segment: CPU flash
-    # attention's per-call cost dominates at these sizes (~2x faster fwd+bwd in bf16 for a typical micro-batch).
+    # attention's per-call cost dominates at these sizes (faster forward and backward for a typical micro-batch).
     index, context_index, back, mask = batch.layout(q.device)
     query, keys, values = _segments(q, index), _segments(k, index), _segments(v, index)
     if context_index.shape[1]:  # each segment also sees the one it continues
@@ -274,7 +275,7 @@ def _small_attention(
 ) -> torch.Tensor:
     """Attention of q [S, heads, n, d] over k, v [S, kv_heads, m, d] with a boolean mask [S, 1, n, m], as two
     matmuls that take all query heads of a K/V head at once. Where the scores are small, forward and backward are
-    ~2.5x faster than CPU flash attention (a GRPO group of 8 completions of 64 tokens after a 70-token prompt);
+    faster than CPU flash attention (e.g. a GRPO group of 8 completions of 64 tokens after a 70-token prompt);
     they are held for backward, hence only below SMALL_SCORES. The scores stay in the inputs' dtype: torch's CPU
     softmax of bf16 computes in fp32 inside (as flash attention does), without fp32 copies of the scores."""
     segments, heads, n, dim = q.shape

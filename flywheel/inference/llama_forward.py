@@ -1,15 +1,15 @@
 """The engine's forward pass for Llama-architecture models, written out instead of going through the HF forward.
 
-What makes it faster than the generic forward at sampling time (a 32-row LoRA decode step of SmolLM2-135M on a
-2-core CPU, bf16: ~80 -> ~65 ms with the last two items):
+What makes it faster than the generic forward at sampling time (the figures: docs/benchmarks.md, "Design figures
+behind code choices"):
 - none of the HF forward's per-call work (output capture, mask creation, keyword plumbing through each module);
 - q/k/v and gate/up as one GEMM each on stacked packed weights (``PackedLinears.ready``, ``run``): fewer, larger
-  calls; with peft's LoRA layers, their A matrices are stacked in too (a LoRA decode step: ~25% faster than peft's
-  own);
+  calls; with peft's LoRA layers, their A matrices are stacked in too (a LoRA decode step is faster than with
+  peft's own forward);
 - each group's plan (what stacks, the packed weights) kept between calls instead of made from peft's attributes;
 - the rotary embedding applied to queries and keys at once, in 4 operators instead of 14 (``_rotate``);
 - the plans checked once per forward and the packed GEMMs called directly on [tokens, hidden] activations, the
-  norms written inline (the same operators): at one row, where a step is ~24 ms, that Python cost ~0.7 ms.
+  norms written inline (the same operators): Python overhead weighs most at one row, where a step is shortest.
 It calls the model's own submodules for everything else (the rotary embedding's cos/sin with its scaling,
 activation, LoRA layers that cannot be stacked), and its logits are bit-identical to the HF forward's (tested).
 Training keeps the HF forward; models of other architectures sample through it too (``supports`` is False).
@@ -126,15 +126,15 @@ def cxx_compiler_found() -> bool:
 class CompiledDecode:
     """The decode step (one new token per row) compiled with ``torch.compile``: opt-in (``InferenceEngine(compile=
     True)``, ``flywheel serve --compile``), as inductor's CPU backend builds C++ kernels, so it needs a C++ compiler,
-    and compiling takes ~1-2 minutes per process on 2 cores (less with inductor's on-disk cache warm).
+    and compiling takes minutes per process on a small CPU (less with inductor's on-disk cache warm).
 
     What it buys is the step's ~1,500 small operators fused into a few dozen kernels and run without Python in
-    between: a step of SmolLM2-135M on 2 cores, ~24 -> ~21 ms at one row and ~55 -> ~50 ms at 32 rows, where GEMMs
-    dominate (docs/benchmarks.md). The GEMMs stay oneDNN's on the same packed weights, which are inputs
-    of the graph: a training step's new weights are new inputs, not a recompile. Fused kernels round bf16 less
-    often than eager operators, so its logits are not bit-identical to the HF forward's (eager ones are); measured
-    against an fp32 forward they are as close as the eager step's. Prefill and anything without a packed GEMM for
-    every group (a LoRA variant, a GPU) stays eager (``logits`` returns None)."""
+    between: a shorter step, most of all at one row; less so at 32 rows, where GEMMs dominate (docs/benchmarks.md).
+    The GEMMs stay oneDNN's on the same packed weights, which are inputs of the graph: a training step's new
+    weights are new inputs, not a recompile. Fused kernels round bf16 less often than eager operators, so its
+    logits are not bit-identical to the HF forward's (eager ones are); measured against an fp32 forward they are
+    as close as the eager step's. Prefill and anything without a packed GEMM for every group (a LoRA variant, a
+    GPU) stays eager (``logits`` returns None)."""
 
     def __init__(self, model: LlamaForCausalLM, packed: PackedLinears):
         self.model, self.packed = model, packed
@@ -158,7 +158,7 @@ class CompiledDecode:
             for layer, (qkv, o, gate_up, down), k, v in zip(inner.layers, gemms, batch.cache.k, batch.cache.v)
         ]
         # Rows and cache sizes vary from step to step: marked dynamic, one graph serves them all (plus one for a single
-        # row, which torch.compile specialises). Unmarked, each new size would compile again (~1 minute).
+        # row, which torch.compile specialises). Unmarked, each new size would stall decoding to compile again.
         dynamic = [(t, 0) for t in (x, cos, sin_signed, slots, bias)] if len(ids) > 1 else []
         dynamic += [(bias, 2)] + [(t, d) for t in (*batch.cache.k, *batch.cache.v) for d in (0, 2)]
         for t, d in dynamic:

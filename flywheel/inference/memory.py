@@ -6,9 +6,10 @@ buffers of that size live in the heap too, and memory freed by growing or releas
 process. ``malloc_trim`` returns the free pages anywhere in those heaps.
 
 The other way round, within a phase: glibc also gives the top of a heap back by itself once more than its trim
-threshold (twice the mmap threshold) is free there, and a decode step frees all it allocated. At 32 rows that
-was ~15 MB of fresh pages, ~3,800 page faults, ~3 ms of a ~54 ms step. ``keep_freed_memory`` fixes both
-thresholds, so that a step reuses the last step's pages; the engine's own trims hand them back between phases.
+threshold (twice the mmap threshold) is free there, and a decode step frees all it allocated, so every step
+faulted fresh pages in again (the figures: docs/benchmarks.md, "Design figures behind code choices").
+``keep_freed_memory`` fixes both thresholds, so that a step reuses the last step's pages; the engine's own trims
+hand them back between phases.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ TRIM_THRESHOLD = 128 << 20  # free memory a heap may keep at its top between exp
 
 
 def trim_heap() -> None:
-    """Give free heap pages back to the OS (a few milliseconds)."""
+    """Give free heap pages back to the OS (a cost of its own: docs/benchmarks.md)."""
     if _malloc_trim is not None:
         _malloc_trim(0)
 
@@ -43,7 +44,8 @@ def keep_freed_memory() -> None:
 def release_free_memory() -> None:
     """Collect young garbage, then trim the heap: between phases (sampling, a weight update). Only generations 0
     and 1: what a phase leaves in reference cycles is young, and a full collection walks every object of the
-    process (~540k with transformers and peft loaded: ~0.3 s, twice per training step, freeing nothing)."""
+    process (~540k with transformers and peft loaded, a noticeable pause twice per training step, freeing
+    nothing)."""
     gc.collect(1)
     trim_heap()
 
@@ -51,7 +53,7 @@ def release_free_memory() -> None:
 def freeze_objects() -> None:
     """Collect, then move every object alive now out of the collector's sight (``gc.freeze``): a loaded model with
     transformers and peft is ~480k tracked objects that live as long as the engine, and an automatic full
-    collection walks them all (~0.25 s, holding the GIL, so the engine stalls mid-step), freeing none of them. Called
+    collection walks them all (holding the GIL, so the engine stalls mid-step), freeing none of them. Called
     when an engine starts; ``thaw_objects`` when one closes, so that what it leaves in reference cycles can go."""
     gc.collect()
     gc.freeze()

@@ -2,15 +2,15 @@
 
 torch's CPU ``linear`` hands the weight to its GEMM in the plain row-major layout, and the kernel re-lays it out
 into its blocked format on every call. At the few rows of a decode step that reorder costs about as much as the
-product: the 211 linears of a SmolLM2-135M decode step at 32 rows take 37 ms in bf16 and 72 ms in fp32, and 25 ms
-and 44 ms with weights packed once (docs/benchmarks.md). The engine therefore packs each weight the first time it
-samples with it and reuses the packed copy until the weight changes (a training step, a checkpoint load).
+product (the figures: docs/benchmarks.md, "Design figures behind code choices"). The engine therefore packs each
+weight the first time it samples with it and reuses the packed copy until the weight changes (a training step, a
+checkpoint load).
 
 Linears that read the same input (q/k/v, gate/up) can run as one GEMM on their stacked weights (``concat``), and
 so can peft's LoRA layers: their base weights and A matrices stacked, then the B matrices, set out
 block-diagonally, in one ``addmm`` onto the base outputs (``inference/lora.py``, whose layer forward computes the
-same), instead of three small GEMMs per layer and peft's per-call Python (a LoRA decode step of SmolLM2-135M at
-32 rows: 92 -> 68 ms in bf16 with B as a second packed GEMM; the addmm then saved ~2 ms more per step).
+same), instead of three small GEMMs per layer and peft's per-call Python: a shorter LoRA decode step, shorter
+still with the B matrices in an ``addmm`` than as a second packed GEMM.
 
 Only inference uses the packed copies: the packed op has no backward, so training runs the layers unchanged.
 The packed copies cost one more copy of the linear weights in memory.
@@ -68,10 +68,10 @@ class PackedLinears:
 
     What a group needs (whether it stacks, the packed weights, B block-diagonal) is planned once and kept while the
     modules' adapter state and the weights' storage and version stay the same: a weight replaced (``p.data =
-    ...``) or updated in place (``p.copy_(...)``) is packed again on next use. Checking that costs a few
-    microseconds a group, where planning each call cost ~60 (peft's attribute lookups): ~8 ms of an 80 ms decode
-    step. Packing runs on the calling thread, which for the engine is its worker thread (see
-    ``InferenceEngine.call`` on why torch work stays on one thread). A LoRA model samples through peft's layers,
+    ...``) or updated in place (``p.copy_(...)``) is packed again on next use. Checking that is much cheaper than
+    planning each call (peft's attribute lookups), which took a noticeable share of a decode step. Packing runs
+    on the calling thread, which for the engine is its worker thread (see ``InferenceEngine.call`` on why torch
+    work stays on one thread). A LoRA model samples through peft's layers,
     whose base layers are these."""
 
     def __init__(self, model: nn.Module):

@@ -3,17 +3,17 @@
 The plain way (``log_softmax(lm_head(h).float()).gather(targets)``) makes and keeps several [K, V] tensors: the
 logits in bf16 and fp32, the log-softmax output for backward, an entropy pass over it, and in backward a zero
 [K, V] gradient to scatter into, the log-softmax gradient and its bf16 copy. At K = 2,048 trained tokens and
-V = 49,152 each is 0.2-0.4 GB, and these passes over memory took ~1.1 s of a 2-core CPU's 8 s training step,
-more than the LM head's matmuls. Here the logits are made a chunk of rows at a time and reduced at once to the
-token's log-prob, the entropy and the probabilities (kept in the matmul dtype, half the size); the backward pass
-turns those into the logits' gradient in place.
+V = 49,152 each is 0.2-0.4 GB, and these passes over memory took longer than the LM head's matmuls (the
+figures: docs/benchmarks.md, "Design figures behind code choices"). Here the logits are made a chunk of rows at a
+time and reduced at once to the token's log-prob, the entropy and the probabilities (kept in the matmul dtype,
+half the size); the backward pass turns those into the logits' gradient in place.
 """
 
 from __future__ import annotations
 
 import torch
 
-CHUNK = 128  # rows of logits at a time: [128, V] fp32 temporaries (25 MB at V = 49,152); 256 is ~15% slower
+CHUNK = 128  # rows of logits at a time: [128, V] fp32 temporaries (25 MB at V = 49,152); 256 is slower
 
 
 class _TokenLogProbs(torch.autograd.Function):
@@ -51,7 +51,7 @@ class _TokenLogProbs(torch.autograd.Function):
         hidden, weight, targets, probs, logp, inverse_t = ctx.saved_tensors
         # d logp / d logits = onehot(target) - p. The probabilities become the gradient in place (they are not read
         # again); the target's entry is set from the fp32 log-prob: 1 - p in bf16 would cancel to 0 or 2^-8 for a
-        # confident token. The matmuls take all rows at once (in chunks of rows they ran ~1.5x slower).
+        # confident token. The matmuls take all rows at once (in chunks of rows they ran slower).
         if inverse_t is not None:  # the logits were scaled by 1 / T: so is their gradient
             grad_logp = grad_logp * inverse_t
         grad_logits = probs.mul_(-grad_logp[:, None].to(probs.dtype))

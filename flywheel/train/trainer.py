@@ -172,8 +172,8 @@ class Trainer:
     @contextlib.contextmanager
     def _training_mode(self, checkpointing: bool) -> Iterator[None]:
         """Train mode for one update; with ``checkpointing``, each decoder layer keeps only its
-        input and recomputes the rest in the backward pass (activations of a 1024-token micro-batch: ~1.5 GB ->
-        ~0.1 GB, ~30% more compute). The engine samples in eval mode, where neither applies."""
+        input and recomputes the rest in the backward pass (a fraction of the activations' memory, for some more
+        compute: docs/benchmarks.md). The engine samples in eval mode, where neither applies."""
         model = self.engine.model
         if checkpointing:
             model.activation_checkpointing_enable()  # non-reentrant by default
