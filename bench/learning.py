@@ -41,10 +41,10 @@ from flywheel.gather import gather_trajectory_groups
 from flywheel.inference.chat import render_prompt, to_default_format
 from flywheel.inference.loading import EMBEDDED_MODEL, resolve_model
 from flywheel.model import TrainableModel
-from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
+from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 from flywheel.types import Trajectory, TrajectoryGroup
 
-FULL = LoraSettings(full_finetune=True)
+FULL = TrainedWeights(mode="full")
 WEIGHTS = "model.safetensors"
 
 
@@ -70,7 +70,7 @@ async def warm_start(out: Path, args: argparse.Namespace) -> dict:
     demos, _ = problems(args)
     base = resolve_model(args.model).path
     async with LocalBackend(path=out / "home") as backend:
-        model = TrainableModel(name="sft", project="learning", base_model=str(base), lora=FULL)
+        model = TrainableModel(name="sft", project="learning", base_model=str(base), trained_weights=FULL)
         await model.register(backend)
         trajectories = [
             Trajectory(messages_and_choices=task.demonstration(p), tools=[task.CALCULATOR_TOOL]) for p in demos
@@ -121,7 +121,7 @@ async def train_flywheel(out: Path, args: argparse.Namespace) -> dict:
     config = TrainConfig(learning_rate=args.lr, loss="dapo", micro_batch_tokens=1024)
     clock, steps, snaps = Clock(args.budget, args.snapshots), [], []
     async with LocalBackend(path=out / "home") as backend:
-        model = TrainableModel(name="rl", project="learning", base_model=str(warm), lora=FULL)
+        model = TrainableModel(name="rl", project="learning", base_model=str(warm), trained_weights=FULL)
         await model.register(backend)
         while clock.marks:
             clock.begin()
@@ -275,7 +275,7 @@ async def evaluate(out: Path, args: argparse.Namespace) -> dict:
     accuracy = {}
     for i, directory in enumerate(directories):
         async with LocalBackend(path=out / "eval_home") as backend:
-            model = TrainableModel(name=f"eval-{i}", project="learning", base_model=directory, lora=FULL)
+            model = TrainableModel(name=f"eval-{i}", project="learning", base_model=directory, trained_weights=FULL)
             await model.register(backend)
             accuracy[directory] = await validate(model, val)
         print(f"{directory}: {accuracy[directory]:.1%}", flush=True)

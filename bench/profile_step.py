@@ -36,7 +36,10 @@ async def main() -> None:
 
     async with LocalBackend(serve_http=True) as backend:
         model = TrainableModel(
-            name=f"profile-{time.time_ns()}", project="bench", base_model=str(resolve_model(args.model).path), lora=LORA
+            name=f"profile-{time.time_ns()}",
+            project="bench",
+            base_model=str(resolve_model(args.model).path),
+            trained_weights=LORA,
         )
         await model.register(backend)
         client = model.openai_client()

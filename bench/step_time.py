@@ -34,10 +34,10 @@ from flywheel.examples.calculator.task import extract_answer, generate_problems
 from flywheel.gather import gather_trajectory_groups
 from flywheel.inference.loading import EMBEDDED_MODEL, resolve_model
 from flywheel.model import TrainableModel
-from flywheel.train.config import LoraSettings, TrainConfig
+from flywheel.train.config import TrainConfig, TrainedWeights
 from flywheel.types import Trajectory, TrajectoryGroup
 
-LORA = LoraSettings(rank=16, alpha=32)
+LORA = TrainedWeights(rank=16, alpha=32)
 LEARNING_RATE = 5e-5
 
 
@@ -175,7 +175,7 @@ async def block(side: str, batches: list[list[tuple[str, int]]], args: argparse.
     if side == "trl":
         return {"seconds": trl_steps(path, batches, args.group, args.new_tokens, results_dir / "trl_out")}
     async with LocalBackend(path=results_dir / "step_time_home", serve_http=True) as backend:
-        model = TrainableModel(name=f"run-{time.time_ns()}", project="bench", base_model=path, lora=LORA)
+        model = TrainableModel(name=f"run-{time.time_ns()}", project="bench", base_model=path, trained_weights=LORA)
         await model.register(backend)
         seconds, trained = await flywheel_steps(model, batches, args.group, args.new_tokens)
     return {"seconds": seconds, "trained": trained}

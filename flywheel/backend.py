@@ -20,7 +20,7 @@ from flywheel.inference.registry import ModelRegistry, ServedModel
 from flywheel.runs import RunStore, model_path
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
-from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
+from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 from flywheel.train.trainer import Trainer, load_for_serving
 from flywheel.types import Trajectory, TrajectoryGroup
 
@@ -106,10 +106,11 @@ class LocalBackend:
             self._serve()
             return self._engines[base_model]
 
-    async def register(self, model: TrainableModel, lora: LoraSettings | None = None) -> None:
-        """Give the model its own engine (its own copy of the base weights, with a LoRA adapter) and resume
-        from its latest checkpoint if it has one. The model's directory is this backend's until ``close``: a
-        second backend (in this process or another) gets ``ModelInUseError`` naming the holder's pid."""
+    async def register(self, model: TrainableModel, trained_weights: TrainedWeights | None = None) -> None:
+        """Give the model its own engine (its own copy of the base weights, with what ``trained_weights`` trains: a
+        LoRA adapter by default) and resume from its latest checkpoint if it has one. The model's directory is
+        this backend's until ``close``: a second backend (in this process or another) gets ``ModelInUseError``
+        naming the holder's pid."""
         key = (model.project, model.name)
         async with self._lock:
             if key not in self._trainers:
@@ -119,12 +120,10 @@ class LocalBackend:
                     await asyncio.to_thread(run.recover)  # after a crash: back to the latest checkpoint
                     engine, _ = await self._engine(model.base_model)
                     try:  # model work runs on the engine's thread (see InferenceEngine.call)
-                        trainer = await engine.call(Trainer, engine, lora)
+                        trainer = await engine.call(Trainer, engine, trained_weights)
                         latest = run.latest()
                         if latest is not None:
-                            checkpoint = await asyncio.to_thread(
-                                run.read, latest, full_finetune=trainer.lora.full_finetune
-                            )
+                            checkpoint = await asyncio.to_thread(run.read, latest, mode=trainer.trained_weights.mode)
                             await engine.call(trainer.load, checkpoint)
                             self._extras[key] = checkpoint.state.extra
                     except BaseException:
@@ -151,8 +150,10 @@ class LocalBackend:
         for served in self.registry.all():
             if served.name.startswith(prefix) and served.engine is trainer.engine:
                 self.registry.remove(served.name)
-        for name in (model.name, model.get_inference_name(trainer.step)):
-            self.registry.add(name, trainer.engine, owned_by=model.project)
+        self.registry.add(model.name, trainer.engine, owned_by=model.project, step=lambda: trainer.step)
+        self.registry.add(
+            model.get_inference_name(trainer.step), trainer.engine, owned_by=model.project, step=trainer.step
+        )
 
     def _serve_checkpoint(self, served_name: str) -> ServedModel | None:
         """The registry's loader: ``name@step`` of a registered model at an earlier checkpoint gets an engine of
@@ -176,7 +177,7 @@ class LocalBackend:
                 self._checkpoint_engines[served_name] = InferenceEngine(
                     base, tokenizer, max_batch=self._max_batch, compile=self._compile
                 )
-                self.registry.add(served_name, self._checkpoint_engines[served_name], owned_by=project)
+                self.registry.add(served_name, self._checkpoint_engines[served_name], owned_by=project, step=int(step))
                 while len(self._checkpoint_engines) > MAX_CHECKPOINT_ENGINES:
                     oldest = next(iter(self._checkpoint_engines))
                     self.registry.remove(oldest)
@@ -196,7 +197,7 @@ class LocalBackend:
         rows and trajectories to ``abandoned/`` (they are another branch)."""
         trainer, run = self.trainer(model), self.run(model)
         async with self._step_locks[(model.project, model.name)]:
-            checkpoint = await asyncio.to_thread(run.read, step, full_finetune=trainer.lora.full_finetune)
+            checkpoint = await asyncio.to_thread(run.read, step, mode=trainer.trained_weights.mode)
             await trainer.engine.call(trainer.load, checkpoint)
             self._extras[(model.project, model.name)] = checkpoint.state.extra
         self._publish(model)
@@ -269,7 +270,7 @@ class LocalBackend:
                 f"kl_reference_step={step}: model '{model.name}' has no checkpoint at that step "
                 f"(it has {run.steps() or 'none'}); save one there (e.g. at the end of SFT) or leave it None for the base"
             )
-        checkpoint = await asyncio.to_thread(run.read, step, full_finetune=trainer.lora.full_finetune, optimizer=False)
+        checkpoint = await asyncio.to_thread(run.read, step, mode=trainer.trained_weights.mode, optimizer=False)
         await trainer.engine.call(trainer.set_reference, checkpoint.weights, step)
 
     async def _branch(self, model: TrainableModel, trainer: Trainer) -> None:

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 from openai import AsyncOpenAI
 from pydantic import BaseModel, PrivateAttr
 
-from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
+from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 from flywheel.types import Trajectory, TrajectoryGroup
 
 
@@ -54,7 +54,7 @@ class Backend(Protocol):
     def serves_http(self) -> bool: ...
     @property
     def base_url(self) -> str: ...
-    async def register(self, model: TrainableModel, lora: LoraSettings | None = None) -> None: ...
+    async def register(self, model: TrainableModel, trained_weights: TrainedWeights | None = None) -> None: ...
     async def get_step(self, model: TrainableModel) -> int: ...
     async def train(
         self,
@@ -84,11 +84,11 @@ class TrainableModel(Model):
 
     base_model: str
     trainable: bool = True
-    lora: LoraSettings = LoraSettings()
+    trained_weights: TrainedWeights = TrainedWeights()
     _backend: Backend | None = PrivateAttr(default=None)
 
     async def register(self, backend: Backend) -> None:
-        await backend.register(self, self.lora)
+        await backend.register(self, self.trained_weights)
         self._backend = backend
         if backend.serves_http:
             self.inference_base_url = backend.base_url

@@ -33,13 +33,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from safetensors.torch import load_file, save_file
 
-from flywheel.train.config import LoraSettings
+from flywheel.train.config import TrainedWeights
 from flywheel.types import Trajectory
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file names
@@ -64,11 +64,22 @@ class CheckpointState(BaseModel):
 
     step: int = Field(ge=0)
     rl_steps: int = Field(0, ge=0)  # of them, RL steps: the learning-rate schedule's clock
-    lora: LoraSettings  # what the run trains: a LoRA adapter and its shape, or every weight
+    trained_weights: TrainedWeights  # what the run trains: a LoRA adapter and its shape, or every weight
     last_split: str | None = None  # "train" or "sft": the phase that wrote it
     last_config: dict[str, Any] = {}  # that phase's TrainConfig / SFTConfig
     extra: dict[str, Any] = {}  # the caller's own state, e.g. its data position; back on resume
     rows: list[Row] = []  # the history rows this checkpoint commits (appended once it is durable)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_the_old_form(cls, data: Any) -> Any:
+        # states written before TrainedWeights was named so hold it as "lora", with "full_finetune": bool for mode
+        if isinstance(data, dict) and "lora" in data and "trained_weights" not in data:
+            data = dict(data)
+            weights = dict(data.pop("lora"))
+            weights["mode"] = "full" if weights.pop("full_finetune", False) else "lora"
+            data["trained_weights"] = weights
+        return data
 
 
 @dataclass
@@ -146,18 +157,20 @@ class RunStore:
             )
         return CheckpointState.model_validate(json.loads(path.read_text()))
 
-    def read(self, step: int, *, full_finetune: bool | None = None, optimizer: bool = True) -> Checkpoint:
-        """Checkpoint ``step`` (without its optimizer state if not ``optimizer``). ``full_finetune``: what the
-        reader trains; a checkpoint of the other kind is refused with a clear error."""
+    def read(self, step: int, *, mode: Literal["lora", "full"] | None = None, optimizer: bool = True) -> Checkpoint:
+        """Checkpoint ``step`` (without its optimizer state if not ``optimizer``). ``mode``: what the reader trains
+        (``TrainedWeights.mode``); a checkpoint of the other kind is refused with a clear error."""
         state = self.state(step)
         directory = self.checkpoint_dir(step)
-        if full_finetune is not None and full_finetune != state.lora.full_finetune:
-            wanted = FULL_WEIGHTS if full_finetune else ADAPTER_WEIGHTS
-            kind = "full fine-tuning" if full_finetune else "a LoRA adapter"
+        if mode is not None and mode != state.trained_weights.mode:
+            wanted = FULL_WEIGHTS if mode == "full" else ADAPTER_WEIGHTS
+            kind = "full fine-tuning" if mode == "full" else "a LoRA adapter"
             raise ValueError(
                 f"checkpoint {directory} has no {wanted}: it was not written by {kind}, as this model trains"
             )
-        weights = load_file(str(directory / (FULL_WEIGHTS if state.lora.full_finetune else ADAPTER_WEIGHTS)))
+        weights = load_file(
+            str(directory / (FULL_WEIGHTS if state.trained_weights.mode == "full" else ADAPTER_WEIGHTS))
+        )
         opt = directory / OPTIMIZER
         rng = directory / RNG
         return Checkpoint(
@@ -325,7 +338,7 @@ class RunStore:
 def _write_files(directory: Path, checkpoint: Checkpoint) -> None:
     """The checkpoint format; the state file goes last."""
     weights = {k: v.detach().cpu().contiguous() for k, v in checkpoint.weights.items()}
-    if checkpoint.state.lora.full_finetune:
+    if checkpoint.state.trained_weights.mode == "full":
         save_file(weights, str(directory / FULL_WEIGHTS))
     else:
         save_file(weights, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})

@@ -20,8 +20,19 @@ import torch
 
 import flywheel as art
 from flywheel.inference.loading import EMBEDDED_MODEL
-from flywheel.runs import ASIDE, DELETING, TMP, Checkpoint, CheckpointState, ModelInUseError, RunStore
-from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
+from flywheel.runs import (
+    ADAPTER_WEIGHTS,
+    ASIDE,
+    DELETING,
+    FULL_WEIGHTS,
+    STATE,
+    TMP,
+    Checkpoint,
+    CheckpointState,
+    ModelInUseError,
+    RunStore,
+)
+from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 
 SYSTEM = {"role": "system", "content": "You answer with one word."}
 
@@ -29,7 +40,7 @@ SYSTEM = {"role": "system", "content": "You answer with one word."}
 def tiny(step: int, rows: list[dict] | None = None, **state) -> Checkpoint:
     """A checkpoint with one small tensor (the format does not care how big the weights are)."""
     return Checkpoint(
-        state=CheckpointState(step=step, lora=LoraSettings(), rows=rows or [], **state),
+        state=CheckpointState(step=step, trained_weights=TrainedWeights(), rows=rows or [], **state),
         weights={"w": torch.full((2,), float(step))},
     )
 
@@ -70,6 +81,26 @@ def test_a_checkpoint_commits_its_rows_after_it_is_durable_and_overwrites_by_a_s
     run.write(tiny(1, rows=[]))  # the same step again: the old one is renamed aside, then removed
     assert run.read(1).weights["w"].tolist() == [1.0, 1.0] and run.state(1).extra == {}
     assert sorted(p.name for p in run.checkpoints.iterdir()) == ["0001"]
+
+
+def test_a_state_written_before_the_trained_weights_rename_still_loads(tmp_path):
+    """Checkpoints written before ``TrainedWeights`` was named so hold it as ``"lora"``, with ``"full_finetune"``
+    instead of ``mode``: they still read, as the kind of weights they hold."""
+    run = RunStore(tmp_path / "m")
+    for step, full in ((1, False), (2, True)):
+        run.write(tiny(step))
+        directory = run.checkpoint_dir(step)
+        if full:  # what full fine-tuning wrote
+            (directory / ADAPTER_WEIGHTS).rename(directory / FULL_WEIGHTS)
+        old = {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": ["q_proj"], "full_finetune": full}
+        (directory / STATE).write_text(json.dumps({"step": step, "rl_steps": 0, "lora": old, "last_split": "train"}))
+    lora, full = run.state(1), run.state(2)
+    assert lora.trained_weights == TrainedWeights(mode="lora", rank=4, alpha=8, targets=["q_proj"])
+    assert full.trained_weights.mode == "full" and full.last_split == "train"
+    assert run.read(1, mode="lora").weights["w"].tolist() == [1.0, 1.0]
+    assert run.read(2, mode="full").weights["w"].tolist() == [2.0, 2.0]
+    with pytest.raises(ValueError, match="has no adapter_model.safetensors: it was not written by a LoRA adapter"):
+        run.read(2, mode="lora")
 
 
 def test_recover_undoes_what_a_kill_leaves(tmp_path):
@@ -217,7 +248,7 @@ async def test_two_concurrent_steps_on_one_model_each_get_their_own_checkpoint(f
     """Full fine-tuning: the widest window (a 1.6 GB checkpoint write) for a second step to run into a save. The
     second caller's step waits until the first one's checkpoint is written."""
     model = art.TrainableModel(
-        name="both", project="tests", base_model=EMBEDDED_MODEL, lora=LoraSettings(full_finetune=True)
+        name="both", project="tests", base_model=EMBEDDED_MODEL, trained_weights=TrainedWeights(mode="full")
     )
     await model.register(fresh_backend)
     first, second = await sample_groups(model), await sample_groups(model)

@@ -15,7 +15,7 @@ from flywheel.cli import app
 from flywheel.graders.evaluation import mean_interval, parse_model_spec, wilson
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.model import TrainableModel
-from flywheel.train import LoraSettings, SFTConfig
+from flywheel.train import SFTConfig, TrainedWeights
 from flywheel.types import Trajectory
 
 QUESTIONS = [("What is the capital of France?", "Paris"), ("What is 2 + 2?", "4"), ("Name a primary colour.", "red")]
@@ -75,7 +75,7 @@ async def trained(files, request) -> str:
             name=f"fruit-{request.param}",
             project="evaltest",
             base_model=EMBEDDED_MODEL,
-            lora=LoraSettings(full_finetune=full),
+            trained_weights=TrainedWeights(mode=request.param),
         )
         await model.register(backend)
         demos = [Trajectory(messages_and_choices=[{"role": "user", "content": q}, {"role": "assistant", "content": "banana"}])

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from flywheel.inference.loading import EMBEDDED_MODEL
-from flywheel.train.config import LoraSettings
+from flywheel.train.config import TrainedWeights
 from flywheel.train.logprobs import CHUNK, token_logprobs
 
 from helpers import lora_b_off_zero
@@ -72,7 +72,7 @@ def test_trainer_log_probs_and_adapter_gradients_match_the_logits_path(tokenizer
     model, tok, _ = load_model(EMBEDDED_MODEL, dtype=dtype)
     engine = InferenceEngine(model, tok)
     try:
-        trainer = Trainer(engine, LoraSettings(rank=4))
+        trainer = Trainer(engine, TrainedWeights(rank=4))
         assert trainer.fused_head
         lora_b_off_zero(trainer, std=0.02)  # so every adapter weight gets a gradient
         prompt = tokenizer.encode("Question: what is 2+3? Answer:")

@@ -18,7 +18,7 @@ from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.loading import EMBEDDED_MODEL, load_model
 from flywheel.inference.sampling import SamplingParams
 from flywheel.train.batch import pack, trajectory_sequences
-from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
+from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 from flywheel.train.credit import set_turn_rewards
 from flywheel.train.trainer import Trainer, lr_multiplier
 from flywheel.types import set_sampled_tokens
@@ -28,11 +28,11 @@ from helpers import lora_b_off_zero
 QUESTIONS = ["Name three fruits.", "Name a colour and an animal."]
 
 
-def new_trainer(lora: LoraSettings | None = None, dtype: torch.dtype = torch.float32) -> Trainer:
+def new_trainer(trained_weights: TrainedWeights | None = None, dtype: torch.dtype = torch.float32) -> Trainer:
     """A trainer on an engine of its own (tests here change its weights)."""
     model, tokenizer, _ = load_model(EMBEDDED_MODEL, dtype=dtype)
     engine = InferenceEngine(model, tokenizer)
-    return Trainer(engine, lora)
+    return Trainer(engine, trained_weights)
 
 
 @pytest.fixture
@@ -183,7 +183,7 @@ async def test_kl_reference_is_the_base_or_a_chosen_checkpoint(trainer: Trainer)
 
 
 async def test_full_fine_tuning_keeps_no_copy_of_the_model_for_a_kl_it_does_not_use():
-    trainer = new_trainer(LoraSettings(full_finetune=True))
+    trainer = new_trainer(TrainedWeights(mode="full"))
     try:
         n_params = sum(p.numel() for p in trainer.params)
 

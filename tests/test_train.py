@@ -18,7 +18,7 @@ from openai.types.chat.chat_completion import Choice
 import flywheel as art
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.train.batch import pack, trajectory_sequences
-from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
+from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 
 from helpers import lora_b_off_zero, sampled
 
@@ -163,7 +163,7 @@ async def test_two_steps_change_the_adapter_checkpoint_and_resume(fresh_backend:
 
 async def test_full_fine_tuning_trains_every_weight_checkpoints_and_resumes(fresh_backend: art.LocalBackend, tmp_path):
     model = art.TrainableModel(
-        name="full", project="tests", base_model=EMBEDDED_MODEL, lora=LoraSettings(full_finetune=True)
+        name="full", project="tests", base_model=EMBEDDED_MODEL, trained_weights=TrainedWeights(mode="full")
     )
     await model.register(fresh_backend)
     trainer = fresh_backend.trainer(model)
@@ -196,7 +196,7 @@ async def test_full_fine_tuning_trains_every_weight_checkpoints_and_resumes(fres
     resumed = art.LocalBackend(path=tmp_path)
     try:
         again = art.TrainableModel(
-            name="full", project="tests", base_model=EMBEDDED_MODEL, lora=LoraSettings(full_finetune=True)
+            name="full", project="tests", base_model=EMBEDDED_MODEL, trained_weights=TrainedWeights(mode="full")
         )
         await again.register(resumed)
         assert await again.get_step() == 2
@@ -383,7 +383,7 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_gradients(t
     model, tok, _ = load_model(EMBEDDED_MODEL, dtype=torch.float32)
     engine = InferenceEngine(model, tok)
     try:
-        trainer = Trainer(engine, LoraSettings(rank=4))
+        trainer = Trainer(engine, TrainedWeights(rank=4))
         lora_b_off_zero(trainer, std=0.02)  # so every adapter weight gets a gradient
         tokens = tokenizer.encode("Question: what is 2+3? Answer: 5, because two plus three is five.")
         mb = _micro_batch([(0, [TrainingSequence(tokens=tokens, trained=[False] * 6 + [True] * (len(tokens) - 6))])])
@@ -561,7 +561,7 @@ def test_fused_lora_training_forward_gives_peft_gradients_and_leaves_dropout_to_
             # peft draws the A matrices from torch's global generator: seeded, the adapter (and so the bf16
             # rounding compared below) does not depend on which tests ran before
             torch.manual_seed(0)
-            trainer = Trainer(engine, LoraSettings(rank=4, dropout=dropout))
+            trainer = Trainer(engine, TrainedWeights(rank=4, dropout=dropout))
             layers = [m for m in model.modules() if type(m) is LoraLinear]
             assert layers and all("forward" in vars(m) for m in layers)  # the fused forward is installed
             dropped = []

@@ -29,7 +29,7 @@ from flywheel.home import default_home
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.model import Model, TrainableModel
 from flywheel.runs import RunStore, model_path
-from flywheel.train.config import LoraSettings
+from flywheel.train.config import TrainedWeights
 from flywheel.types import Trajectory
 
 ROLLOUT_ERROR = "rollout_error"
@@ -135,8 +135,8 @@ async def _policy(config: EvalConfig, backend: LocalBackend) -> Model:
     if step is not None and step not in available:
         raise ValueError(f"{name}@{step}: no such checkpoint; available steps: {available or 'none'}")
     # trained as it was: a LoRA adapter of the saved shape, or every weight
-    lora = run.state(available[-1]).lora if available else LoraSettings()
-    model = TrainableModel(name=name, project=project, base_model=config.base_model, lora=lora)
+    trained_weights = run.state(available[-1]).trained_weights if available else TrainedWeights()
+    model = TrainableModel(name=name, project=project, base_model=config.base_model, trained_weights=trained_weights)
     await model.register(backend)
     if step is not None:
         await backend.restore(model, step)

@@ -1,5 +1,5 @@
 """RL and SFT training of LoRA adapters (or full weights) on the model the engine samples from."""
 
-from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
+from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 
-__all__ = ["LoraSettings", "SFTConfig", "TrainConfig"]
+__all__ = ["SFTConfig", "TrainConfig", "TrainedWeights"]

@@ -21,15 +21,16 @@ DEFAULT_CLIP: dict[str, tuple[float, float]] = {
 }
 
 
-class LoraSettings(BaseModel):
-    """What trains: a LoRA adapter on ``targets`` (default), or with ``full_finetune`` every weight of the model
-    (rank, alpha, dropout and targets are then unused; optimizer state is ~12 bytes per parameter)."""
+class TrainedWeights(BaseModel):
+    """What trains: ``mode="lora"`` (default) a LoRA adapter on ``targets``, ``mode="full"`` every weight of the
+    model (optimizer state ~12 bytes per parameter). ``rank``, ``alpha``, ``dropout`` and ``targets`` shape the
+    adapter: used in lora mode only."""
 
+    mode: Literal["lora", "full"] = "lora"
     rank: int = Field(8, ge=1)
     alpha: int = Field(16, ge=1)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     targets: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    full_finetune: bool = False
 
 
 class TrainConfig(BaseModel):

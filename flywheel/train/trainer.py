@@ -24,7 +24,7 @@ from flywheel.inference.kv_attention import PackedBatch
 from flywheel.inference.lora import fuse_lora_forward
 from flywheel.runs import Checkpoint, CheckpointState
 from flywheel.train.batch import MicroBatch, TrainingSequence, pack, trajectory_sequences
-from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
+from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 from flywheel.train.credit import credit_advantages, has_signal, total_reward
 from flywheel.train.logprobs import token_logprobs
 from flywheel.train.loss import importance_weights, policy_loss
@@ -62,7 +62,7 @@ def fuses_head(model: PreTrainedModel) -> bool:
     return type(model).__name__ in PLAIN_HEAD_MODELS and type(head) is torch.nn.Linear and head.bias is None
 
 
-def _lora_config(settings: LoraSettings) -> LoraConfig:
+def _lora_config(settings: TrainedWeights) -> LoraConfig:
     return LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
@@ -75,8 +75,8 @@ def _lora_config(settings: LoraSettings) -> LoraConfig:
 def load_for_serving(model: PreTrainedModel, checkpoint: Checkpoint) -> None:
     """Put a checkpoint's trained weights into a fresh copy of its base model, in place and in the model's dtype,
     exactly as the trainer's live model held them at that step (LoRA unmerged, as there)."""
-    settings = checkpoint.state.lora
-    if settings.full_finetune:
+    settings = checkpoint.state.trained_weights
+    if settings.mode == "full":
         unexpected = model.load_state_dict(checkpoint.weights, strict=False).unexpected_keys
     else:
         peft = get_peft_model(model, _lora_config(settings))  # injects the adapter into ``model`` in place
@@ -117,16 +117,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class Trainer:
-    def __init__(self, engine: InferenceEngine, lora: LoraSettings | None = None):
+    def __init__(self, engine: InferenceEngine, trained_weights: TrainedWeights | None = None):
         self.engine = engine
-        self.lora = lora or LoraSettings()
+        self.trained_weights = trained_weights or TrainedWeights()
         self.peft: PeftModel | None = None  # None: full fine-tuning of the engine's model itself
         with engine.exclusive():
-            if self.lora.full_finetune:
+            if self.trained_weights.mode == "full":
                 engine.model.requires_grad_(True)
             else:
                 # peft swaps the target Linear layers in place, so the engine's forward uses the adapter too
-                self.peft = get_peft_model(engine.model, _lora_config(self.lora))
+                self.peft = get_peft_model(engine.model, _lora_config(self.trained_weights))
                 fuse_lora_forward(engine.model)
                 engine.model.eval()  # the new layers start in train mode: no adapter dropout while sampling
         trained = self.peft if self.peft is not None else engine.model
@@ -492,7 +492,7 @@ class Trainer:
             adapter_config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
             adapter_config |= {"inference_mode": True, "base_model_name_or_path": self.engine.model.name_or_path}
         return Checkpoint(
-            state=CheckpointState(step=self.step, rl_steps=self.rl_steps, lora=self.lora),
+            state=CheckpointState(step=self.step, rl_steps=self.rl_steps, trained_weights=self.trained_weights),
             weights=self.adapter_state(copy=False),
             optimizer=self.optimizer.state_dict() if self.optimizer is not None else None,
             rng=rng_state(),

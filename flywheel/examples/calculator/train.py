@@ -26,7 +26,7 @@ from flywheel.gather import gather_trajectory_groups
 from flywheel.graders.evaluation import wilson
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.model import TrainableModel
-from flywheel.train.config import LoraSettings, SFTConfig, TrainConfig
+from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 from flywheel.types import Trajectory, TrajectoryGroup
 
 
@@ -38,7 +38,7 @@ class JobConfig(BaseModel):
     levels: list[int] = [1, 2, 3]
     # every weight trains: with a LoRA adapter (r8, all projections) level 3 stayed at ~42% after RL in every
     # setting tried (docs/benchmarks.md); ``with_lora()`` gives that variant
-    lora: LoraSettings = LoraSettings(full_finetune=True)
+    trained_weights: TrainedWeights = TrainedWeights(mode="full")
     sft_examples: int = 64  # deliberately few: the warm start teaches the tool format, RL does the rest
     # 1024-token micro-batches: the same gradients as 2048 in two halves, ~1 GB less peak memory, a little slower
     sft: SFTConfig = SFTConfig(learning_rate=5e-5, epochs=2, batch_size=8, micro_batch_tokens=1024)
@@ -55,7 +55,7 @@ class JobConfig(BaseModel):
     def with_lora(self) -> JobConfig:
         """The same job training a LoRA adapter instead of every weight, with the learning rates tuned for it."""
         return self.model_copy(update={
-            "lora": self.lora.model_copy(update={"full_finetune": False}),
+            "trained_weights": self.trained_weights.model_copy(update={"mode": "lora"}),
             # checkpointing: the LoRA job is the small-memory one (peak RSS 4.9 -> ~4 GB, docs/benchmarks.md)
             "sft": self.sft.model_copy(update={"learning_rate": 3e-4, "gradient_checkpointing": True}),
             "rl": self.rl.model_copy(update={"learning_rate": 1e-4, "gradient_checkpointing": True}),
@@ -131,7 +131,9 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
     console = console or Console()
     start = time.perf_counter()
     backend = LocalBackend()
-    model = TrainableModel(name=config.name, project=config.project, base_model=config.base_model, lora=config.lora)
+    model = TrainableModel(
+        name=config.name, project=config.project, base_model=config.base_model, trained_weights=config.trained_weights
+    )
     report: dict = {"config": config.model_dump()}
     try:
         await model.register(backend)
