@@ -150,10 +150,8 @@ class LocalBackend:
         for served in self.registry.all():
             if served.name.startswith(prefix) and served.engine is trainer.engine:
                 self.registry.remove(served.name)
-        self.registry.add(model.name, trainer.engine, owned_by=model.project, step=lambda: trainer.step)
-        self.registry.add(
-            model.get_inference_name(trainer.step), trainer.engine, owned_by=model.project, step=trainer.step
-        )
+        for name in (model.name, model.get_inference_name(trainer.step)):
+            self.registry.add(name, trainer.engine, owned_by=model.project)
 
     def _serve_checkpoint(self, served_name: str) -> ServedModel | None:
         """The registry's loader: ``name@step`` of a registered model at an earlier checkpoint gets an engine of
@@ -177,7 +175,7 @@ class LocalBackend:
                 self._checkpoint_engines[served_name] = InferenceEngine(
                     base, tokenizer, max_batch=self._max_batch, compile=self._compile
                 )
-                self.registry.add(served_name, self._checkpoint_engines[served_name], owned_by=project, step=int(step))
+                self.registry.add(served_name, self._checkpoint_engines[served_name], owned_by=project)
                 while len(self._checkpoint_engines) > MAX_CHECKPOINT_ENGINES:
                     oldest = next(iter(self._checkpoint_engines))
                     self.registry.remove(oldest)
