@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flywheel.gateway.recorder import Gateway
 from flywheel.gather import phase_seconds
 from flywheel.home import default_home
 from flywheel.inference.engine import InferenceEngine
@@ -20,6 +22,7 @@ from flywheel.inference.registry import ModelRegistry, ServedModel
 from flywheel.runs import RunStore, model_path
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
+from flywheel.store import Store
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 from flywheel.train.trainer import Trainer, load_for_serving
 from flywheel.types import Trajectory, TrajectoryGroup
@@ -71,6 +74,7 @@ class LocalBackend:
         self._dtype, self._max_batch, self._compile = dtype, max_batch, compile
         self._host, self._port, self._serve_http = host, port, serve_http
         self._server: BackgroundServer | None = None
+        self.gateway: Gateway | None = None  # with the HTTP server: agents anywhere record episodes through it
         self._lock = asyncio.Lock()
 
     @property
@@ -93,7 +97,9 @@ class LocalBackend:
 
     def _serve(self) -> None:
         if self._serve_http and self._server is None:
-            self._server = BackgroundServer(create_app(self.registry), self._host, self._port).start()
+            # episodes recorded through the gateway: FLYWHEEL_DB, else SQLite in this backend's home
+            self.gateway = Gateway(Store(os.environ.get("FLYWHEEL_DB") or f"sqlite:///{self.path / 'flywheel.db'}"))
+            self._server = BackgroundServer(create_app(self.registry, self.gateway), self._host, self._port).start()
 
     async def load(self, base_model: str) -> InferenceEngine:
         """Serve a base model as is (no adapter), e.g. as a judge or a baseline."""
@@ -150,8 +156,10 @@ class LocalBackend:
         for served in self.registry.all():
             if served.name.startswith(prefix) and served.engine is trainer.engine:
                 self.registry.remove(served.name)
-        for name in (model.name, model.get_inference_name(trainer.step)):
-            self.registry.add(name, trainer.engine, owned_by=model.project)
+        self.registry.add(model.name, trainer.engine, owned_by=model.project, step=lambda: trainer.step)
+        self.registry.add(
+            model.get_inference_name(trainer.step), trainer.engine, owned_by=model.project, step=trainer.step
+        )
 
     def _serve_checkpoint(self, served_name: str) -> ServedModel | None:
         """The registry's loader: ``name@step`` of a registered model at an earlier checkpoint gets an engine of
@@ -175,7 +183,7 @@ class LocalBackend:
                 self._checkpoint_engines[served_name] = InferenceEngine(
                     base, tokenizer, max_batch=self._max_batch, compile=self._compile
                 )
-                self.registry.add(served_name, self._checkpoint_engines[served_name], owned_by=project)
+                self.registry.add(served_name, self._checkpoint_engines[served_name], owned_by=project, step=int(step))
                 while len(self._checkpoint_engines) > MAX_CHECKPOINT_ENGINES:
                     oldest = next(iter(self._checkpoint_engines))
                     self.registry.remove(oldest)
@@ -344,6 +352,9 @@ class LocalBackend:
         if self._server is not None:
             self._server.stop()
             self._server = None
+        if self.gateway is not None:
+            self.gateway.store.close()
+            self.gateway = None
         for engine in [
             *self._engines.values(),
             *(t.engine for t in self._trainers.values()),

@@ -63,14 +63,23 @@ def serve(
             help="Compile the decode step (torch.compile; needs a C++ compiler, ~1-2 min at start): faster at few concurrent requests."
         ),
     ] = False,
+    db: Annotated[
+        str | None,
+        typer.Option(
+            help="Database of the episodes recorded through /episodes (default: $FLYWHEEL_DB, else SQLite in $FLYWHEEL_HOME)."
+        ),
+    ] = None,
 ):
-    """Serve a model over an OpenAI-compatible API (/v1/models, /v1/chat/completions)."""
+    """Serve a model over an OpenAI-compatible API (/v1/models, /v1/chat/completions), and the gateway: episodes
+    (POST /episodes) whose calls, through /episodes/<id>/v1, are recorded for training."""
     import uvicorn
 
+    from flywheel.gateway.recorder import Gateway
     from flywheel.inference.engine import InferenceEngine
     from flywheel.inference.loading import ModelNotFoundError, load_model
     from flywheel.inference.registry import ModelRegistry
     from flywheel.server.app import create_app
+    from flywheel.store import Store
 
     try:
         hf_model, tokenizer, resolved = load_model(model, dtype=_dtype(dtype))
@@ -89,7 +98,9 @@ def serve(
     console.print(f"Serving [bold]{model}[/] ({hf_model.dtype}) at http://{host}:{port}/v1")
     if compile:
         console.print("Compiling the decode step first (~1-2 minutes on 2 cores): requests wait until it is done.")
-    uvicorn.run(create_app(registry), host=host, port=port, log_level="info")
+    store = Store(db)
+    console.print(f"Episodes: http://{host}:{port}/episodes, stored in {store.url}")
+    uvicorn.run(create_app(registry, Gateway(store)), host=host, port=port, log_level="info")
 
 
 @app.command()

@@ -46,7 +46,7 @@ def _render_call(call: dict) -> str:
     return TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE
 
 
-def _content_text(content: Any) -> str:
+def content_text(content: Any) -> str:
     """OpenAI content may be a string, None, or a list of parts; only text parts are supported."""
     if content is None:
         return ""
@@ -72,7 +72,7 @@ def to_default_format(messages: list[dict], tools: list[dict] | None) -> list[di
     """Rewrite tool calls, tool results and tool lists into plain text turns (the default format)."""
     out: list[dict] = []
     for m in messages:
-        role, text = m["role"], _content_text(m.get("content"))
+        role, text = m["role"], content_text(m.get("content"))
         if role == "assistant" and m.get("tool_calls"):
             calls = "\n".join(_render_call(c) for c in m["tool_calls"])
             out.append({"role": "assistant", "content": (text + "\n" if text else "") + calls})
@@ -94,7 +94,7 @@ def _native_format(messages: list[dict]) -> list[dict]:
     out = []
     for m in messages:
         m = dict(m)
-        m["content"] = _content_text(m.get("content"))
+        m["content"] = content_text(m.get("content"))
         if m.get("tool_calls"):
             calls = []
             for c in m["tool_calls"]:
@@ -110,18 +110,35 @@ def _native_format(messages: list[dict]) -> list[dict]:
     return out
 
 
+def _template_inputs(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None
+) -> tuple[list[dict], dict]:
+    if not messages:
+        raise ValueError("'messages' must contain at least one message.")
+    if tools and supports_tools(tokenizer):
+        return _native_format(messages), {"tools": tools}
+    return to_default_format(messages, tools), {}
+
+
 def render_prompt(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None = None
 ) -> list[int]:
     """Token ids of the prompt for the next assistant turn."""
-    if not messages:
-        raise ValueError("'messages' must contain at least one message.")
-    if tools and supports_tools(tokenizer):
-        msgs, kwargs = _native_format(messages), {"tools": tools}
-    else:
-        msgs, kwargs = to_default_format(messages, tools), {}
+    msgs, kwargs = _template_inputs(tokenizer, messages, tools)
     encoded = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True, **kwargs)
     return list(encoded["input_ids"])
+
+
+def render_text(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+) -> str:
+    """The chat as the template writes it (``render_prompt`` tokenizes this text with a generation prompt)."""
+    msgs, kwargs = _template_inputs(tokenizer, messages, tools)
+    return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:

@@ -26,6 +26,10 @@ class ServedModel:
     engine: InferenceEngine
     owned_by: str = "flywheel"
     created: int = field(default_factory=lambda: int(time.time()))
+    step: int | Callable[[], int] | None = None  # the checkpoint step it answers with (a callable: live weights)
+
+    def current_step(self) -> int | None:
+        return self.step() if callable(self.step) else self.step
 
 
 class ModelRegistry:
@@ -39,9 +43,15 @@ class ModelRegistry:
         self._lock = threading.Lock()
         self._loader = loader
 
-    def add(self, name: str, engine: InferenceEngine, owned_by: str = "flywheel") -> None:
+    def add(
+        self,
+        name: str,
+        engine: InferenceEngine,
+        owned_by: str = "flywheel",
+        step: int | Callable[[], int] | None = None,
+    ) -> None:
         with self._lock:
-            self._models[name] = ServedModel(name=name, engine=engine, owned_by=owned_by)
+            self._models[name] = ServedModel(name=name, engine=engine, owned_by=owned_by, step=step)
 
     def remove(self, name: str) -> None:
         with self._lock:

@@ -12,9 +12,10 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
@@ -26,12 +27,17 @@ from openai.types.chat.chat_completion_message_tool_call import ChatCompletionMe
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob, TopLogprob
 from openai.types.completion_usage import CompletionUsage
 
+from flywheel.gateway.api import episode_router
+from flywheel.gateway.export import NotTrainableError
+from flywheel.gateway.recorder import Gateway
 from flywheel.inference.chat import parse_tool_calls, render_prompt
 from flywheel.inference.engine import Completion, ContextOverflowError, EngineClosedError, InferenceEngine
 from flywheel.inference.guided import GrammarError, Guide, compile_guide, compile_tool_call_guide
 from flywheel.inference.registry import ModelRegistry, UnknownModelError
 from flywheel.inference.sampling import SamplingParams
+from flywheel.server.limits import MAX_BODY_BYTES, BodyLimit
 from flywheel.server.protocol import ChatCompletionRequest, ErrorDetail, ErrorResponse, JsonSchemaFormat, TextFormat
+from flywheel.store import EpisodeConflictError, UnknownEpisodeError
 from flywheel.types import set_sampled_tokens
 
 
@@ -79,8 +85,13 @@ async def _guide(req: ChatCompletionRequest, engine: InferenceEngine) -> Guide |
 
 
 def _sampling(
-    req: ChatCompletionRequest, engine: InferenceEngine, prompt_len: int, guide: Guide | None = None
+    req: ChatCompletionRequest,
+    engine: InferenceEngine,
+    prompt_len: int,
+    guide: Guide | None = None,
+    logprobs: bool = False,
 ) -> SamplingParams:
+    """``logprobs``: compute them even if the client did not ask (a recorded call keeps them for training)."""
     max_tokens = req.max_completion_tokens or req.max_tokens or max(engine.context_length - prompt_len, 1)
     engine.check_fits(prompt_len, max_tokens)
     return SamplingParams(
@@ -89,7 +100,7 @@ def _sampling(
         max_tokens=max_tokens,
         stop=req.stop_list,
         seed=req.seed,
-        logprobs=req.logprobs,
+        logprobs=req.logprobs or logprobs,
         top_logprobs=req.top_logprobs if req.logprobs else 0,
         n=req.n,
         ignore_eos=req.ignore_eos,
@@ -97,8 +108,43 @@ def _sampling(
     )
 
 
-def create_app(registry: ModelRegistry) -> FastAPI:
+def _completion_body(
+    engine: InferenceEngine,
+    results: list[Completion],
+    prompt: list[int],
+    params: SamplingParams,
+    completion_id: str,
+    created: int,
+    model: str,
+    tools: bool,
+) -> dict:
+    """A chat.completion body; each choice carries its token ids (``set_sampled_tokens``), and log-probs when
+    ``params.logprobs``."""
+    choices = []
+    for c in results:
+        message, finish = _message(c, tools)
+        logprobs = ChoiceLogprobs(content=_logprob_items(engine, c)) if params.logprobs else None
+        choice = Choice(index=c.index, message=message, finish_reason=finish, logprobs=logprobs)
+        set_sampled_tokens(choice, prompt, c.token_ids, params.temperature)  # extra fields, kept by the SDK
+        choices.append(choice)
+    completion_tokens = sum(len(c.token_ids) for c in results)
+    usage = CompletionUsage(
+        prompt_tokens=len(prompt), completion_tokens=completion_tokens, total_tokens=len(prompt) + completion_tokens
+    )
+    body = ChatCompletion(
+        id=completion_id, object="chat.completion", created=created, model=model, choices=choices, usage=usage
+    )
+    return body.model_dump(mode="json", exclude_none=True)
+
+
+def create_app(
+    registry: ModelRegistry, gateway: Gateway | None = None, *, max_body_bytes: int = MAX_BODY_BYTES
+) -> FastAPI:
+    """The OpenAI-compatible API over ``registry``'s engines; with a ``gateway``, also the episode API and the
+    episode-scoped routes (``/episodes/{id}/v1/...``, or ``/v1/...`` with an ``X-Flywheel-Episode`` header) whose
+    calls it records."""
     app = FastAPI(title="Flywheel OpenAI-compatible API")
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
@@ -141,36 +187,82 @@ def create_app(registry: ModelRegistry) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
+    if gateway is not None:
+        app.include_router(episode_router(gateway))
+
+    @app.exception_handler(UnknownEpisodeError)
+    async def _unknown_episode(_: Request, exc: UnknownEpisodeError):
+        return error_response(404, str(exc), "invalid_request_error", param="episode_id", code="episode_not_found")
+
+    @app.exception_handler(EpisodeConflictError)
+    async def _episode_conflict(_: Request, exc: EpisodeConflictError):
+        return error_response(409, str(exc), "invalid_request_error", param="episode_id", code="episode_closed")
+
+    @app.exception_handler(NotTrainableError)
+    async def _not_trainable(_: Request, exc: NotTrainableError):
+        return error_response(409, str(exc), "invalid_request_error", param="episode_id", code="episode_not_trainable")
+
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
+    async def chat_completions(req: ChatCompletionRequest, x_flywheel_episode: Annotated[str | None, Header()] = None):
+        return await _chat(req, x_flywheel_episode)
+
+    @app.post("/episodes/{episode_id}/v1/chat/completions")
+    async def episode_chat_completions(episode_id: str, req: ChatCompletionRequest):
+        return await _chat(req, episode_id)
+
+    @app.get("/episodes/{episode_id}/v1/models")
+    async def episode_models(episode_id: str):
+        return await list_models()
+
+    async def _chat(req: ChatCompletionRequest, episode_id: str | None):
+        if episode_id is not None and gateway is None:
+            raise UnknownEpisodeError(episode_id)  # this server records no episodes
+        start = time.perf_counter()
         served = await registry.resolve(req.model)
-        engine = served.engine
+        engine, step = served.engine, served.current_step()  # the weights it starts with
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = req.offered_tools
-        prompt = render_prompt(engine.tokenizer, messages, tools)
-        params = _sampling(req, engine, len(prompt), await _guide(req, engine))
+        eos = set(engine.eos_ids)
+        if gateway is not None and episode_id is not None:
+            splice = await gateway.prepare(episode_id, messages, tools, engine.tokenizer, eos)
+            prompt = splice.prompt
+        else:
+            splice, prompt = None, render_prompt(engine.tokenizer, messages, tools)
+        params = _sampling(req, engine, len(prompt), await _guide(req, engine), logprobs=splice is not None)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
+
+        def body(results: list[Completion]) -> dict:
+            return _completion_body(engine, results, prompt, params, completion_id, created, req.model, bool(tools))
+
+        async def record(full: dict) -> None:
+            assert gateway is not None and splice is not None and episode_id is not None
+            request = req.model_dump(mode="json", exclude_none=True) | {"messages": messages, "tools": tools}
+            await gateway.record(
+                episode_id,
+                splice,
+                eos,
+                model=req.model,
+                step=step,
+                request=request,
+                response=full,
+                latency_ms=(time.perf_counter() - start) * 1000,
+            )
+
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = _stream(engine, prompt, params, completion_id, created, req.model, bool(tools), include_usage)
+            on_done = (lambda results: record(body(results))) if splice is not None else None
+            events = _stream(
+                engine, prompt, params, completion_id, created, req.model, bool(tools), include_usage, req.logprobs,
+                on_done,
+            )  # fmt: skip
             return StreamingResponse(events, media_type="text/event-stream")
-        results = await engine.generate(prompt, params)
-        choices = []
-        for c in results:
-            message, finish = _message(c, bool(tools))
-            logprobs = ChoiceLogprobs(content=_logprob_items(engine, c)) if req.logprobs else None
-            choice = Choice(index=c.index, message=message, finish_reason=finish, logprobs=logprobs)
-            set_sampled_tokens(choice, prompt, c.token_ids, params.temperature)  # extra fields, kept by the SDK
-            choices.append(choice)
-        completion_tokens = sum(len(c.token_ids) for c in results)
-        usage = CompletionUsage(
-            prompt_tokens=len(prompt), completion_tokens=completion_tokens, total_tokens=len(prompt) + completion_tokens
-        )
-        body = ChatCompletion(
-            id=completion_id, object="chat.completion", created=created, model=req.model, choices=choices, usage=usage
-        )
-        return JSONResponse(body.model_dump(mode="json", exclude_none=True))
+        full = body(await engine.generate(prompt, params))
+        if splice is not None:
+            await record(full)  # durable before the agent sees the answer (and posts a reward for it)
+        if params.logprobs and not req.logprobs:  # computed for the record only
+            full = {**full, "choices": [{k: v for k, v in c.items() if k != "logprobs"} for c in full["choices"]]}
+        return JSONResponse(full)
 
     return app
 
@@ -184,8 +276,12 @@ async def _stream(
     model: str,
     tools: bool,
     include_usage: bool,
+    show_logprobs: bool,
+    on_done: Callable[[list[Completion]], Awaitable[None]] | None = None,
 ) -> AsyncIterator[str]:
-    """Server-sent events. With tools, text is held until the end because a tool call is only known then."""
+    """Server-sent events. With tools, text is held until the end because a tool call is only known then.
+    ``show_logprobs``: send the log-probs ``params`` computes; ``on_done``: given every choice once all ended
+    (the gateway records the call; its error is reported in-band)."""
 
     def chunk(choices: list[ChunkChoice], usage: CompletionUsage | None = None) -> str:
         body = ChatCompletionChunk(
@@ -206,7 +302,7 @@ async def _stream(
             c.logprobs += ev.logprobs
             c.top_logprobs += ev.top_logprobs
             lp = None
-            if params.logprobs:
+            if show_logprobs:
                 part = Completion(ev.index, "", ev.token_ids, ev.logprobs, ev.top_logprobs, "")
                 lp = ChunkLogprobs(content=_logprob_items(engine, part))
             if not tools and (ev.text_delta or lp):
@@ -222,11 +318,13 @@ async def _stream(
                     for k, tc in enumerate(message.tool_calls or [])
                 ]
                 delta = ChoiceDelta(content=message.content, tool_calls=calls or None)
-                lp = ChunkLogprobs(content=_logprob_items(engine, c)) if params.logprobs else None
+                lp = ChunkLogprobs(content=_logprob_items(engine, c)) if show_logprobs else None
                 yield chunk([ChunkChoice(index=ev.index, delta=delta, logprobs=lp)])
             final = ChunkChoice(index=ev.index, delta=ChoiceDelta(), finish_reason=finish)
             set_sampled_tokens(final, prompt, c.token_ids, params.temperature)  # type: ignore[arg-type]  # same extras
             yield chunk([final])
+        if on_done is not None:
+            await on_done([held[i] for i in range(params.n)])
     except Exception as exc:  # the status line is already sent: report the error in-band, as OpenAI does
         yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n"
         return

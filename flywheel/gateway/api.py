@@ -1,0 +1,157 @@
+"""The episode API over HTTP: create an episode and get its base URL, post its outcome, read it back, export it.
+
+Routes (JSON; errors in OpenAI's ``{"error": {...}}`` shape):
+
+- ``POST /episodes`` ``{task_id, split?, model?, metadata?}`` -> 201, the episode with its ``base_url``
+- ``GET /episodes?task_id=&split=&status=&limit=&offset=`` -> ``{"data": [episode, ...]}``
+- ``GET /episodes/{id}`` -> the episode; ``GET /episodes/{id}/calls`` -> its recorded calls
+- ``POST /episodes/{id}/reward`` ``{reward?, metrics?, call_rewards?}`` -> the episode (still open)
+- ``POST /episodes/{id}/finish`` ``{reward?, metrics?, call_rewards?}`` -> the episode, finished (it needs a reward)
+- ``POST /episodes/{id}/abandon`` ``{reason?}`` -> the episode, abandoned (it never trains)
+- ``GET /episodes/{id}/trajectory`` -> a ``flywheel.Trajectory``; ``GET /episodes/{id}/transitions`` -> JSON lines
+- ``GET /groups?task_id=&split=`` -> a ``flywheel.TrajectoryGroup`` of the task's finished episodes
+
+An unknown id is a 404; an outcome that contradicts a closed episode's, or a call in one, a 409; a malformed body
+a 400. Posting the same outcome twice is accepted and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from flywheel.agents.transitions import to_transitions
+from flywheel.gateway.export import episode_trajectory, trajectory_group
+from flywheel.gateway.recorder import Gateway
+from flywheel.store import EpisodeRecord, EpisodeStatus
+from flywheel.store import episodes as db
+
+
+class NewEpisode(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    task_id: str = Field(min_length=1, max_length=256, description="Episodes of one task form a training group.")
+    split: str = Field("train", min_length=1, max_length=32)
+    model: str | None = Field(None, max_length=256)
+    metadata: dict[str, Any] = {}
+
+
+class Outcome(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reward: float | None = None
+    metrics: dict[str, float | int | bool] = {}
+    call_rewards: dict[int, float] = Field({}, description="Intermediate rewards by call id.")
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"reward was {value}; rewards must be finite numbers")
+        return value
+
+
+class Abandon(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str | None = Field(None, max_length=2000)
+
+
+def episode_body(episode: EpisodeRecord, root: str) -> dict[str, Any]:
+    return episode.model_dump(mode="json") | {"base_url": f"{root}/episodes/{episode.id}/v1"}
+
+
+def root_url(request: Request) -> str:
+    return str(request.base_url).rstrip("/")
+
+
+def episode_router(gateway: Gateway) -> APIRouter:
+    router = APIRouter(tags=["episodes"])
+    store = gateway.store
+
+    def run(fn, *args, **kwargs):  # one unit of work, off the event loop
+        def unit():
+            with store.session() as s:
+                return fn(s, *args, **kwargs)
+
+        return asyncio.to_thread(unit)
+
+    @router.post("/episodes", status_code=201)
+    async def create(body: NewEpisode, request: Request):
+        episode = await run(db.create_episode, body.task_id, split=body.split, model=body.model, meta=body.metadata)
+        return episode_body(episode, root_url(request))
+
+    @router.get("/episodes")
+    async def list_(
+        request: Request,
+        task_id: str | None = None,
+        split: str | None = None,
+        status: EpisodeStatus | None = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        offset: Annotated[int, Query(ge=0)] = 0,
+    ):
+        found = await run(db.list_episodes, task_id=task_id, split=split, status=status, limit=limit, offset=offset)
+        return {"object": "list", "data": [episode_body(e, root_url(request)) for e in found]}
+
+    @router.get("/episodes/{episode_id}")
+    async def get(episode_id: str, request: Request):
+        return episode_body(await run(db.get_episode, episode_id), root_url(request))
+
+    @router.get("/episodes/{episode_id}/calls")
+    async def calls(episode_id: str):
+        return {"object": "list", "data": [c.model_dump(mode="json") for c in await run(db.calls, episode_id)]}
+
+    async def outcome(episode_id: str, body: Outcome, request: Request, finish: bool):
+        episode = await run(
+            db.set_outcome,
+            episode_id,
+            reward=body.reward,
+            metrics=body.metrics,
+            call_rewards=body.call_rewards,
+            finish=finish,
+        )
+        if finish:
+            gateway.forget(episode)
+        return episode_body(episode, root_url(request))
+
+    @router.post("/episodes/{episode_id}/reward")
+    async def reward(episode_id: str, body: Outcome, request: Request):
+        return await outcome(episode_id, body, request, finish=False)
+
+    @router.post("/episodes/{episode_id}/finish")
+    async def finish(episode_id: str, body: Outcome, request: Request):
+        return await outcome(episode_id, body, request, finish=True)
+
+    @router.post("/episodes/{episode_id}/abandon")
+    async def abandon(episode_id: str, body: Abandon, request: Request):
+        episode = await run(db.abandon, episode_id, body.reason)
+        gateway.forget(episode)
+        return episode_body(episode, root_url(request))
+
+    def trajectory_of(s, episode_id: str):
+        return episode_trajectory(db.get_episode(s, episode_id), db.calls(s, episode_id))
+
+    @router.get("/episodes/{episode_id}/trajectory")
+    async def trajectory(episode_id: str):
+        return JSONResponse((await run(trajectory_of, episode_id)).model_dump(mode="json"))
+
+    @router.get("/episodes/{episode_id}/transitions")
+    async def transitions(episode_id: str, gamma: Annotated[float, Query(ge=0, le=1)] = 1.0):
+        rows = to_transitions(await run(trajectory_of, episode_id), gamma=gamma)
+        lines = "".join(row.model_dump_json(by_alias=True) + "\n" for row in rows)
+        return Response(lines, media_type="application/x-ndjson")
+
+    def group_of(s, task_id: str, split: str | None):
+        found = db.list_episodes(s, task_id=task_id, split=split, status=EpisodeStatus.finished, limit=10_000)
+        return trajectory_group([(e, db.calls(s, e.id)) for e in found])
+
+    @router.get("/groups")
+    async def group(task_id: str, split: str | None = None):
+        return JSONResponse((await run(group_of, task_id, split)).model_dump(mode="json"))
+
+    return router

@@ -1,0 +1,98 @@
+"""Recorded episodes as trajectories, groups and transitions: what ``model.train`` and the exporters take.
+
+An episode's calls form chains: a call whose prompt continues an earlier output (``Call.prefix_call``) extends
+the chain that output ended. The chain holding the episode's last call is the trajectory's main history, every
+other chain an additional history (a sub-agent, a retry, a history the client edited). A chain's history is its
+last request's messages with each continued output put back as the ``Choice`` that produced it (its exact ids and
+log-probs), then the last call's first choice. An output that two chains continue trains in the first only: in
+the second its ids are prompt context. Other choices of an n > 1 call that nothing continued are not part of the
+trajectory (they stay in the record).
+"""
+
+from __future__ import annotations
+
+from openai.types.chat.chat_completion import Choice
+
+from flywheel.store import CallRecord, EpisodeRecord, EpisodeStatus
+from flywheel.types import History, MessageOrChoice, Trajectory, TrajectoryGroup, set_intermediate_reward
+
+
+class NotTrainableError(ValueError):
+    """An episode that cannot become a trajectory (not finished, or without a reward)."""
+
+
+def _choice(call: CallRecord, index: int) -> Choice:
+    body = next(c for c in call.response["choices"] if c["index"] == index)
+    choice = Choice.model_validate(body)  # keeps token_ids, prompt_token_ids, temperature (extra fields)
+    if call.reward is not None:
+        set_intermediate_reward(choice, call.reward)
+    return choice
+
+
+def _chains(calls: list[CallRecord]) -> list[list[tuple[CallRecord, int]]]:
+    """Calls grouped into chains of (call, the choice the chain continues with), in order."""
+    chains: list[list[tuple[CallRecord, int]]] = []
+    for call in calls:
+        chain = next((c for c in chains if call.prefix_call is not None and c[-1][0].id == call.prefix_call), None)
+        if chain is None:  # continues nothing, or an output that another call already continued: a chain of its own
+            chain = []
+            chains.append(chain)
+        else:  # the output continued is the chain's last call's choice ``prefix_choice``
+            chain[-1] = (chain[-1][0], call.prefix_choice or 0)
+        chain.append((call, 0))
+    return chains
+
+
+def _history(chain: list[tuple[CallRecord, int]], trained: set[tuple[int, int]]) -> History:
+    last, _ = chain[-1]
+    items: list[MessageOrChoice] = [dict(m) for m in last.request.get("messages", [])]
+    # walk back: each call's output sits at the index the next call's request had it
+    for (call, choice), (nxt, _) in zip(reversed(chain[:-1]), reversed(chain[1:])):
+        if (call.id, choice) not in trained and nxt.prefix_message is not None and nxt.prefix_message < len(items):
+            items[nxt.prefix_message] = _choice(call, choice)
+            trained.add((call.id, choice))
+    items.append(_choice(last, 0))
+    trained.add((last.id, 0))
+    return History(messages_and_choices=items, tools=last.request.get("tools"))
+
+
+def episode_trajectory(episode: EpisodeRecord, calls: list[CallRecord]) -> Trajectory:
+    """A finished episode as a trajectory (raises ``NotTrainableError`` otherwise)."""
+    if episode.status != EpisodeStatus.finished or episode.reward is None:
+        raise NotTrainableError(
+            f"Episode {episode.id!r} is {episode.status.value}"
+            + ("" if episode.reward is not None else " without a reward")
+            + ": only finished episodes with a reward become trajectories."
+        )
+    if not calls:
+        raise NotTrainableError(f"Episode {episode.id!r} has no calls: there is nothing to train on.")
+    chains = _chains(calls)
+    main = next(i for i, chain in enumerate(chains) if any(call.id == calls[-1].id for call, _ in chain))
+    trained: set[tuple[int, int]] = set()
+    histories = {i: _history(chain, trained) for i, chain in sorted(enumerate(chains), key=lambda ic: ic[0] != main)}
+    metrics = {k: v for k, v in episode.metrics.items() if isinstance(v, int | float | bool)}
+    metrics |= {
+        "calls": len(calls),
+        "retokenized_turns": sum(c.retokenized_turns for c in calls),
+        "completion_tokens": sum(c.completion_tokens for c in calls),
+    }
+    return Trajectory(
+        id=episode.id,
+        messages_and_choices=histories[main].messages_and_choices,
+        tools=histories[main].tools,
+        additional_histories=[h for i, h in histories.items() if i != main],
+        reward=episode.reward,
+        metrics=metrics,
+        metadata={"episode_id": episode.id, "task_id": episode.task_id, "split": episode.split},
+    )
+
+
+def trajectory_group(episodes: list[tuple[EpisodeRecord, list[CallRecord]]]) -> TrajectoryGroup:
+    """The finished episodes of one task as a group (the others are left out)."""
+    return TrajectoryGroup(
+        [
+            episode_trajectory(e, calls)
+            for e, calls in episodes
+            if e.status == EpisodeStatus.finished and e.reward is not None and calls
+        ]
+    )

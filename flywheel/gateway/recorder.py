@@ -1,0 +1,135 @@
+"""The gateway's side of a chat completion made in an episode: the prompt to feed (``prepare``) and the record of
+what happened (``record``), written through the store."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from flywheel.gateway.splice import Output, Splice, output_key, splice_prompt
+from flywheel.store import CallRecord, EpisodeRecord, Store
+from flywheel.store import episodes as db
+
+CACHED_EPISODES = 4096  # open episodes whose outputs stay in memory (others are read back from the store)
+
+
+def outputs_of(call: CallRecord, eos_ids: set[int]) -> list[Output]:
+    """The outputs a recorded call returned, one per choice with token ids."""
+    messages, tools = call.request.get("messages", []), call.request.get("tools")
+    found = []
+    for choice in call.response.get("choices", []):
+        prompt, completion = choice.get("prompt_token_ids"), choice.get("token_ids")
+        if prompt is None or not completion:
+            continue
+        reply = {"role": "assistant", **{k: v for k, v in choice["message"].items() if k in ("content", "tool_calls")}}
+        found.append(
+            Output(
+                call.id,
+                choice["index"],
+                output_key(messages, tools, reply),
+                prompt + completion,
+                completion[-1] in eos_ids,
+            )
+        )
+    return found
+
+
+class Gateway:
+    """Episodes in front of the engine: prepares each call's prompt from the episode's earlier outputs and
+    records the call. Thread-safe; its store calls run off the event loop."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._outputs: OrderedDict[str, list[Output]] = OrderedDict()  # episode -> its outputs, most recent last
+        self._lock = threading.Lock()
+
+    def _known_outputs(self, episode_id: str, eos_ids: set[int]) -> list[Output]:
+        with self._lock:
+            if episode_id in self._outputs:
+                self._outputs.move_to_end(episode_id)
+                return list(self._outputs[episode_id])
+        with self.store.session() as s:
+            db.check_open(s, episode_id)
+            found = [o for call in db.calls(s, episode_id) for o in outputs_of(call, eos_ids)]
+        with self._lock:
+            self._outputs[episode_id] = found
+            while len(self._outputs) > CACHED_EPISODES:
+                self._outputs.popitem(last=False)
+        return list(found)
+
+    def _prepare(
+        self,
+        episode_id: str,
+        messages: list[dict],
+        tools: list[dict] | None,
+        tokenizer: PreTrainedTokenizerBase,
+        eos_ids: set[int],
+    ) -> Splice:
+        with self.store.session() as s:
+            db.check_open(s, episode_id)  # unknown: 404; finished or abandoned: 409, before any token is sampled
+        return splice_prompt(tokenizer, messages, tools, self._known_outputs(episode_id, eos_ids))
+
+    async def prepare(
+        self,
+        episode_id: str,
+        messages: list[dict],
+        tools: list[dict] | None,
+        tokenizer: PreTrainedTokenizerBase,
+        eos_ids: set[int],
+    ) -> Splice:
+        return await asyncio.to_thread(self._prepare, episode_id, messages, tools, tokenizer, eos_ids)
+
+    def _record(self, episode_id: str, splice: Splice, eos_ids: set[int], **fields: Any) -> CallRecord:
+        with self.store.session() as s:
+            call = db.add_call(
+                s,
+                episode_id,
+                prefix_call=splice.prefix_call,
+                prefix_choice=splice.prefix_choice,
+                prefix_message=splice.prefix_message,
+                retokenized_turns=splice.retokenized_turns,
+                reward=None,
+                **fields,
+            )
+        with self._lock:
+            if episode_id in self._outputs:
+                self._outputs[episode_id] += outputs_of(call, eos_ids)
+        return call
+
+    async def record(
+        self,
+        episode_id: str,
+        splice: Splice,
+        eos_ids: set[int],
+        *,
+        model: str,
+        step: int | None,
+        request: dict[str, Any],
+        response: dict[str, Any],
+        latency_ms: float,
+    ) -> CallRecord:
+        """Store a finished call. ``response``: the chat.completion body with every choice's token ids and
+        log-probs (whatever the client asked to see)."""
+        usage = response.get("usage") or {}
+        return await asyncio.to_thread(
+            self._record,
+            episode_id,
+            splice,
+            eos_ids,
+            model=model,
+            step=step,
+            request=request,
+            response=response,
+            prompt_tokens=int(usage.get("prompt_tokens", 0)),
+            completion_tokens=int(usage.get("completion_tokens", 0)),
+            latency_ms=latency_ms,
+        )
+
+    def forget(self, episode: EpisodeRecord) -> None:
+        """Drop a closed episode's outputs from memory."""
+        with self._lock:
+            self._outputs.pop(episode.id, None)

@@ -1,0 +1,71 @@
+"""Opening a store: the database URL, the engine's connection settings, and migrations to the latest schema."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+from flywheel.home import default_home
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+_migrating = threading.Lock()  # two stores opened at once in one process migrate one after the other
+
+
+def default_url() -> str:
+    """``FLYWHEEL_DB`` if set, else SQLite in ``FLYWHEEL_HOME`` (``flywheel.db``)."""
+    return os.environ.get("FLYWHEEL_DB") or f"sqlite:///{default_home() / 'flywheel.db'}"
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")  # readers (a dashboard, an export) never block the writer
+    cursor.execute("PRAGMA synchronous=NORMAL")  # durable at each WAL checkpoint; a crash loses no committed row
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA busy_timeout=30000")  # another process writing: wait for it rather than fail
+    cursor.close()
+
+
+def _engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[1] if "///" in url else ""
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+def upgrade(engine: Engine) -> None:
+    """Apply every migration the database has not seen (a new database gets the whole schema)."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    with _migrating, engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "head")
+
+
+class Store:
+    """A database with the latest schema. ``session()`` gives a unit of work that commits on success."""
+
+    def __init__(self, url: str | None = None):
+        self.url = url or default_url()
+        self.engine = _engine(self.url)
+        upgrade(self.engine)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        with self._sessions.begin() as session:
+            yield session
+
+    def close(self) -> None:
+        self.engine.dispose()

@@ -1,0 +1,218 @@
+"""Episodes and the calls recorded in them: create, record, reward, finish or abandon, read.
+
+Functions take a ``Session`` (one unit of work: ``with store.session() as s``) and return plain records, so a
+caller never holds a live database row. Outcomes are idempotent: posting the same reward or finishing twice with
+the same outcome changes nothing; a different outcome for a closed episode is an ``EpisodeConflictError``.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from flywheel.store.schema import Call, Episode
+
+
+class EpisodeStatus(StrEnum):
+    open = "open"
+    finished = "finished"
+    abandoned = "abandoned"
+
+
+class UnknownEpisodeError(LookupError):
+    def __init__(self, episode_id: str):
+        super().__init__(f"No episode with id {episode_id!r}.")
+        self.episode_id = episode_id
+
+
+class EpisodeConflictError(RuntimeError):
+    """An outcome for an episode that already has another one (finished or abandoned)."""
+
+
+def _utc(value: datetime) -> datetime:
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value  # SQLite keeps no time zone: it was UTC
+
+
+Timestamp = Annotated[datetime, AfterValidator(_utc)]
+
+
+class CallRecord(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    episode_id: str
+    model: str
+    step: int | None
+    request: dict[str, Any]
+    response: dict[str, Any]
+    prompt_tokens: int
+    completion_tokens: int
+    latency_ms: float
+    prefix_call: int | None
+    prefix_choice: int | None
+    prefix_message: int | None
+    retokenized_turns: int
+    reward: float | None
+    created_at: Timestamp
+
+
+class EpisodeRecord(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    task_id: str
+    split: str
+    model: str | None
+    status: EpisodeStatus
+    reward: float | None
+    metrics: dict[str, Any]
+    meta: dict[str, Any]
+    created_at: Timestamp
+    finished_at: Timestamp | None
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _finite(value: float, what: str) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"{what} was {value}; rewards must be finite numbers")
+    return float(value)
+
+
+def new_episode_id() -> str:
+    """128 random bits: knowing an episode's URL is what lets an agent call through it."""
+    return "ep_" + secrets.token_urlsafe(16)
+
+
+def create_episode(
+    s: Session, task_id: str, *, split: str = "train", model: str | None = None, meta: dict[str, Any] | None = None
+) -> EpisodeRecord:
+    row = Episode(
+        id=new_episode_id(), task_id=task_id, split=split, model=model, status=EpisodeStatus.open, reward=None,
+        metrics={}, meta=dict(meta or {}), created_at=_now(), finished_at=None,
+    )  # fmt: skip
+    s.add(row)
+    s.flush()
+    return EpisodeRecord.model_validate(row)
+
+
+def _episode(s: Session, episode_id: str, *, lock: bool = False) -> Episode:
+    query = select(Episode).where(Episode.id == episode_id)
+    row = s.scalars(query.with_for_update() if lock else query).one_or_none()
+    if row is None:
+        raise UnknownEpisodeError(episode_id)
+    return row
+
+
+def get_episode(s: Session, episode_id: str) -> EpisodeRecord:
+    return EpisodeRecord.model_validate(_episode(s, episode_id))
+
+
+def list_episodes(
+    s: Session,
+    *,
+    task_id: str | None = None,
+    split: str | None = None,
+    status: EpisodeStatus | None = None,
+    limit: int = 100,
+    offset: int = 0,
+) -> list[EpisodeRecord]:
+    query = select(Episode).order_by(Episode.created_at, Episode.id).limit(limit).offset(offset)
+    if task_id is not None:
+        query = query.where(Episode.task_id == task_id)
+    if split is not None:
+        query = query.where(Episode.split == split)
+    if status is not None:
+        query = query.where(Episode.status == status)
+    return [EpisodeRecord.model_validate(row) for row in s.scalars(query)]
+
+
+def check_open(s: Session, episode_id: str) -> EpisodeRecord:
+    """The episode, if calls may still be recorded in it."""
+    episode = get_episode(s, episode_id)
+    if episode.status != EpisodeStatus.open:
+        raise EpisodeConflictError(f"Episode {episode_id!r} is {episode.status.value}: it takes no more calls.")
+    return episode
+
+
+def add_call(s: Session, episode_id: str, **fields: Any) -> CallRecord:
+    """Record a call (``fields``: the columns of ``Call`` but id, episode_id, created_at) in an open episode."""
+    check_open(s, episode_id)
+    row = Call(episode_id=episode_id, created_at=_now(), **fields)
+    s.add(row)
+    s.flush()
+    return CallRecord.model_validate(row)
+
+
+def calls(s: Session, episode_id: str) -> list[CallRecord]:
+    _episode(s, episode_id)
+    query = select(Call).where(Call.episode_id == episode_id).order_by(Call.id)
+    return [CallRecord.model_validate(row) for row in s.scalars(query)]
+
+
+def set_outcome(
+    s: Session,
+    episode_id: str,
+    *,
+    reward: float | None = None,
+    metrics: dict[str, Any] | None = None,
+    call_rewards: dict[int, float] | None = None,
+    finish: bool = False,
+) -> EpisodeRecord:
+    """Record an episode's reward, metrics and per-call rewards, and finish it if ``finish``. While it is open,
+    a later value replaces an earlier one. Once it is finished, the same outcome again is accepted and changes
+    nothing (a retried request); any other is a conflict."""
+    row = _episode(s, episode_id, lock=True)
+    reward = None if reward is None else _finite(reward, "reward")
+    call_rewards = {int(k): _finite(v, f"the reward of call {k}") for k, v in (call_rewards or {}).items()}
+    owned = {c.id: c for c in s.scalars(select(Call).where(Call.episode_id == episode_id, Call.id.in_(call_rewards)))}
+    if unknown := sorted(set(call_rewards) - set(owned)):
+        raise ValueError(f"call ids {unknown} are not calls of episode {episode_id!r}")
+    if row.status != EpisodeStatus.open:
+        same = (
+            row.status == EpisodeStatus.finished
+            and (reward is None or reward == row.reward)
+            and all(row.metrics.get(k) == v for k, v in (metrics or {}).items())
+            and all(owned[k].reward == v for k, v in call_rewards.items())
+        )
+        if not same:
+            raise EpisodeConflictError(
+                f"Episode {episode_id!r} is already {row.status}"
+                + (f" with reward {row.reward}" if row.status == EpisodeStatus.finished else "")
+                + ": its outcome cannot change."
+            )
+        return EpisodeRecord.model_validate(row)
+    if reward is not None:
+        row.reward = reward
+    if metrics:
+        row.metrics = {**row.metrics, **metrics}
+    for call_id, value in call_rewards.items():
+        owned[call_id].reward = value
+    if finish:
+        if row.reward is None:
+            raise ValueError(f"Episode {episode_id!r} has no reward yet: finish it with one")
+        row.status, row.finished_at = EpisodeStatus.finished, _now()
+    s.flush()
+    return EpisodeRecord.model_validate(row)
+
+
+def abandon(s: Session, episode_id: str, reason: str | None = None) -> EpisodeRecord:
+    """Close an episode without an outcome (it never trains); abandoning twice is accepted."""
+    row = _episode(s, episode_id, lock=True)
+    if row.status == EpisodeStatus.finished:
+        raise EpisodeConflictError(f"Episode {episode_id!r} is already finished: it cannot be abandoned.")
+    if row.status == EpisodeStatus.open:
+        row.status, row.finished_at = EpisodeStatus.abandoned, _now()
+        if reason:
+            row.meta = {**row.meta, "abandoned_because": reason}
+    s.flush()
+    return EpisodeRecord.model_validate(row)

@@ -1,0 +1,53 @@
+"""The tables (SQLAlchemy 2 declarative models). A change here needs a migration under ``migrations/versions``."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, ClassVar
+
+from sqlalchemy import JSON, DateTime, Float, ForeignKey, Integer, String
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    type_annotation_map: ClassVar = {dict[str, Any]: JSON, list[Any]: JSON, datetime: DateTime(timezone=True)}
+
+
+class Episode(Base):
+    """One run of an agent on one task: its calls, then its outcome."""
+
+    __tablename__ = "episodes"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # unguessable: it is the episode's capability URL
+    task_id: Mapped[str] = mapped_column(String(256), index=True)  # episodes of one task form a group
+    split: Mapped[str] = mapped_column(String(32))
+    model: Mapped[str | None] = mapped_column(String(256))  # the model it was created for (calls may name another)
+    status: Mapped[str] = mapped_column(String(16), index=True)  # open | finished | abandoned
+    reward: Mapped[float | None] = mapped_column(Float)
+    metrics: Mapped[dict[str, Any]]
+    meta: Mapped[dict[str, Any]]  # the creator's metadata
+    created_at: Mapped[datetime]
+    finished_at: Mapped[datetime | None]
+
+
+class Call(Base):
+    """One chat completion made in an episode: what was asked, what was fed and sampled, and how."""
+
+    __tablename__ = "calls"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)  # also the calls' order
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), index=True)
+    model: Mapped[str] = mapped_column(String(256))  # the name the request asked for
+    step: Mapped[int | None] = mapped_column(Integer)  # the checkpoint step that answered, when known
+    request: Mapped[dict[str, Any]]  # messages, tools and parameters, as sent
+    response: Mapped[dict[str, Any]]  # the chat.completion body, with every choice's token ids and log-probs
+    prompt_tokens: Mapped[int]
+    completion_tokens: Mapped[int]
+    latency_ms: Mapped[float] = mapped_column(Float)
+    # the earlier output whose exact sampled ids this prompt reuses (token-in, token-out), if any
+    prefix_call: Mapped[int | None] = mapped_column(Integer)
+    prefix_choice: Mapped[int | None] = mapped_column(Integer)
+    prefix_message: Mapped[int | None] = mapped_column(Integer)  # that output's index in this request's messages
+    retokenized_turns: Mapped[int]  # assistant turns in the request that matched no recorded output
+    reward: Mapped[float | None] = mapped_column(Float)  # an intermediate reward for this call alone
+    created_at: Mapped[datetime]
