@@ -28,6 +28,7 @@ from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenL
 from openai.types.completion_usage import CompletionUsage
 
 from flywheel.gateway.api import episode_router
+from flywheel.gateway.auth import ApiKeyAuth, ApiKeys
 from flywheel.gateway.export import NotTrainableError
 from flywheel.gateway.recorder import Gateway
 from flywheel.inference.chat import parse_tool_calls, render_prompt
@@ -138,13 +139,20 @@ def _completion_body(
 
 
 def create_app(
-    registry: ModelRegistry, gateway: Gateway | None = None, *, max_body_bytes: int = MAX_BODY_BYTES
+    registry: ModelRegistry,
+    gateway: Gateway | None = None,
+    *,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    auth: ApiKeys | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible API over ``registry``'s engines; with a ``gateway``, also the episode API and the
     episode-scoped routes (``/episodes/{id}/v1/...``, or ``/v1/...`` with an ``X-Flywheel-Episode`` header) whose
-    calls it records."""
+    calls it records. With ``auth`` keys, each request needs a key of its route's role (``flywheel.gateway.auth``);
+    without any, every route is open."""
     app = FastAPI(title="Flywheel OpenAI-compatible API")
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if auth:  # added last, so it runs first: a refused request's body is never read
+        app.add_middleware(ApiKeyAuth, keys=auth)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
