@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flywheel.gateway.auth import ApiKeys, is_loopback
 from flywheel.gateway.recorder import Gateway
 from flywheel.gather import phase_seconds
 from flywheel.home import default_home
@@ -59,9 +60,19 @@ class LocalBackend:
         dtype: torch.dtype | None = None,
         max_batch: int = 64,
         compile: bool = False,
+        api_keys: ApiKeys | None = None,
+        insecure_no_auth: bool = False,
     ):
         """``compile``: engines decode with a compiled step (``InferenceEngine(compile=True)``: faster sampling at
-        few concurrent rows, minutes to compile per engine, needs a C++ compiler)."""
+        few concurrent rows, minutes to compile per engine, needs a C++ compiler). ``api_keys``: the HTTP server
+        wants a key of each route's role (``flywheel.gateway.auth``; give registered models an agent key as their
+        ``inference_api_key``); without any it is open, so a ``host`` other than loopback also needs
+        ``insecure_no_auth=True``."""
+        if serve_http and not api_keys and not insecure_no_auth and not is_loopback(host):
+            raise ValueError(
+                f"LocalBackend(host={host!r}) would serve every route to anyone who can reach it: give api_keys, "
+                "or insecure_no_auth=True to serve it open anyway."
+            )
         self.path = Path(path) if path is not None else default_home()
         self.registry = ModelRegistry(loader=self._serve_checkpoint)
         self._engines: dict[str, InferenceEngine] = {}
@@ -72,7 +83,7 @@ class LocalBackend:
         self._step_locks: dict[tuple[str, str], asyncio.Lock] = {}  # one step (train, save, restore) at a time
         self._extras: dict[tuple[str, str], dict] = {}  # the ``extra`` of the checkpoint the live weights are at
         self._dtype, self._max_batch, self._compile = dtype, max_batch, compile
-        self._host, self._port, self._serve_http = host, port, serve_http
+        self._host, self._port, self._serve_http, self._api_keys = host, port, serve_http, api_keys
         self._server: BackgroundServer | None = None
         self.gateway: Gateway | None = None  # with the HTTP server: agents anywhere record episodes through it
         self._lock = asyncio.Lock()
@@ -99,7 +110,8 @@ class LocalBackend:
         if self._serve_http and self._server is None:
             # episodes recorded through the gateway: FLYWHEEL_DB, else SQLite in this backend's home
             self.gateway = Gateway(Store(os.environ.get("FLYWHEEL_DB") or f"sqlite:///{self.path / 'flywheel.db'}"))
-            self._server = BackgroundServer(create_app(self.registry, self.gateway), self._host, self._port).start()
+            app = create_app(self.registry, self.gateway, auth=self._api_keys)
+            self._server = BackgroundServer(app, self._host, self._port).start()
 
     async def load(self, base_model: str) -> InferenceEngine:
         """Serve a base model as is (no adapter), e.g. as a judge or a baseline."""

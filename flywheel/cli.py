@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -69,10 +70,37 @@ def serve(
             help="Database of the episodes recorded through /episodes (default: $FLYWHEEL_DB, else SQLite in $FLYWHEEL_HOME)."
         ),
     ] = None,
+    api_keys: Annotated[
+        Path | None,
+        typer.Option(
+            help="File of API keys, one 'role key' per line (roles: agent, runner, admin), with those of $FLYWHEEL_API_KEYS ('role:key,...'). Without any key, every route is open."
+        ),
+    ] = None,
+    insecure_no_auth: Annotated[
+        bool,
+        typer.Option(
+            help="Serve on a non-loopback --host without any API key (anyone who reaches it may do anything)."
+        ),
+    ] = False,
 ):
     """Serve a model over an OpenAI-compatible API (/v1/models, /v1/chat/completions), and the gateway: episodes
     (POST /episodes) whose calls, through /episodes/<id>/v1, are recorded for training."""
     import uvicorn
+
+    from flywheel.gateway.auth import ENV_VAR, ApiKeyError, ApiKeys, is_loopback
+
+    try:  # keys first: a mistake in them, or an open server on the network, is refused before the model loads
+        keys = ApiKeys.configured(api_keys)
+    except ApiKeyError as exc:
+        console.print(f"[red]Invalid API keys: {exc}[/]")
+        raise typer.Exit(2) from None
+    if not keys and not is_loopback(host) and not insecure_no_auth:
+        console.print(
+            f"[red]Refusing to serve on {host} without API keys: anyone who can reach it could use the model and"
+            f" read, reward or change every episode. Give keys (--api-keys FILE or {ENV_VAR}), bind to 127.0.0.1,"
+            " or pass --insecure-no-auth to serve it open anyway.[/]"
+        )
+        raise typer.Exit(2)
 
     from flywheel.gateway.recorder import Gateway
     from flywheel.inference.engine import InferenceEngine
@@ -100,7 +128,8 @@ def serve(
         console.print("Compiling the decode step first (~1-2 minutes on 2 cores): requests wait until it is done.")
     store = Store(db)
     console.print(f"Episodes: http://{host}:{port}/episodes, stored in {store.url}")
-    uvicorn.run(create_app(registry, Gateway(store)), host=host, port=port, log_level="info")
+    console.print(f"API keys: {keys!r}" if keys else "No API keys: every route is open to whoever reaches the server.")
+    uvicorn.run(create_app(registry, Gateway(store), auth=keys), host=host, port=port, log_level="info")
 
 
 @app.command()
