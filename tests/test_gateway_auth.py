@@ -1,0 +1,343 @@
+"""Who may do what: API keys with roles on a real loopback server (the real model, the openai SDK, EpisodeClient,
+httpx, a real SQLite store), and ``flywheel serve``'s key options as a process. Nothing is mocked."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from fastapi.routing import iter_route_contexts
+from sqlalchemy import select
+
+from flywheel.backend import LocalBackend
+from flywheel.gateway.auth import ENV_VAR, ApiKeyError, ApiKeys, Role, required_role
+from flywheel.gateway.client import EpisodeClient, GatewayError
+from flywheel.gateway.recorder import Gateway
+from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.inference.registry import ModelRegistry
+from flywheel.server.app import create_app
+from flywheel.server.background import BackgroundServer
+from flywheel.store import Store
+from flywheel.store.schema import Base
+
+FLYWHEEL = str(Path(sys.executable).parent / "flywheel")
+KEYS = {role: secrets.token_urlsafe(32) for role in Role}
+WRONG_KEY = secrets.token_urlsafe(32)
+BODY_CAP = 64 * 1024
+
+# The issue's table (issue #24, "who may do what"), written here independently of auth.RULES; any other route:
+# admin. Path parameters are written "{}" (whatever a route names them).
+EXPECTED: dict[tuple[str, str], Role | None] = {
+    ("GET", "/health"): None,
+    ("GET", "/v1/models"): Role.agent,
+    ("POST", "/v1/chat/completions"): Role.agent,
+    ("GET", "/episodes/{}/v1/models"): Role.agent,
+    ("POST", "/episodes/{}/v1/chat/completions"): Role.agent,
+    ("POST", "/episodes"): Role.runner,
+    ("GET", "/episodes/{}"): Role.runner,
+    ("POST", "/episodes/{}/reward"): Role.runner,
+    ("POST", "/episodes/{}/finish"): Role.runner,
+    ("POST", "/episodes/{}/abandon"): Role.runner,
+    ("POST", "/tasks/claim"): Role.runner,
+    ("POST", "/attempts/{}/heartbeat"): Role.runner,
+    ("POST", "/attempts/{}/complete"): Role.runner,
+    ("POST", "/attempts/{}/fail"): Role.runner,
+    ("GET", "/episodes"): Role.admin,
+    ("GET", "/episodes/{}/calls"): Role.admin,
+    ("GET", "/episodes/{}/trajectory"): Role.admin,
+    ("GET", "/episodes/{}/transitions"): Role.admin,
+    ("GET", "/groups"): Role.admin,
+    ("POST", "/tasks"): Role.admin,
+    ("GET", "/tasks"): Role.admin,
+    ("GET", "/tasks/{}"): Role.admin,
+}
+CHAT = {"model": EMBEDDED_MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+BODIES = {  # what each route would act on if it let the request through
+    "/episodes": {"task_id": "intruder"},
+    "/episodes/{}/reward": {"reward": 1.0},
+    "/episodes/{}/finish": {"reward": 1.0},
+    "/episodes/{}/abandon": {"reason": "intruder"},
+    "/v1/chat/completions": CHAT,
+    "/episodes/{}/v1/chat/completions": CHAT,
+}
+
+
+def generic(template: str) -> str:
+    return re.sub(r"\{[^}]*\}", "{}", template)
+
+
+def expected_role(method: str, template: str) -> Role | None:
+    return EXPECTED.get((method, generic(template)), Role.admin)
+
+
+def app_routes(app) -> list[tuple[str, str]]:
+    """Every (method, path template) the app serves, those of included routers too."""
+    routes = list(iter_route_contexts(app.routes))
+    assert all(r.path and r.methods for r in routes), "a route kind this test does not try"
+    return sorted((method, r.path) for r in routes for method in r.methods)
+
+
+class Served:
+    def __init__(self, engine, tmp_path: Path):
+        registry = ModelRegistry()
+        registry.add(EMBEDDED_MODEL, engine)
+        self.store = Store(f"sqlite:///{tmp_path / 'flywheel.db'}")
+        self.app = create_app(registry, Gateway(self.store), auth=ApiKeys(KEYS.items()), max_body_bytes=BODY_CAP)
+        self.server = BackgroundServer(self.app).start()
+        self.root = f"http://127.0.0.1:{self.server.port}"
+
+    def snapshot(self) -> dict[str, list[str]]:
+        """Every row of every table."""
+        with self.store.session() as s:
+            return {
+                t.name: sorted(repr(tuple(row)) for row in s.execute(select(t))) for t in Base.metadata.sorted_tables
+            }
+
+    def request(self, method: str, template: str, episode_id: str, headers: dict[str, str]) -> httpx.Response:
+        path = template.replace("{episode_id}", episode_id)
+        path = re.sub(r"\{[^}]*\}", "x", path)
+        if path == "/v1/chat/completions":
+            headers = {**headers, "X-Flywheel-Episode": episode_id}
+        body = BODIES.get(generic(template), {}) if method == "POST" else None
+        return httpx.request(method, self.root + path, json=body, headers=headers, timeout=60)
+
+
+@pytest.fixture
+def served(engine, tmp_path):
+    s = Served(engine, tmp_path)
+    yield s
+    s.server.stop()
+    s.store.close()
+
+
+async def open_episode_with_a_call(served: Served) -> str:
+    async with EpisodeClient(served.root, api_key=KEYS[Role.runner]) as runner:
+        episode = await runner.create("task-auth")
+    agent = openai.AsyncOpenAI(base_url=episode.base_url, api_key=KEYS[Role.agent], max_retries=0)
+    await agent.chat.completions.create(model=EMBEDDED_MODEL, messages=CHAT["messages"], max_tokens=2)
+    return episode.id
+
+
+def test_every_route_of_the_app_and_of_the_issue_needs_its_role_and_a_route_not_listed_needs_admin(served):
+    routes = app_routes(served.app)
+    assert ("POST", "/episodes/{episode_id}/finish") in routes and ("GET", "/openapi.json") in routes
+    for method, template in routes:
+        concrete = re.sub(r"\{[^}]*\}", "abc123", template)
+        assert required_role(method, concrete) == expected_role(method, template), (method, template)
+    for (method, template), role in EXPECTED.items():  # the runner queue's routes too, mounted or not yet
+        assert required_role(method, template.replace("{}", "abc123")) == role, (method, template)
+    assert required_role("GET", "/tasks/claim") == Role.admin  # a route's method counts, not only its path
+    assert required_role("GET", "/episodes/abc/v1") == Role.admin  # nothing under it: not an agent route
+    assert required_role("GET", "/never/heard/of") == Role.admin
+
+
+async def test_every_route_refuses_no_key_a_wrong_key_and_each_lower_role_and_nothing_changes(served):
+    episode_id = await open_episode_with_a_call(served)
+    before = served.snapshot()
+    assert len(before["episodes"]) == 1 and len(before["calls"]) == 1
+    for method, template in app_routes(served.app):
+        needed = expected_role(method, template)
+        if needed is None:
+            assert served.request(method, template, episode_id, {}).status_code == 200
+            continue
+        attempts = [({}, 401, "missing_api_key"), ({"Authorization": "Basic abc"}, 401, "missing_api_key")]
+        attempts += [({"Authorization": f"Bearer {WRONG_KEY}"}, 401, "invalid_api_key")]
+        attempts += [({"X-API-Key": WRONG_KEY}, 401, "invalid_api_key")]
+        for role in Role:
+            if role < needed:
+                attempts += [({"Authorization": f"Bearer {KEYS[role]}"}, 403, "insufficient_role")]
+                attempts += [({"X-API-Key": KEYS[role]}, 403, "insufficient_role")]
+        for headers, status, code in attempts:
+            r = served.request(method, template, episode_id, headers)
+            assert r.status_code == status, (method, template, headers, r.text)
+            assert (r.headers.get("www-authenticate") == "Bearer") == (status == 401)
+            if method == "HEAD":  # a HEAD answer has no body
+                continue
+            error = r.json()["error"]
+            assert error["code"] == code and error["type"] == "invalid_request_error" and "param" in error
+            assert error["message"] and not any(key in r.text for key in [*KEYS.values(), WRONG_KEY])
+    assert served.snapshot() == before  # nothing recorded, nothing changed
+
+
+async def test_each_route_lets_its_own_role_through(served):
+    episode_id = await open_episode_with_a_call(served)
+    for method, template in app_routes(served.app):
+        role = expected_role(method, template)
+        headers = {} if role is None else {"Authorization": f"Bearer {KEYS[role]}"}
+        r = served.request(method, template, episode_id, headers)
+        assert r.status_code not in (401, 403), (method, template, r.text)
+
+
+async def test_the_right_roles_work_through_the_openai_sdk_and_episode_client(served):
+    async with (
+        EpisodeClient(served.root, api_key=KEYS[Role.runner]) as runner,
+        EpisodeClient(served.root, api_key=KEYS[Role.admin]) as admin,
+        EpisodeClient(served.root, api_key=KEYS[Role.agent]) as agent_episodes,
+    ):
+        episode = await runner.create("task-roles")
+        agent = openai.AsyncOpenAI(base_url=episode.base_url, api_key=KEYS[Role.agent], max_retries=0)
+        reply = await agent.chat.completions.create(model=EMBEDDED_MODEL, messages=CHAT["messages"], max_tokens=4)
+        assert reply.choices[0].message.content is not None
+        with pytest.raises(GatewayError) as refused:  # an agent may not reward, even its own episode
+            await agent_episodes.finish(episode.id, reward=1.0)
+        assert refused.value.status == 403 and "needs a runner key" in str(refused.value)
+        with pytest.raises(GatewayError) as refused:  # a runner may not read every episode
+            await runner.list()
+        assert refused.value.status == 403
+        finished = await runner.finish(episode.id, reward=0.5)
+        assert finished.status == "finished" and finished.reward == 0.5
+        listed = await admin.list(task_id="task-roles")
+        assert [e.id for e in listed] == [episode.id] and len(await admin.calls(episode.id)) == 1
+    # a higher role may do what a lower one may; a wrong key is the SDK's AuthenticationError
+    models = await openai.AsyncOpenAI(base_url=f"{served.root}/v1", api_key=KEYS[Role.admin]).models.list()
+    assert EMBEDDED_MODEL in [m.id for m in models.data]
+    with pytest.raises(openai.AuthenticationError) as wrong:
+        await openai.AsyncOpenAI(base_url=f"{served.root}/v1", api_key=WRONG_KEY, max_retries=0).models.list()
+    assert wrong.value.code == "invalid_api_key"
+    with pytest.raises(openai.PermissionDeniedError) as low:
+        await openai.AsyncOpenAI(base_url=served.root, api_key=KEYS[Role.agent], max_retries=0).post(
+            "/episodes", body={"task_id": "t"}, cast_to=object
+        )
+    assert low.value.code == "insufficient_role"
+    assert httpx.get(f"{served.root}/health").status_code == 200  # open to all
+
+
+def test_the_key_is_checked_before_the_body_is_read(served):
+    """A body over the server's cap is a 413 once the key is right, a 401 or 403 before: the key comes first."""
+    big = {"task_id": "x" * (2 * BODY_CAP)}
+    assert httpx.post(f"{served.root}/episodes", json=big).status_code == 401
+    agent = {"X-API-Key": KEYS[Role.agent]}
+    assert httpx.post(f"{served.root}/episodes", json=big, headers=agent).status_code == 403
+    runner = {"X-API-Key": KEYS[Role.runner]}
+    assert httpx.post(f"{served.root}/episodes", json=big, headers=runner).status_code == 413
+    # X-API-Key comes before Authorization (which the openai SDK always sends, with whatever api_key it has)
+    both = {"X-API-Key": KEYS[Role.runner], "Authorization": f"Bearer {KEYS[Role.agent]}"}
+    assert httpx.post(f"{served.root}/episodes", json={"task_id": "t"}, headers=both).status_code == 201
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "what"),
+    [
+        ("# keys\n\nadmin {k}\nrunner {k2} extra\n", "line 4", "two words"),
+        ("{k} admin\n", "line 1", "unknown role"),  # role and key swapped: the key is not echoed
+        ("agent short\n", "line 1", "at least 16"),
+        ("agent {k}\nadmin {k}  # again\n", "line 2", "two different roles"),
+    ],
+)
+def test_a_malformed_key_file_names_the_line_and_never_the_key(tmp_path, text, where, what):
+    k, k2 = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+    path = tmp_path / "keys.txt"
+    path.write_text(text.format(k=k, k2=k2))
+    with pytest.raises(ApiKeyError) as error:
+        ApiKeys.read(path)
+    message = str(error.value)
+    assert f"{path}, {where}" in message and what in message and k not in message and k2 not in message
+
+
+def test_keys_from_the_environment_and_a_file_together(tmp_path, monkeypatch):
+    path = tmp_path / "keys"
+    path.write_text(f"runner {KEYS[Role.runner]}  # the runners' key\n")
+    monkeypatch.setenv(ENV_VAR, f"admin:{KEYS[Role.admin]}, agent:{KEYS[Role.agent]},")
+    keys = ApiKeys.configured(path)
+    assert {role: keys.role_of(key.encode()) for role, key in KEYS.items()} == {r: r for r in Role}
+    assert keys.role_of(WRONG_KEY.encode()) is None
+    assert not any(key in repr(keys) for key in KEYS.values()) and repr(keys) == "ApiKeys(agent=1, runner=1, admin=1)"
+    monkeypatch.setenv(ENV_VAR, f"admin={KEYS[Role.admin]}")
+    with pytest.raises(ApiKeyError, match=f"{ENV_VAR}, item 1: expected 'role:key'") as error:
+        ApiKeys.configured()
+    assert KEYS[Role.admin] not in str(error.value)
+
+
+def cli_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    return env | {"FLYWHEEL_HOME": str(home), "COLUMNS": "200"}
+
+
+def test_serve_on_the_network_without_keys_refuses_before_loading_the_model(tmp_path):
+    # a model that does not exist: had serve loaded it first, it would have said so instead
+    missing = str(tmp_path / "no-such-model")
+    args = [FLYWHEEL, "serve", "--model", missing, "--host", "0.0.0.0"]
+    refused = subprocess.run(args, capture_output=True, text=True, timeout=120, env=cli_env(tmp_path))
+    assert refused.returncode == 2, refused
+    assert "Refusing to serve on 0.0.0.0 without API keys" in refused.stdout and "--insecure-no-auth" in refused.stdout
+    assert "Traceback" not in refused.stderr
+    allowed = subprocess.run(
+        [*args, "--insecure-no-auth"], capture_output=True, text=True, timeout=120, env=cli_env(tmp_path)
+    )
+    assert allowed.returncode == 2 and "Refusing" not in allowed.stdout and "no-such-model" in allowed.stdout
+    bad = tmp_path / "keys"
+    bad.write_text(f"admin {KEYS[Role.admin]}\nrunner\n")
+    malformed = subprocess.run(
+        [FLYWHEEL, "serve", "--model", missing, "--api-keys", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=cli_env(tmp_path),
+    )
+    assert malformed.returncode == 2 and "line 2: expected 'role key'" in malformed.stdout
+    assert KEYS[Role.admin] not in malformed.stdout + malformed.stderr and "Traceback" not in malformed.stderr
+
+
+def test_serve_with_keys_answers_by_role_and_never_logs_a_key(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("".join(f"{role.name} {key}\n" for role, key in KEYS.items()))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [FLYWHEEL, "serve", "--port", str(port), "--api-keys", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(tmp_path),
+    )
+    try:
+        root = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the server did not come up in 5 minutes"
+            try:
+                if httpx.get(f"{root}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        agent = openai.OpenAI(base_url=f"{root}/v1", api_key=KEYS[Role.agent], max_retries=0)
+        assert EMBEDDED_MODEL in [m.id for m in agent.models.list().data]
+        assert httpx.get(f"{root}/v1/models", headers={"X-API-Key": WRONG_KEY}).status_code == 401
+        runner = {"Authorization": f"Bearer {KEYS[Role.runner]}"}
+        assert httpx.post(f"{root}/episodes", json={"task_id": "t"}, headers=runner).status_code == 201
+        assert httpx.get(f"{root}/episodes", headers=runner).status_code == 403
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    log = out + err
+    assert "ApiKeys(agent=1, runner=1, admin=1)" in out
+    assert '"GET /v1/models HTTP/1.1" 401' in log and '"POST /episodes HTTP/1.1" 201' in log  # the access log
+    assert not any(key in log for key in [*KEYS.values(), WRONG_KEY])
+
+
+async def test_local_backend_serves_with_its_keys_and_refuses_the_network_without(tmp_path):
+    with pytest.raises(ValueError, match="give api_keys, or insecure_no_auth=True"):
+        LocalBackend(path=tmp_path, host="0.0.0.0")
+    backend = LocalBackend(path=tmp_path, api_keys=ApiKeys([("agent", KEYS[Role.agent])]))
+    try:
+        await backend.load(EMBEDDED_MODEL)
+        assert httpx.get(f"{backend.base_url}/models").status_code == 401
+        sdk = openai.AsyncOpenAI(base_url=backend.base_url, api_key=KEYS[Role.agent], max_retries=0)
+        assert EMBEDDED_MODEL in [m.id for m in (await sdk.models.list()).data]
+    finally:
+        await backend.close()
