@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, ClassVar
 
-from sqlalchemy import JSON, DateTime, Float, ForeignKey, Integer, String
+from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -51,3 +51,39 @@ class Call(Base):
     retokenized_turns: Mapped[int]  # assistant turns in the request that matched no recorded output
     reward: Mapped[float | None] = mapped_column(Float)  # an intermediate reward for this call alone
     created_at: Mapped[datetime]
+
+
+class Task(Base):
+    """Work the training side queued for runners: a payload that ``group_size`` attempts each run once."""
+
+    __tablename__ = "tasks"
+
+    id: Mapped[str] = mapped_column(String(256), primary_key=True)  # the group key: its episodes carry it
+    payload: Mapped[dict[str, Any]]  # what the runner's agent is given
+    group_size: Mapped[int]
+    split: Mapped[str] = mapped_column(String(32))
+    model: Mapped[str | None] = mapped_column(String(256))  # the name the agent calls
+    max_tries: Mapped[int]  # tries an attempt gets before it fails
+    created_at: Mapped[datetime]
+
+
+class Attempt(Base):
+    """One of a task's ``group_size`` runs: queued, leased to a runner (with the episode it runs in), finished or
+    failed. An expired or failed try requeues it until ``max_tries``."""
+
+    __tablename__ = "attempts"
+    __table_args__ = (Index("ix_attempts_queue", "status", "created_at"),)  # the oldest queued attempt, at once
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"), index=True)
+    index: Mapped[int]  # 0 .. group_size - 1
+    status: Mapped[str] = mapped_column(String(16))  # queued | leased | finished | failed
+    tries: Mapped[int]  # tries that ended without a result (lease expired, or the runner failed it)
+    runner: Mapped[str | None] = mapped_column(String(256))  # who holds the lease
+    # the episode of the current (or last) try: a lease is this episode, a result names it
+    episode_id: Mapped[str | None] = mapped_column(ForeignKey("episodes.id", ondelete="SET NULL"))
+    lease_seconds: Mapped[float | None] = mapped_column(Float)
+    lease_expires_at: Mapped[datetime | None]
+    error: Mapped[str | None] = mapped_column(String(2000))  # why the last try ended without a result
+    created_at: Mapped[datetime]
+    finished_at: Mapped[datetime | None]  # when it finished or failed
