@@ -28,6 +28,7 @@ from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenL
 from openai.types.completion_usage import CompletionUsage
 
 from flywheel.gateway.api import episode_router
+from flywheel.gateway.queue import queue_router
 from flywheel.gateway.auth import ApiKeyAuth, ApiKeys
 from flywheel.gateway.export import NotTrainableError
 from flywheel.gateway.recorder import Gateway
@@ -197,6 +198,7 @@ def create_app(
 
     if gateway is not None:
         app.include_router(episode_router(gateway))
+        app.include_router(queue_router(gateway))
 
     @app.exception_handler(UnknownEpisodeError)
     async def _unknown_episode(_: Request, exc: UnknownEpisodeError):

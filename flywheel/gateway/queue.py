@@ -1,0 +1,196 @@
+"""The rollout queue over HTTP: the training side enqueues tasks; runners anywhere claim attempts, run an agent
+against each attempt's episode URL, and post its result (the protocol, for runners in any language, is in
+docs/user-guide.md, "Runners").
+
+Routes (JSON; errors in OpenAI's ``{"error": {...}}`` shape):
+
+- ``POST /tasks`` ``{task_id, payload, group_size, split?, model?, max_tries?}`` -> 201, the task (200 if the same
+  task was queued before; 409 if its id names another group)
+- ``GET /tasks?status=&limit=&offset=`` -> ``{"data": [task, ...]}``; ``GET /tasks/{id}`` -> the task and its attempts
+- ``POST /tasks/claim`` ``{runner, lease_seconds?}`` -> the oldest queued attempt, leased, with its task's payload and
+  its episode's ``base_url``; 204 when nothing is queued
+- ``POST /attempts/{id}/heartbeat`` ``{episode_id, lease_seconds?}`` -> the attempt, its lease extended
+- ``POST /attempts/{id}/complete`` ``{episode_id, reward, metrics?, call_rewards?}`` -> the attempt, finished
+- ``POST /attempts/{id}/fail`` ``{episode_id, reason}`` -> the attempt, requeued (or failed: its tries are used up)
+
+A heartbeat, result or failure for a lease that is over (expired, or the attempt requeued or claimed again) is a
+409 and changes nothing; an unknown task or attempt a 404; a malformed body a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from flywheel.gateway.api import Outcome, root_url
+from flywheel.gateway.recorder import Gateway
+from flywheel.server.protocol import ErrorDetail, ErrorResponse
+from flywheel.store import tasks as queue
+from flywheel.store.tasks import (
+    MAX_GROUP_SIZE,
+    AttemptRecord,
+    LeaseLostError,
+    TaskConflictError,
+    TaskStatus,
+    UnknownAttemptError,
+    UnknownTaskError,
+)
+
+MAX_LEASE_SECONDS = 24 * 3600
+LeaseSeconds = Annotated[float, Field(gt=0, le=MAX_LEASE_SECONDS, description="How long the lease lasts unrenewed.")]
+EpisodeId = Annotated[str, Field(min_length=1, max_length=64, description="The episode the lease was claimed with.")]
+
+
+class NewTask(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    task_id: str = Field(
+        min_length=1, max_length=256, pattern=r"^[^/]+$", description="The group key its episodes carry (no '/')."
+    )
+    payload: dict[str, Any] = Field(description="What each attempt's agent is given.")
+    group_size: int = Field(ge=1, le=MAX_GROUP_SIZE, description="Attempts, i.e. finished episodes in the group.")
+    split: str = Field("train", min_length=1, max_length=32)
+    model: str | None = Field(None, max_length=256, description="The model name the agent should call.")
+    max_tries: int = Field(3, ge=1, le=100, description="Tries an attempt gets (expired or failed) before it fails.")
+
+
+class ClaimRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    runner: str = Field(min_length=1, max_length=256, description="Who claims: shown on the attempt.")
+    lease_seconds: LeaseSeconds = 60.0
+
+
+class Heartbeat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    episode_id: EpisodeId
+    lease_seconds: LeaseSeconds | None = None
+
+
+class Result(Outcome):
+    episode_id: EpisodeId
+    reward: float  # required here: a result is a reward (finite: Outcome checks it)
+
+
+class Failure(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    episode_id: EpisodeId
+    reason: str = Field(min_length=1, max_length=2000)
+
+
+def _refusal(status: int, message: str, param: str, code: str) -> JSONResponse:
+    body = ErrorResponse(error=ErrorDetail(message=message, type="invalid_request_error", param=param, code=code))
+    return JSONResponse(status_code=status, content=body.model_dump())
+
+
+def _refusals(route: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """The queue's refusals as OpenAI-style errors (unknown ids 404; a lease that is over, or a task id taken, 409)."""
+
+    @functools.wraps(route)
+    async def answer(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await route(*args, **kwargs)
+        except UnknownTaskError as exc:
+            return _refusal(404, str(exc), "task_id", "task_not_found")
+        except UnknownAttemptError as exc:
+            return _refusal(404, str(exc), "attempt_id", "attempt_not_found")
+        except TaskConflictError as exc:
+            return _refusal(409, str(exc), "task_id", "task_exists")
+        except LeaseLostError as exc:
+            return _refusal(409, str(exc), "episode_id", "lease_lost")
+
+    return answer
+
+
+def attempt_body(attempt: AttemptRecord, root: str) -> dict[str, Any]:
+    base_url = f"{root}/episodes/{attempt.episode_id}/v1" if attempt.episode_id else None
+    return {"object": "attempt"} | attempt.model_dump(mode="json") | {"base_url": base_url}
+
+
+def queue_router(gateway: Gateway) -> APIRouter:
+    router = APIRouter(tags=["queue"])
+    store = gateway.store
+
+    def run(fn, *args, **kwargs):  # one unit of work, off the event loop
+        def unit():
+            with store.session() as s:
+                return fn(s, *args, **kwargs)
+
+        return asyncio.to_thread(unit)
+
+    @router.post("/tasks", status_code=201)
+    @_refusals
+    async def enqueue(body: NewTask):
+        task, new = await run(
+            queue.enqueue,
+            body.task_id,
+            body.payload,
+            group_size=body.group_size,
+            split=body.split,
+            model=body.model,
+            max_tries=body.max_tries,
+        )
+        return JSONResponse({"object": "task"} | task.model_dump(mode="json"), status_code=201 if new else 200)
+
+    @router.get("/tasks")
+    async def list_(
+        status: TaskStatus | None = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        offset: Annotated[int, Query(ge=0)] = 0,
+    ):
+        found = await run(queue.list_tasks, status=status, limit=limit, offset=offset)
+        return {"object": "list", "data": [{"object": "task"} | t.model_dump(mode="json") for t in found]}
+
+    @router.get("/tasks/{task_id}")
+    @_refusals
+    async def get(task_id: str, request: Request):
+        task, attempts = await run(queue.get_task, task_id)
+        root = root_url(request)
+        return (
+            {"object": "task"} | task.model_dump(mode="json") | {"attempts": [attempt_body(a, root) for a in attempts]}
+        )
+
+    @router.post("/tasks/claim")
+    async def claim(body: ClaimRequest, request: Request):
+        lease = await run(queue.claim, body.runner, body.lease_seconds)
+        if lease is None:
+            return Response(status_code=204)
+        task = {"payload": lease.payload, "model": lease.model, "split": lease.split}
+        return attempt_body(lease.attempt, root_url(request)) | task
+
+    @router.post("/attempts/{attempt_id}/heartbeat")
+    @_refusals
+    async def heartbeat(attempt_id: str, body: Heartbeat, request: Request):
+        attempt = await run(queue.heartbeat, attempt_id, body.episode_id, body.lease_seconds)
+        return attempt_body(attempt, root_url(request))
+
+    @router.post("/attempts/{attempt_id}/complete")
+    @_refusals
+    async def complete(attempt_id: str, body: Result, request: Request):
+        attempt, episode = await run(
+            queue.complete,
+            attempt_id,
+            body.episode_id,
+            reward=body.reward,
+            metrics=body.metrics,
+            call_rewards=body.call_rewards,
+        )
+        gateway.forget(episode)
+        return attempt_body(attempt, root_url(request))
+
+    @router.post("/attempts/{attempt_id}/fail")
+    @_refusals
+    async def fail(attempt_id: str, body: Failure, request: Request):
+        attempt, episode = await run(queue.fail, attempt_id, body.episode_id, body.reason)
+        gateway.forget(episode)
+        return attempt_body(attempt, root_url(request))
+
+    return router
