@@ -230,5 +230,70 @@ def train(
     asyncio.run(run(config, console))
 
 
+@app.command()
+def runner(
+    url: Annotated[str, typer.Option(help="The gateway's root URL (flywheel serve's), e.g. http://127.0.0.1:8000.")],
+    agent: Annotated[
+        str,
+        typer.Option(
+            help="The agent as module:function (importable from here): async def agent(task: dict, base_url: str) -> float | dict."
+        ),
+    ],
+    concurrency: Annotated[int, typer.Option(min=1, help="Attempts run at once.")] = 1,
+    max_attempts: Annotated[
+        int | None, typer.Option(min=1, help="Stop after claiming this many attempts (default: run until stopped).")
+    ] = None,
+    lease_seconds: Annotated[
+        float, typer.Option(min=0.1, help="Lease per attempt, renewed every third of it while the agent runs.")
+    ] = 60.0,
+    runner_id: Annotated[
+        str | None, typer.Option(help="This runner's name in the queue (default: host-pid-random).")
+    ] = None,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="FLYWHEEL_API_KEY", help="A runner (or admin) key, if the server has keys.")
+    ] = None,
+):
+    """Run an agent on the gateway's rollout queue: claim attempts, run the agent against each one's episode URL,
+    post its reward. SIGINT or SIGTERM stops it, giving its running attempts back to the queue."""
+    import logging
+    import os
+    import signal
+    import sys
+
+    from flywheel.gateway.client import GatewayError
+    from flywheel.gateway.runner import Runner, load_agent
+
+    sys.path.insert(0, os.getcwd())  # --agent my_module:fn finds my_module.py here, as `python -m` would
+    try:
+        function = load_agent(agent)
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/]")
+        raise typer.Exit(2) from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    worker = Runner(
+        url, function, runner_id=runner_id, lease_seconds=lease_seconds, concurrency=concurrency, api_key=api_key
+    )
+
+    async def main():
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        return await worker.run(max_attempts=max_attempts)
+
+    console.print(f"Runner [bold]{worker.runner_id}[/] on {url}")
+    try:
+        asyncio.run(main())
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        console.print("Stopped.")
+    except GatewayError as exc:
+        console.print(f"[red]The gateway refused the runner: {exc}[/]")
+        raise typer.Exit(1) from None
+    finally:
+        stats = worker.stats
+        console.print(
+            f"Claimed {stats.claimed}, completed {stats.completed}, failed {stats.failed}, lost {stats.lost}."
+        )
+
+
 if __name__ == "__main__":
     app()

@@ -17,7 +17,8 @@ from flywheel.home import default_home
 from flywheel.train.config import TrainConfig
 from flywheel.agents import Tool, run_agent, to_transitions  # tool-using agents and their exports
 from flywheel.graders.spec import parse_grader  # graders' data types
-from flywheel.gateway.client import EpisodeClient  # an agent or runner talking to the gateway
+from flywheel.gateway.client import EpisodeClient, QueueClient  # an agent or runner talking to the gateway
+from flywheel.gateway.runner import Runner  # a runner of the rollout queue
 heavy = sorted(m for m in ("torch", "peft", "fastapi", "uvicorn", "transformers", "litellm", "flywheel.backend",
                            "flywheel.inference.engine", "sqlalchemy", "flywheel.store") if m in sys.modules)
 backend = art.LocalBackend  # the heavy name still resolves, when asked for

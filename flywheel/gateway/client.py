@@ -8,10 +8,19 @@ Usage::
     ...  # the agent runs, unmodified
     await client.finish(episode.id, reward=1.0)
     group = await client.group("task-17")  # a TrajectoryGroup, ready for model.train
+
+and the rollout queue (``QueueClient``): the training side enqueues tasks and awaits their groups while runners
+anywhere (``flywheel.gateway.runner``) claim attempts and post their results::
+
+    queue = QueueClient("http://127.0.0.1:8000")
+    groups = await queue.gather_groups([TaskSpec(task_id="task-17", payload={...}, group_size=4)], max_wait=600)
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -133,3 +142,171 @@ class EpisodeClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class Attempt(BaseModel):
+    """One of a queued task's ``group_size`` runs (``status``: queued, leased, finished or failed)."""
+
+    id: str
+    task_id: str
+    index: int
+    status: str
+    tries: int  # tries that ended without a result
+    runner: str | None
+    episode_id: str | None
+    lease_seconds: float | None
+    lease_expires_at: datetime | None
+    error: str | None
+    created_at: datetime
+    finished_at: datetime | None
+    base_url: str | None
+
+
+class Lease(Attempt):
+    """A claimed attempt: run the agent on ``payload`` against ``base_url``, heartbeat before ``lease_expires_at``,
+    then complete (or fail) it."""
+
+    episode_id: str
+    base_url: str
+    lease_expires_at: datetime
+    payload: dict[str, Any]
+    model: str | None  # the name the agent should call
+    split: str
+
+
+class Task(BaseModel):
+    id: str
+    payload: dict[str, Any]
+    group_size: int
+    split: str
+    model: str | None
+    max_tries: int
+    created_at: datetime
+    status: str  # open (attempts queued or leased), complete (group_size finished) or failed
+    counts: dict[str, int]  # attempts by status
+    complete: bool
+    attempts: list[Attempt] = []  # given by ``QueueClient.task`` only
+
+
+class TaskSpec(BaseModel):
+    """A task to enqueue: ``group_size`` runs of an agent on ``payload``, whose episodes form the group ``task_id``."""
+
+    task_id: str
+    payload: dict[str, Any]
+    group_size: int
+    split: str = "train"
+    model: str | None = None
+    max_tries: int = 3
+
+
+class TaskFailedError(RuntimeError):
+    """Tasks whose groups will not be complete: an attempt used up its tries."""
+
+
+class QueueTimeoutError(TimeoutError):
+    """Tasks still running when the wait ended."""
+
+
+class QueueClient(EpisodeClient):
+    """The rollout queue (and the episode API): the training side's ``enqueue`` and ``gather_groups``, a runner's
+    ``claim``, ``heartbeat``, ``complete`` and ``fail``."""
+
+    async def enqueue(
+        self,
+        task_id: str,
+        payload: dict[str, Any],
+        *,
+        group_size: int,
+        split: str = "train",
+        model: str | None = None,
+        max_tries: int = 3,
+    ) -> Task:
+        """Queue a task (the same task again is accepted and changes nothing)."""
+        body = {"task_id": task_id, "payload": payload, "group_size": group_size, "split": split, "model": model}
+        return Task.model_validate(await self._call("POST", "/tasks", json=body | {"max_tries": max_tries}))
+
+    async def task(self, task_id: str) -> Task:
+        return Task.model_validate(await self._call("GET", f"/tasks/{task_id}"))
+
+    async def tasks(self, *, status: str | None = None, limit: int = 100, offset: int = 0) -> list[Task]:
+        params = {"limit": limit, "offset": offset} | ({"status": status} if status else {})
+        return [Task.model_validate(t) for t in (await self._call("GET", "/tasks", params=params))["data"]]
+
+    async def claim(self, runner: str, *, lease_seconds: float = 60.0) -> Lease | None:
+        """Lease the oldest queued attempt; None when nothing is queued."""
+        body = await self._call("POST", "/tasks/claim", json={"runner": runner, "lease_seconds": lease_seconds})
+        return Lease.model_validate(body) if body else None
+
+    async def heartbeat(self, attempt_id: str, episode_id: str, *, lease_seconds: float | None = None) -> Attempt:
+        """Extend a lease (a ``GatewayError`` 409 once it is over: stop, the attempt is someone else's)."""
+        body = {"episode_id": episode_id, "lease_seconds": lease_seconds}
+        return Attempt.model_validate(await self._call("POST", f"/attempts/{attempt_id}/heartbeat", json=body))
+
+    async def complete(
+        self,
+        attempt_id: str,
+        episode_id: str,
+        reward: float,
+        *,
+        metrics: dict[str, float | int | bool] | None = None,
+        call_rewards: dict[int, float] | None = None,
+    ) -> Attempt:
+        """Post the result of a leased attempt (retrying is safe; a 409 if the lease is over)."""
+        body = {"episode_id": episode_id} | self._outcome(reward, metrics, call_rewards)
+        return Attempt.model_validate(await self._call("POST", f"/attempts/{attempt_id}/complete", json=body))
+
+    async def fail(self, attempt_id: str, episode_id: str, reason: str) -> Attempt:
+        """Give a leased attempt back without a result: it is requeued (a try counted) or, out of tries, failed."""
+        body = {"episode_id": episode_id, "reason": reason}
+        return Attempt.model_validate(await self._call("POST", f"/attempts/{attempt_id}/fail", json=body))
+
+    async def gather_groups(
+        self, tasks: Iterable[TaskSpec], *, max_wait: float, poll_interval: float = 0.5, allow_failed: bool = False
+    ) -> list[TrajectoryGroup]:
+        """Enqueue ``tasks``, wait for runners to run them, and return their groups, in order (``wait_groups``)."""
+        specs = list(tasks)
+        for spec in specs:
+            await self.enqueue(**spec.model_dump())
+        return await self.wait_groups(
+            [spec.task_id for spec in specs], max_wait=max_wait, poll_interval=poll_interval, allow_failed=allow_failed
+        )
+
+    async def wait_groups(
+        self, task_ids: Sequence[str], *, max_wait: float, poll_interval: float = 0.5, allow_failed: bool = False
+    ) -> list[TrajectoryGroup]:
+        """The groups of queued tasks, in order, once none of them has an attempt queued or leased: each a
+        ``TrajectoryGroup`` of its finished episodes. A ``QueueTimeoutError`` after ``max_wait`` seconds, naming the
+        tasks still running; a ``TaskFailedError`` for failed tasks unless ``allow_failed`` (their groups are then
+        smaller)."""
+        deadline = time.monotonic() + max_wait
+        done: dict[str, Task] = {}
+        while True:
+            for task_id in dict.fromkeys(task_ids):
+                if task_id not in done and (task := await self.task(task_id)).status != "open":
+                    done[task_id] = task
+            running = [t for t in dict.fromkeys(task_ids) if t not in done]
+            if not running:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                counts = [await self.task(t) for t in running[:5]]
+                raise QueueTimeoutError(
+                    f"{len(running)} of {len(set(task_ids))} tasks were still running after {max_wait:g} s: "
+                    + "; ".join(f"{t.id} ({_counts(t)})" for t in counts)
+                    + ("; ..." if len(running) > 5 else "")
+                    + f". Are runners claiming from {self._http.base_url}? (flywheel runner --url ... --agent ...)"
+                )
+            await asyncio.sleep(min(poll_interval, left))
+        if not allow_failed and (failed := [t for t in done.values() if t.status == "failed"]):
+            raise TaskFailedError(
+                f"{len(failed)} task(s) failed, their groups incomplete: "
+                + "; ".join(
+                    f"{t.id} ({_counts(t)}; last error: {next((a.error for a in t.attempts if a.status == 'failed'), None)})"
+                    for t in failed[:5]
+                )
+            )
+        return [await self.group(task_id, split=done[task_id].split) for task_id in task_ids]
+
+
+def _counts(task: Task) -> str:
+    return ", ".join(f"{n} {status}" for status, n in task.counts.items() if n) + f" of {task.group_size}"
