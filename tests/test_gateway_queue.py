@@ -189,6 +189,43 @@ async def test_a_runner_killed_mid_episode_loses_its_lease_and_the_group_complet
     assert (await queue.get(redone.episode_id)).reward == reward
 
 
+async def test_flywheel_runner_stopped_by_sigterm_gives_its_attempt_back_at_once(backend, queue, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "FLYWHEEL_HOME": str(tmp_path)}
+    missing = subprocess.run(
+        [FLYWHEEL, "runner", "--url", root(backend), "--agent", "queue_agents:nope"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "has no function 'nope'" in missing.stdout, (missing.stdout, missing.stderr)
+    assert "Traceback" not in missing.stdout + missing.stderr
+
+    task_id = unique("stopped")
+    await queue.enqueue(task_id, {"question": QUESTION, "answer": "4"}, group_size=1, model=EMBEDDED_MODEL)
+    runner = subprocess.Popen(
+        [FLYWHEEL, "runner", "--url", root(backend), "--agent", "queue_agents:one_call_then_hang"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+
+        async def leased_with_a_call():
+            assert runner.poll() is None, runner.communicate()[0]
+            (attempt,) = (await queue.task(task_id)).attempts
+            return attempt if attempt.status == "leased" and await queue.calls(attempt.episode_id) else None
+
+        held = await until(leased_with_a_call, 120, "the runner process claims the attempt and makes its call")
+        assert held.lease_seconds == 60
+        runner.send_signal(signal.SIGTERM)
+        output, _ = runner.communicate(timeout=30)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+    assert runner.returncode == 0 and "Stopped." in output and "failed 1" in output, output
+    (attempt,) = (await queue.task(task_id)).attempts  # back in the queue now, not when its 60 s lease ends
+    assert attempt.status == "queued" and attempt.tries == 1 and attempt.error == "the runner stopped"
+    assert (await queue.get(held.episode_id)).status == "abandoned"
+    stats = await asyncio.wait_for(Runner(root(backend), chat_agent, poll_interval=0.2).run(max_attempts=1), 120)
+    assert stats == RunnerStats(claimed=1, completed=1) and (await queue.task(task_id)).complete
+
+
 async def test_an_attempt_that_fails_every_try_fails_its_task(backend, queue):
     task_id = unique("failing")
     await queue.enqueue(task_id, {"question": QUESTION}, group_size=1, max_tries=2, model=EMBEDDED_MODEL)
