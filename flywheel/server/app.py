@@ -28,9 +28,9 @@ from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenL
 from openai.types.completion_usage import CompletionUsage
 
 from flywheel.gateway.api import episode_router
-from flywheel.gateway.queue import queue_router
 from flywheel.gateway.auth import ApiKeyAuth, ApiKeys
 from flywheel.gateway.export import NotTrainableError
+from flywheel.gateway.queue import queue_router
 from flywheel.gateway.recorder import Gateway
 from flywheel.inference.chat import parse_tool_calls, render_prompt
 from flywheel.inference.engine import Completion, ContextOverflowError, EngineClosedError, InferenceEngine
