@@ -17,7 +17,6 @@ a 400. Posting the same outcome twice is accepted and changes nothing.
 
 from __future__ import annotations
 
-import asyncio
 import math
 from typing import Annotated, Any
 
@@ -62,8 +61,13 @@ class Abandon(BaseModel):
     reason: str | None = Field(None, max_length=2000)
 
 
+def episode_url(root: str, episode_id: str) -> str:
+    """The OpenAI base URL of an episode on the server at ``root``."""
+    return f"{root}/episodes/{episode_id}/v1"
+
+
 def episode_body(episode: EpisodeRecord, root: str) -> dict[str, Any]:
-    return episode.model_dump(mode="json") | {"base_url": f"{root}/episodes/{episode.id}/v1"}
+    return episode.model_dump(mode="json") | {"base_url": episode_url(root, episode.id)}
 
 
 def root_url(request: Request) -> str:
@@ -72,14 +76,7 @@ def root_url(request: Request) -> str:
 
 def episode_router(gateway: Gateway) -> APIRouter:
     router = APIRouter(tags=["episodes"])
-    store = gateway.store
-
-    def run(fn, *args, **kwargs):  # one unit of work, off the event loop
-        def unit():
-            with store.session() as s:
-                return fn(s, *args, **kwargs)
-
-        return asyncio.to_thread(unit)
+    run = gateway.store.run
 
     @router.post("/episodes", status_code=201)
     async def create(body: NewEpisode, request: Request):

@@ -19,7 +19,6 @@ A heartbeat, result or failure for a lease that is over (expired, or the attempt
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
@@ -28,7 +27,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from flywheel.gateway.api import Outcome, root_url
+from flywheel.gateway.api import Outcome, episode_url, root_url
 from flywheel.gateway.recorder import Gateway
 from flywheel.server.protocol import ErrorDetail, ErrorResponse
 from flywheel.store import tasks as queue
@@ -111,20 +110,13 @@ def _refusals(route: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[A
 
 
 def attempt_body(attempt: AttemptRecord, root: str) -> dict[str, Any]:
-    base_url = f"{root}/episodes/{attempt.episode_id}/v1" if attempt.episode_id else None
+    base_url = episode_url(root, attempt.episode_id) if attempt.episode_id else None
     return {"object": "attempt"} | attempt.model_dump(mode="json") | {"base_url": base_url}
 
 
 def queue_router(gateway: Gateway) -> APIRouter:
     router = APIRouter(tags=["queue"])
-    store = gateway.store
-
-    def run(fn, *args, **kwargs):  # one unit of work, off the event loop
-        def unit():
-            with store.session() as s:
-                return fn(s, *args, **kwargs)
-
-        return asyncio.to_thread(unit)
+    run = gateway.store.run
 
     @router.post("/tasks", status_code=201)
     @_refusals

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
@@ -15,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.home import default_home
 
+T = TypeVar("T")
 MIGRATIONS = Path(__file__).parent / "migrations"
 _migrating = threading.Lock()  # two stores opened at once in one process migrate one after the other
 
@@ -66,6 +69,15 @@ class Store:
     def session(self) -> Iterator[Session]:
         with self._sessions.begin() as session:
             yield session
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(session, *args, **kwargs)`` as one unit of work, in a worker thread (async callers' way in)."""
+
+        def unit() -> T:
+            with self.session() as session:
+                return fn(session, *args, **kwargs)
+
+        return await asyncio.to_thread(unit)
 
     def close(self) -> None:
         self.engine.dispose()
