@@ -3,16 +3,27 @@ endpoint from the environment, so pointing OPENAI_BASE_URL at a Flywheel episode
 
     OPENAI_BASE_URL=http://127.0.0.1:8000/episodes/<id>/v1 python examples/gateway/agents_sdk_agent.py "12 * 7"
 
-It must call the calculator tool (the SDK lifts that requirement once a tool ran), then answers; prints the answer.
+It must call the calculator tool (the SDK lifts that requirement once a tool ran), then answers; prints the answer
+(with AGENT_OUTPUT=json, a JSON object with the answer and the tool's results, for a runner to score).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 
-from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+from agents import (
+    Agent,
+    MaxTurnsExceeded,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    Runner,
+    ToolCallOutputItem,
+    function_tool,
+    set_tracing_disabled,
+)
 from langchain_agent import calculator as _langchain_calculator  # the same safe evaluator
 from openai import AsyncOpenAI
 
@@ -23,7 +34,7 @@ def calculator(expression: str) -> str:
     return _langchain_calculator.invoke({"expression": expression})
 
 
-async def main(question: str) -> str:
+async def main(question: str) -> tuple[str, list[str]]:
     set_tracing_disabled(True)  # no trace upload to OpenAI's servers
     model = OpenAIChatCompletionsModel(
         model=os.environ.get("AGENT_MODEL", "smollm2-135m-instruct"), openai_client=AsyncOpenAI()
@@ -35,9 +46,17 @@ async def main(question: str) -> str:
         tools=[calculator],
         model_settings=ModelSettings(tool_choice="required", temperature=0.7, max_tokens=96),
     )
-    result = await Runner.run(agent, f"What is {question}?", max_turns=4)
-    return str(result.final_output)
+    try:
+        result = await Runner.run(agent, f"What is {question}?", max_turns=4)
+    except MaxTurnsExceeded as exc:  # kept calling the tool: no answer
+        items, answer = (exc.run_data.new_items if exc.run_data else []), ""
+    else:
+        items, answer = result.new_items, str(result.final_output)
+    return answer, [str(item.output) for item in items if isinstance(item, ToolCallOutputItem)]
 
 
 if __name__ == "__main__":
-    print(asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else "12 * 7")))
+    answer, results = asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else "12 * 7"))
+    print(
+        json.dumps({"answer": answer, "tool_results": results}) if os.environ.get("AGENT_OUTPUT") == "json" else answer
+    )

@@ -3,12 +3,14 @@ from the environment, as LangChain does, so pointing OPENAI_BASE_URL at a Flywhe
 
     OPENAI_BASE_URL=http://127.0.0.1:8000/episodes/<id>/v1 python examples/gateway/langchain_agent.py "12 * 7"
 
-It computes with a calculator tool first (a forced tool call), then answers; prints the answer on the last line.
+It computes with a calculator tool first (a forced tool call), then answers; prints the answer on the last line
+(with AGENT_OUTPUT=json, a JSON object with the answer and the tool's results, for a runner to score).
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import operator
 import os
 import sys
@@ -39,7 +41,7 @@ def calculator(expression: str) -> str:
         return f"error: {exc}"
 
 
-def main(question: str) -> str:
+def main(question: str) -> tuple[str, list[str]]:
     llm = ChatOpenAI(model=os.environ.get("AGENT_MODEL", "smollm2-135m-instruct"), temperature=0.7, max_tokens=96)
     messages = [
         SystemMessage("You are a calculator assistant. Use the calculator, then answer with the number."),
@@ -47,11 +49,16 @@ def main(question: str) -> str:
     ]
     first = llm.bind_tools([calculator], tool_choice="calculator").invoke(messages)
     messages.append(first)
+    results = []
     for call in first.tool_calls:
-        messages.append(ToolMessage(calculator.invoke(call["args"]), tool_call_id=call["id"]))
+        results.append(calculator.invoke(call["args"]))
+        messages.append(ToolMessage(results[-1], tool_call_id=call["id"]))
     answer = llm.bind_tools([calculator]).invoke(messages)
-    return str(answer.content)
+    return str(answer.content), results
 
 
 if __name__ == "__main__":
-    print(main(sys.argv[1] if len(sys.argv) > 1 else "12 * 7"))
+    answer, results = main(sys.argv[1] if len(sys.argv) > 1 else "12 * 7")
+    print(
+        json.dumps({"answer": answer, "tool_results": results}) if os.environ.get("AGENT_OUTPUT") == "json" else answer
+    )

@@ -1,0 +1,38 @@
+"""The gateway's end-to-end example, run as a user runs it: a training process, a runner process, and an unmodified
+LangChain agent process per episode (examples/gateway/train.py), at the smallest size."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from flywheel.store import EpisodeStatus, Store
+from flywheel.store import episodes as db
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "gateway" / "train.py"
+
+
+def test_the_gateway_example_trains_an_unmodified_agent_through_runners(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--steps", "1", "--tasks", "1", "--group", "3", "--home", str(tmp_path)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = re.search(r"step 0: (\d+) episodes, mean reward ([\d.]+), (.*), model step (\d+)", run.stdout)
+    assert line, run.stdout[-2000:]
+    assert int(line.group(1)) == 3  # the group is complete: every attempt ran to its reward
+    assert line.group(3).startswith(("loss", "skipped"))
+    # the episodes are in the store the example's backend used, each with the agent's calls continued exactly
+    store = Store(f"sqlite:///{tmp_path / 'flywheel.db'}")
+    try:
+        with store.session() as s:
+            finished = db.list_episodes(s, status=EpisodeStatus.finished)
+            assert len(finished) == 3
+            for episode in finished:
+                calls = db.calls(s, episode.id)
+                assert len(calls) >= 2 and all(c.retokenized_turns == 0 for c in calls)
+                assert [c.prefix_call for c in calls[1:]] == [c.id for c in calls[:-1]]
+    finally:
+        store.close()
