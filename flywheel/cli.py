@@ -82,6 +82,17 @@ def serve(
             help="Serve on a non-loopback --host without any API key (anyone who reaches it may do anything)."
         ),
     ] = False,
+    upstream: Annotated[
+        str | None,
+        typer.Option(
+            help="An OpenAI-compatible server (its base URL, e.g. http://vllm:8000/v1) that answers the models this one does not serve; calls to it in episodes are recorded."
+        ),
+    ] = None,
+    upstream_api_key: Annotated[
+        str | None,
+        typer.Option(envvar="FLYWHEEL_UPSTREAM_API_KEY", show_default=False, help="The upstream's API key."),
+    ] = None,
+    upstream_timeout: Annotated[float, typer.Option(help="Seconds an upstream call may take.")] = 300.0,
 ):
     """Serve a model over an OpenAI-compatible API (/v1/models, /v1/chat/completions), and the gateway: episodes
     (POST /episodes) whose calls, through /episodes/<id>/v1, are recorded for training."""
@@ -101,6 +112,14 @@ def serve(
             " or pass --insecure-no-auth to serve it open anyway.[/]"
         )
         raise typer.Exit(2)
+
+    from flywheel.gateway.upstream import Upstream
+
+    try:
+        relay_to = Upstream(upstream, api_key=upstream_api_key, timeout=upstream_timeout) if upstream else None
+    except ValueError as exc:
+        console.print(f"[red]Invalid --upstream: {exc}[/]")
+        raise typer.Exit(2) from None
 
     from flywheel.gateway.recorder import Gateway
     from flywheel.inference.engine import InferenceEngine
@@ -129,7 +148,10 @@ def serve(
     store = Store(db)
     console.print(f"Episodes: http://{host}:{port}/episodes, stored in {store.url}")
     console.print(f"API keys: {keys!r}" if keys else "No API keys: every route is open to whoever reaches the server.")
-    uvicorn.run(create_app(registry, Gateway(store), auth=keys), host=host, port=port, log_level="info")
+    if relay_to is not None:
+        console.print(f"Other models: asked of the upstream at {relay_to.host}")
+    app = create_app(registry, Gateway(store), auth=keys, upstream=relay_to)
+    uvicorn.run(app, host=host, port=port, log_level="info")
 
 
 @app.command()

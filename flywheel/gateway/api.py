@@ -11,6 +11,9 @@ Routes (JSON; errors in OpenAI's ``{"error": {...}}`` shape):
 - ``GET /episodes/{id}/trajectory`` -> a ``flywheel.Trajectory``; ``GET /episodes/{id}/transitions`` -> JSON lines
 - ``GET /groups?task_id=&split=`` -> a ``flywheel.TrajectoryGroup`` of the task's finished episodes
 
+An episode with a text-only call (an upstream returned no token ids) is refused for these (409) unless the caller
+passes ``?text_only=allow``: for SFT, graders and evaluation, not RL.
+
 An unknown id is a 404; an outcome that contradicts a closed episode's, or a call in one, a 409; a malformed body
 a 400. Posting the same outcome twice is accepted and changes nothing.
 """
@@ -18,7 +21,7 @@ a 400. Posting the same outcome twice is accepted and changes nothing.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -72,6 +75,12 @@ def episode_body(episode: EpisodeRecord, root: str) -> dict[str, Any]:
 
 def root_url(request: Request) -> str:
     return str(request.base_url).rstrip("/")
+
+
+TextOnly = Annotated[
+    Literal["refuse", "allow"],
+    Query(description="'allow': episodes with text-only calls too (for SFT, graders, evaluation; not RL)."),
+]
 
 
 def episode_router(gateway: Gateway) -> APIRouter:
@@ -130,25 +139,28 @@ def episode_router(gateway: Gateway) -> APIRouter:
         gateway.forget(episode)
         return episode_body(episode, root_url(request))
 
-    def trajectory_of(s, episode_id: str):
-        return episode_trajectory(db.get_episode(s, episode_id), db.calls(s, episode_id))
+    def trajectory_of(s, episode_id: str, text_only: str):
+        calls = db.calls(s, episode_id)
+        return episode_trajectory(db.get_episode(s, episode_id), calls, text_only=text_only == "allow")
 
     @router.get("/episodes/{episode_id}/trajectory")
-    async def trajectory(episode_id: str):
-        return JSONResponse((await run(trajectory_of, episode_id)).model_dump(mode="json"))
+    async def trajectory(episode_id: str, text_only: TextOnly = "refuse"):
+        return JSONResponse((await run(trajectory_of, episode_id, text_only)).model_dump(mode="json"))
 
     @router.get("/episodes/{episode_id}/transitions")
-    async def transitions(episode_id: str, gamma: Annotated[float, Query(ge=0, le=1)] = 1.0):
-        rows = to_transitions(await run(trajectory_of, episode_id), gamma=gamma)
+    async def transitions(
+        episode_id: str, gamma: Annotated[float, Query(ge=0, le=1)] = 1.0, text_only: TextOnly = "refuse"
+    ):
+        rows = to_transitions(await run(trajectory_of, episode_id, text_only), gamma=gamma)
         lines = "".join(row.model_dump_json(by_alias=True) + "\n" for row in rows)
         return Response(lines, media_type="application/x-ndjson")
 
-    def group_of(s, task_id: str, split: str | None):
+    def group_of(s, task_id: str, split: str | None, text_only: str):
         found = db.list_episodes(s, task_id=task_id, split=split, status=EpisodeStatus.finished, limit=10_000)
-        return trajectory_group([(e, db.calls(s, e.id)) for e in found])
+        return trajectory_group([(e, db.calls(s, e.id)) for e in found], text_only=text_only == "allow")
 
     @router.get("/groups")
-    async def group(task_id: str, split: str | None = None):
-        return JSONResponse((await run(group_of, task_id, split)).model_dump(mode="json"))
+    async def group(task_id: str, split: str | None = None, text_only: TextOnly = "refuse"):
+        return JSONResponse((await run(group_of, task_id, split, text_only)).model_dump(mode="json"))
 
     return router

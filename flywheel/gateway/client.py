@@ -22,12 +22,14 @@ import asyncio
 import time
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel
 
 from flywheel.types import Trajectory, TrajectoryGroup
+
+TextOnly = Literal["refuse", "allow"]  # episodes with text-only calls: refused (for RL) or allowed (SFT, evaluation)
 
 
 class GatewayError(RuntimeError):
@@ -122,17 +124,22 @@ class EpisodeClient:
     async def calls(self, episode_id: str) -> list[dict[str, Any]]:
         return (await self._call("GET", f"/episodes/{episode_id}/calls"))["data"]
 
-    async def trajectory(self, episode_id: str) -> Trajectory:
-        return Trajectory.model_validate(await self._call("GET", f"/episodes/{episode_id}/trajectory"))
+    async def trajectory(self, episode_id: str, *, text_only: TextOnly = "refuse") -> Trajectory:
+        """The finished episode as a trajectory; ``text_only="allow"``: also one with text-only calls (an upstream
+        returned no token ids: for SFT, graders and evaluation, not RL), else that is a 409 ``GatewayError``."""
+        params = {"text_only": text_only}
+        return Trajectory.model_validate(await self._call("GET", f"/episodes/{episode_id}/trajectory", params=params))
 
-    async def group(self, task_id: str, *, split: str | None = None) -> TrajectoryGroup:
+    async def group(self, task_id: str, *, split: str | None = None, text_only: TextOnly = "refuse") -> TrajectoryGroup:
+        """The task's finished episodes as a group (``text_only`` as for ``trajectory``)."""
         params = {"split": split} if split else {}
-        body = await self._call("GET", "/groups", params={"task_id": task_id, **params})
+        body = await self._call("GET", "/groups", params={"task_id": task_id, "text_only": text_only, **params})
         return TrajectoryGroup([Trajectory.model_validate(t) for t in body["trajectories"]])
 
-    async def transitions(self, episode_id: str) -> str:
-        """The episode as transitions, JSON lines (``flywheel.agents.transitions``)."""
-        return await self._call("GET", f"/episodes/{episode_id}/transitions")
+    async def transitions(self, episode_id: str, *, text_only: TextOnly = "refuse") -> str:
+        """The episode as transitions, JSON lines (``flywheel.agents.transitions``; ``text_only`` as for
+        ``trajectory``)."""
+        return await self._call("GET", f"/episodes/{episode_id}/transitions", params={"text_only": text_only})
 
     async def close(self) -> None:
         await self._http.aclose()

@@ -7,6 +7,10 @@ last request's messages with each continued output put back as the ``Choice`` th
 log-probs), then the last call's first choice. An output that two chains continue trains in the first only: in
 the second its ids are prompt context. Other choices of an n > 1 call that nothing continued are not part of the
 trajectory (they stay in the record).
+
+A text-only call (an upstream that returned no token ids) has nothing the RL losses can use: an episode with one
+becomes a trajectory only where text is enough (SFT, graders, evaluation), when the caller says so
+(``text_only=True``); its metadata then says ``text_only: true``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ from flywheel.types import History, MessageOrChoice, Trajectory, TrajectoryGroup
 
 
 class NotTrainableError(ValueError):
-    """An episode that cannot become a trajectory (not finished, or without a reward)."""
+    """An episode that cannot become a trajectory (not finished, or without a reward, or text-only for RL)."""
+
+
+TEXT_ONLY_REASON = "its upstream returned no token ids: usable for SFT, graders and evaluation, not RL"
 
 
 def _choice(call: CallRecord, index: int) -> Choice:
@@ -56,8 +63,9 @@ def _history(chain: list[tuple[CallRecord, int]], trained: set[tuple[int, int]])
     return History(messages_and_choices=items, tools=last.request.get("tools"))
 
 
-def episode_trajectory(episode: EpisodeRecord, calls: list[CallRecord]) -> Trajectory:
-    """A finished episode as a trajectory (raises ``NotTrainableError`` otherwise)."""
+def episode_trajectory(episode: EpisodeRecord, calls: list[CallRecord], *, text_only: bool = False) -> Trajectory:
+    """A finished episode as a trajectory (raises ``NotTrainableError`` otherwise). An episode with a text-only
+    call is one only with ``text_only`` (for SFT, graders and evaluation: not for RL)."""
     if episode.status != EpisodeStatus.finished or episode.reward is None:
         raise NotTrainableError(
             f"Episode {episode.id!r} is {episode.status.value}"
@@ -66,6 +74,12 @@ def episode_trajectory(episode: EpisodeRecord, calls: list[CallRecord]) -> Traje
         )
     if not calls:
         raise NotTrainableError(f"Episode {episode.id!r} has no calls: there is nothing to train on.")
+    text_only_calls = [c.id for c in calls if c.text_only]
+    if text_only_calls and not text_only:
+        raise NotTrainableError(
+            f"Episode {episode.id!r} has text-only calls ({', '.join(map(str, text_only_calls))}): {TEXT_ONLY_REASON}."
+            " Ask for it with text_only=allow to use it for SFT, graders or evaluation."
+        )
     chains = _chains(calls)
     main = next(i for i, chain in enumerate(chains) if any(call.id == calls[-1].id for call, _ in chain))
     trained: set[tuple[int, int]] = set()
@@ -83,15 +97,19 @@ def episode_trajectory(episode: EpisodeRecord, calls: list[CallRecord]) -> Traje
         additional_histories=[h for i, h in histories.items() if i != main],
         reward=episode.reward,
         metrics=metrics,
-        metadata={"episode_id": episode.id, "task_id": episode.task_id, "split": episode.split},
+        metadata={"episode_id": episode.id, "task_id": episode.task_id, "split": episode.split}
+        | ({"text_only": True} if text_only_calls else {}),
     )
 
 
-def trajectory_group(episodes: list[tuple[EpisodeRecord, list[CallRecord]]]) -> TrajectoryGroup:
-    """The finished episodes of one task as a group (the others are left out)."""
+def trajectory_group(
+    episodes: list[tuple[EpisodeRecord, list[CallRecord]]], *, text_only: bool = False
+) -> TrajectoryGroup:
+    """The finished episodes of one task as a group (the others are left out; one with a text-only call refuses
+    the group unless ``text_only``)."""
     return TrajectoryGroup(
         [
-            episode_trajectory(e, calls)
+            episode_trajectory(e, calls, text_only=text_only)
             for e, calls in episodes
             if e.status == EpisodeStatus.finished and e.reward is not None and calls
         ]

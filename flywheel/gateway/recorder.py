@@ -18,7 +18,10 @@ CACHED_EPISODES = 4096  # open episodes whose outputs stay in memory (others are
 
 
 def outputs_of(call: CallRecord, eos_ids: set[int]) -> list[Output]:
-    """The outputs a recorded call returned, one per choice with token ids."""
+    """The outputs a recorded call returned, one per choice with token ids (none for an upstream's call: its ids
+    are another tokenizer's, as far as the gateway knows)."""
+    if call.upstream is not None:
+        return []
     messages, tools = call.request.get("messages", []), call.request.get("tools")
     found = []
     for choice in call.response.get("choices", []):
@@ -73,6 +76,11 @@ class Gateway:
             db.check_open(s, episode_id)  # unknown: 404; finished or abandoned: 409, before any token is sampled
         return splice_prompt(tokenizer, messages, tools, self._known_outputs(episode_id, eos_ids))
 
+    async def check_open(self, episode_id: str) -> None:
+        """Raise unless calls may be recorded in the episode (unknown: ``UnknownEpisodeError``; closed:
+        ``EpisodeConflictError``)."""
+        await self.store.run(db.check_open, episode_id)
+
     async def prepare(
         self,
         episode_id: str,
@@ -111,9 +119,12 @@ class Gateway:
         request: dict[str, Any],
         response: dict[str, Any],
         latency_ms: float,
+        text_only: bool = False,
+        upstream: str | None = None,
     ) -> CallRecord:
         """Store a finished call. ``response``: the chat.completion body with every choice's token ids and
-        log-probs (whatever the client asked to see)."""
+        log-probs (whatever the client asked to see); ``text_only``: it has no token ids (an upstream returned
+        none); ``upstream``: where the call was answered, if not by the local engine."""
         usage = response.get("usage") or {}
         return await asyncio.to_thread(
             self._record,
@@ -127,6 +138,8 @@ class Gateway:
             prompt_tokens=int(usage.get("prompt_tokens", 0)),
             completion_tokens=int(usage.get("completion_tokens", 0)),
             latency_ms=latency_ms,
+            text_only=text_only,
+            upstream=upstream,
         )
 
     def forget(self, episode: EpisodeRecord) -> None:

@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,12 +26,14 @@ from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkLogpr
 from openai.types.chat.chat_completion_message_tool_call import ChatCompletionMessageToolCall
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob, TopLogprob
 from openai.types.completion_usage import CompletionUsage
+from pydantic import ValidationError
 
 from flywheel.gateway.api import episode_router
 from flywheel.gateway.auth import ApiKeyAuth, ApiKeys
 from flywheel.gateway.export import NotTrainableError
 from flywheel.gateway.queue import queue_router
 from flywheel.gateway.recorder import Gateway
+from flywheel.gateway.upstream import Relay, Upstream
 from flywheel.inference.chat import parse_tool_calls, render_prompt
 from flywheel.inference.engine import Completion, ContextOverflowError, EngineClosedError, InferenceEngine
 from flywheel.inference.guided import GrammarError, Guide, compile_guide, compile_tool_call_guide
@@ -110,6 +112,17 @@ def _sampling(
     )
 
 
+async def _json_body(request: Request) -> Any:
+    """The request's JSON body (a 400 saying where it stopped parsing, if it is not JSON)."""
+    try:
+        return json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as exc:
+        where = getattr(exc, "pos", 0)
+        raise RequestValidationError(
+            [{"type": "json_invalid", "loc": ("body", where), "msg": "JSON decode error", "input": {}}]
+        ) from None
+
+
 def _completion_body(
     engine: InferenceEngine,
     results: list[Completion],
@@ -145,12 +158,15 @@ def create_app(
     *,
     max_body_bytes: int = MAX_BODY_BYTES,
     auth: ApiKeys | None = None,
+    upstream: Upstream | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible API over ``registry``'s engines; with a ``gateway``, also the episode API and the
     episode-scoped routes (``/episodes/{id}/v1/...``, or ``/v1/...`` with an ``X-Flywheel-Episode`` header) whose
     calls it records. With ``auth`` keys, each request needs a key of its route's role (``flywheel.gateway.auth``);
-    without any, every route is open."""
+    without any, every route is open. With an ``upstream``, a model the registry does not serve is asked of it
+    (``flywheel.gateway.upstream``: relayed, and recorded in an episode)."""
     app = FastAPI(title="Flywheel OpenAI-compatible API")
+    relay = Relay(upstream, gateway) if upstream is not None else None
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     if auth:  # added last, so it runs first: a refused request's body is never read
         app.add_middleware(ApiKeyAuth, keys=auth)
@@ -185,12 +201,13 @@ def create_app(
 
     @app.get("/v1/models")
     async def list_models():
-        return {
-            "object": "list",
-            "data": [
-                {"id": m.name, "object": "model", "created": m.created, "owned_by": m.owned_by} for m in registry.all()
-            ],
-        }
+        models = [
+            {"id": m.name, "object": "model", "created": m.created, "owned_by": m.owned_by} for m in registry.all()
+        ]
+        if relay is not None:  # the local engine's names first: it answers them
+            local = {m["id"] for m in models}
+            models += [m for m in await relay.models() if m["id"] not in local]
+        return {"object": "list", "data": models}
 
     @app.get("/health")
     async def health():
@@ -213,12 +230,33 @@ def create_app(
         return error_response(409, str(exc), "invalid_request_error", param="episode_id", code="episode_not_trainable")
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, x_flywheel_episode: Annotated[str | None, Header()] = None):
-        return await _chat(req, x_flywheel_episode)
+    async def chat_completions(request: Request, x_flywheel_episode: Annotated[str | None, Header()] = None):
+        return await _route(await _json_body(request), x_flywheel_episode)
 
     @app.post("/episodes/{episode_id}/v1/chat/completions")
-    async def episode_chat_completions(episode_id: str, req: ChatCompletionRequest):
+    async def episode_chat_completions(episode_id: str, request: Request):
+        return await _route(await _json_body(request), episode_id)
+
+    async def _route(body: Any, episode_id: str | None):
+        """The upstream's call if its model is not served here, else the engine's (the body checked as its)."""
+        if relay is not None and isinstance(body, dict) and not await _served_here(body.get("model")):
+            if episode_id is not None and gateway is None:
+                raise UnknownEpisodeError(episode_id)  # this server records no episodes
+            return await relay.chat(body, episode_id)
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from None
         return await _chat(req, episode_id)
+
+    async def _served_here(model: Any) -> bool:
+        if not isinstance(model, str):
+            return True  # the engine's checks say what is wrong with it
+        try:
+            await registry.resolve(model)
+        except UnknownModelError:
+            return False
+        return True
 
     @app.get("/episodes/{episode_id}/v1/models")
     async def episode_models(episode_id: str):

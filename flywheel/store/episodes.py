@@ -61,6 +61,8 @@ class CallRecord(BaseModel):
     retokenized_turns: int
     reward: float | None
     created_at: Timestamp
+    upstream: str | None = None  # the upstream that answered it, if not the local engine
+    text_only: bool = False  # no token ids recorded: not for RL
 
 
 class EpisodeRecord(BaseModel):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, ClassVar
 
-from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String
+from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -51,6 +51,10 @@ class Call(Base):
     retokenized_turns: Mapped[int]  # assistant turns in the request that matched no recorded output
     reward: Mapped[float | None] = mapped_column(Float)  # an intermediate reward for this call alone
     created_at: Mapped[datetime]
+    # answered by an upstream (its scheme://host:port), not the local engine; nothing was spliced into its prompt
+    upstream: Mapped[str | None] = mapped_column(String(256))
+    # its response has no token ids (an upstream returned none): fit for SFT, graders and evaluation, not RL
+    text_only: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class Task(Base):
