@@ -32,6 +32,14 @@ from flywheel.types import sampled_tokens
 
 UPSTREAM_MODEL, LOCAL_MODEL = "upstream-model", "local-model"
 QUESTION = [{"role": "user", "content": "What is 12 * 7?"}]
+CALC = {
+    "type": "function",
+    "function": {
+        "name": "calc",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
 TEXT_ONLY_REASON = "its upstream returned no token ids: usable for SFT, graders and evaluation, not RL"
 
 
@@ -283,3 +291,23 @@ def test_flywheel_serve_checks_upstream_before_loading_the_model_and_never_shows
     )
     assert accepted.returncode == 2 and "no-such-model" in accepted.stdout  # the upstream passed; the model is missing
     assert "sk-cli-secret" not in accepted.stdout + accepted.stderr
+
+
+async def test_a_local_call_never_continues_an_upstream_output_with_its_ids(servers):
+    """The gateway does not know an upstream's tokenizer: a local call whose history holds an upstream's reply
+    renders it from text (counted), rather than splicing in ids that may be another tokenizer's."""
+    async with EpisodeClient(root(servers["vllm_like"])) as episodes:
+        episode = await episodes.create("task-mixed")
+        client = agent(episode.base_url)
+        first = await client.chat.completions.create(
+            model=UPSTREAM_MODEL, messages=QUESTION, tools=[CALC], max_tokens=150, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "calc"}},
+        )  # fmt: skip
+        assert first.choices[0].finish_reason == "tool_calls"  # a forced call ends with its end-of-turn token
+        call = first.choices[0].message.tool_calls[0]
+        reply = {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]}
+        history = [*QUESTION, reply, {"role": "tool", "tool_call_id": call.id, "content": "84"}]
+        await client.chat.completions.create(model=LOCAL_MODEL, messages=history, tools=[CALC], max_tokens=2)
+        calls = await episodes.calls(episode.id)
+    assert [c["upstream"] is None for c in calls] == [False, True]
+    assert calls[1]["prefix_call"] is None and calls[1]["retokenized_turns"] == 1
