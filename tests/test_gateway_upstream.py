@@ -8,6 +8,7 @@ be reached from here, so a small real FastAPI app in this file stands in for one
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -76,7 +77,9 @@ def text_only_api(upstream: BackgroundServer) -> FastAPI:
                 "type": "invalid_request_error",
             }
             return JSONResponse({"error": error | {"param": None, "code": None}}, status_code=400)
-        if body["model"] == "overloaded":
+        if body["model"] == "slow":
+            await asyncio.sleep(3)
+        if body["model"] in ("overloaded", "slow"):
             return JSONResponse({"error": {"message": "The server is overloaded.", "type": "server_error"}}, 503)
         async with httpx.AsyncClient(base_url=upstream.base_url, timeout=120) as http:
             answer = (await http.post("/chat/completions", json=body | {"model": UPSTREAM_MODEL})).json()
@@ -118,6 +121,7 @@ def servers(engine, upstream, tmp_path_factory):
         "gone": gateway_server(
             engine, tmp, "gone", Upstream(f"http://127.0.0.1:{gone}/v1", api_key="sk-gone-secret", timeout=5)
         ),
+        "impatient": gateway_server(engine, tmp, "impatient", Upstream(hosted.base_url, timeout=1)),
         "hosted_api": hosted,
     }
     yield built | {"hosted_app": hosted_app}
@@ -248,6 +252,18 @@ async def test_upstream_errors_pass_through_or_are_502s_never_500s(servers, upst
         )
         assert overloaded.status_code == 502 and "overloaded" in overloaded.json()["error"]["message"]
         assert "sk-hosted-secret" not in overloaded.text
+        slow = await http.post(
+            f"{servers['impatient'].base_url}/chat/completions", json={"model": "slow", "messages": QUESTION}
+        )
+        assert slow.status_code == 502 and "did not answer within 1 s" in slow.json()["error"]["message"]
+
+        # the episode is checked before the upstream is asked: unknown 404, closed 409, nothing recorded
+        unknown = await http.post(f"{root(servers['vllm_like'])}/episodes/ep_nope/v1/chat/completions", json=body)
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "episode_not_found"
+        async with EpisodeClient(root(servers["vllm_like"])) as episodes:
+            await episodes.finish(episode.id, 0.0)
+            closed = await http.post(f"{episode.base_url}/chat/completions", json=body | {"max_tokens": 2})
+            assert closed.status_code == 409 and await episodes.calls(episode.id) == []
 
 
 async def test_plain_v1_calls_are_proxied_for_the_openai_sdk(servers):
