@@ -9,6 +9,7 @@ be reached from here, so a small real FastAPI app in this file stands in for one
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -19,7 +20,7 @@ import httpx
 import openai
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from flywheel.gateway.client import EpisodeClient, GatewayError
 from flywheel.gateway.recorder import Gateway
@@ -81,13 +82,28 @@ def text_only_api(upstream: BackgroundServer) -> FastAPI:
             await asyncio.sleep(3)
         if body["model"] in ("overloaded", "slow"):
             return JSONResponse({"error": {"message": "The server is overloaded.", "type": "server_error"}}, 503)
+        if body.get("stream"):
+            return StreamingResponse(stream_without_ids(body), media_type="text/event-stream")
         async with httpx.AsyncClient(base_url=upstream.base_url, timeout=120) as http:
             answer = (await http.post("/chat/completions", json=body | {"model": UPSTREAM_MODEL})).json()
+        return without_ids(answer)
+
+    def without_ids(answer: dict) -> dict:
         answer.pop("prompt_token_ids", None)
         for choice in answer["choices"]:
             for key in ("prompt_token_ids", "token_ids", "temperature"):
                 choice.pop(key, None)
         return answer
+
+    async def stream_without_ids(body: dict):
+        """The upstream's stream without ids, and without the closing ``[DONE]`` (not every server sends it)."""
+        async with (
+            httpx.AsyncClient(base_url=upstream.base_url, timeout=120) as http,
+            http.stream("POST", "/chat/completions", json=body | {"model": UPSTREAM_MODEL}) as response,
+        ):
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    yield f"data: {json.dumps(without_ids(json.loads(line[6:])))}\n\n"
 
     @app.get("/v1/models")
     async def models():
@@ -211,6 +227,18 @@ async def test_a_text_only_upstream_is_recorded_as_such_and_refused_for_rl(serve
         assert allowed.metadata["text_only"] is True and allowed.reward == 1.0
         assert sampled_tokens(allowed.messages_and_choices[-1]) is None  # no sampled ids to train on
         assert len(await episodes.group("task-hosted", text_only="allow")) == 1
+
+
+async def test_a_streamed_text_only_call_without_done_is_relayed_and_recorded(servers):
+    async with EpisodeClient(root(servers["hosted"])) as episodes:
+        episode = await episodes.create("task-hosted-stream")
+        stream = await agent(episode.base_url).chat.completions.create(
+            model="hosted-model", messages=QUESTION, max_tokens=6, stream=True
+        )
+        text = "".join(c.delta.content or "" for chunk in [c async for c in stream] for c in chunk.choices)
+        calls = await episodes.calls(episode.id)
+    assert len(calls) == 1 and calls[0]["text_only"]  # recorded though the stream had no [DONE]
+    assert (calls[0]["response"]["choices"][0]["message"]["content"] or "") == text
 
 
 async def test_the_hosted_stand_in_was_asked_for_ids_once_then_as_the_client_asked(servers):

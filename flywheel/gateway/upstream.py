@@ -281,7 +281,7 @@ class Relay:
     ) -> AsyncIterator[str]:
         """The upstream's server-sent events relayed as they come (in an episode: log-probs the client did not ask
         for taken out, and the call recorded once the stream is done, before its ``[DONE]``)."""
-        assembly = StreamAssembly()
+        assembly, done = StreamAssembly(), False
         try:
             async for line in response.aiter_lines():
                 data = line.removeprefix("data:").strip() if line.startswith("data:") else None
@@ -290,12 +290,15 @@ class Relay:
                 elif data == "[DONE]":
                     if assembly.finished:
                         await call.record(assembly.completion())
+                    done = True
                     yield line + "\n"
                 else:
                     chunk = json.loads(data)
                     assembly.add(chunk)
                     shown = chunk if call.body.get("logprobs") else without_logprobs(chunk)
                     yield f"data: {json.dumps(shown)}\n"
+            if call is not None and not done and assembly.finished:  # an upstream that sends no [DONE]
+                await call.record(assembly.completion())
         except Exception as exc:  # the status line is already sent: report the error in-band, as OpenAI does
             message = (
                 f"The upstream at {self.upstream.host} broke off the stream ({type(exc).__name__}: {exc})."
