@@ -89,6 +89,19 @@ class Gateway:
         tokenizer: PreTrainedTokenizerBase,
         eos_ids: set[int],
     ) -> Splice:
+        """The prompt for a call in an episode (an unknown one: ``UnknownEpisodeError``; a closed one:
+        ``EpisodeConflictError``, before any token is sampled). An episode whose outputs this process holds (open,
+        recorded here, not finished or abandoned here) is prepared on the event loop, with no thread hop and no
+        query, so that its request reaches the engine as soon as a plain one would (a few milliseconds later, it
+        would often miss the engine's next batch and wait a decode step). One closed meanwhile by another process
+        (or by a lease's expiry) is refused when its call is recorded, after it ran."""
+        with self._lock:
+            cached = self._outputs.get(episode_id)
+            if cached is not None:
+                self._outputs.move_to_end(episode_id)
+                cached = list(cached)
+        if cached is not None:
+            return splice_prompt(tokenizer, messages, tools, cached)
         return await asyncio.to_thread(self._prepare, episode_id, messages, tools, tokenizer, eos_ids)
 
     def _record(self, episode_id: str, splice: Splice, eos_ids: set[int], **fields: Any) -> CallRecord:
