@@ -50,19 +50,14 @@ class Gateway:
         self._outputs: OrderedDict[str, list[Output]] = OrderedDict()  # episode -> its outputs, most recent last
         self._lock = threading.Lock()
 
-    def _known_outputs(self, episode_id: str, eos_ids: set[int]) -> list[Output]:
+    def _cached(self, episode_id: str) -> list[Output] | None:
+        """The outputs of an episode this process holds (open, recorded here), if it holds them."""
         with self._lock:
-            if episode_id in self._outputs:
-                self._outputs.move_to_end(episode_id)
-                return list(self._outputs[episode_id])
-        with self.store.session() as s:
-            db.check_open(s, episode_id)
-            found = [o for call in db.calls(s, episode_id) for o in outputs_of(call, eos_ids)]
-        with self._lock:
-            self._outputs[episode_id] = found
-            while len(self._outputs) > CACHED_EPISODES:
-                self._outputs.popitem(last=False)
-        return list(found)
+            cached = self._outputs.get(episode_id)
+            if cached is None:
+                return None
+            self._outputs.move_to_end(episode_id)
+            return list(cached)
 
     def _prepare(
         self,
@@ -72,9 +67,15 @@ class Gateway:
         tokenizer: PreTrainedTokenizerBase,
         eos_ids: set[int],
     ) -> Splice:
+        """``prepare`` for an episode this process does not hold: its outputs read back from the store, then held."""
         with self.store.session() as s:
             db.check_open(s, episode_id)  # unknown: 404; finished or abandoned: 409, before any token is sampled
-        return splice_prompt(tokenizer, messages, tools, self._known_outputs(episode_id, eos_ids))
+            found = [o for call in db.calls(s, episode_id) for o in outputs_of(call, eos_ids)]
+        with self._lock:
+            self._outputs[episode_id] = found
+            while len(self._outputs) > CACHED_EPISODES:
+                self._outputs.popitem(last=False)
+        return splice_prompt(tokenizer, messages, tools, list(found))
 
     async def check_open(self, episode_id: str) -> None:
         """Raise unless calls may be recorded in the episode (unknown: ``UnknownEpisodeError``; closed:
@@ -95,12 +96,7 @@ class Gateway:
         query, so that its request reaches the engine as soon as a plain one would (a few milliseconds later, it
         would often miss the engine's next batch and wait a decode step). One closed meanwhile by another process
         (or by a lease's expiry) is refused when its call is recorded, after it ran."""
-        with self._lock:
-            cached = self._outputs.get(episode_id)
-            if cached is not None:
-                self._outputs.move_to_end(episode_id)
-                cached = list(cached)
-        if cached is not None:
+        if (cached := self._cached(episode_id)) is not None:
             return splice_prompt(tokenizer, messages, tools, cached)
         return await asyncio.to_thread(self._prepare, episode_id, messages, tools, tokenizer, eos_ids)
 

@@ -33,7 +33,7 @@ from flywheel.gateway.auth import ApiKeyAuth, ApiKeys
 from flywheel.gateway.export import NotTrainableError
 from flywheel.gateway.queue import queue_router
 from flywheel.gateway.recorder import Gateway
-from flywheel.gateway.upstream import Relay, Upstream
+from flywheel.gateway.upstream import Relay, Upstream, without_logprobs
 from flywheel.inference.chat import parse_tool_calls, render_prompt
 from flywheel.inference.engine import Completion, ContextOverflowError, EngineClosedError, InferenceEngine
 from flywheel.inference.guided import GrammarError, Guide, compile_guide, compile_tool_call_guide
@@ -308,9 +308,7 @@ def create_app(
         full = body(await engine.generate(prompt, params))
         if splice is not None:
             await record(full)  # durable before the agent sees the answer (and posts a reward for it)
-        if params.logprobs and not req.logprobs:  # computed for the record only
-            full = {**full, "choices": [{k: v for k, v in c.items() if k != "logprobs"} for c in full["choices"]]}
-        return JSONResponse(full)
+        return JSONResponse(full if req.logprobs else without_logprobs(full))  # else computed for the record only
 
     return app
 
