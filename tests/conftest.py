@@ -3,6 +3,8 @@ closing section that lists what the run did not check (skipped tests, by reason)
 
 from __future__ import annotations
 
+import os
+
 import openai
 import pytest
 import pytest_asyncio
@@ -64,6 +66,17 @@ def fp32_engine():
     engine = InferenceEngine(model, tokenizer)
     yield engine
     engine.close()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` (minutes each) run in CI (``CI=true``, which has 90 minutes) and with
+    ``FLYWHEEL_SLOW_TESTS=1``; a developer's plain ``./dev test`` skips them, so it stays under 20 minutes."""
+    if os.environ.get("CI") == "true" or os.environ.get("FLYWHEEL_SLOW_TESTS"):
+        return
+    skip = pytest.mark.skip(reason="slow: runs in CI (CI=true) or with FLYWHEEL_SLOW_TESTS=1")
+    for item in items:
+        if item.get_closest_marker("slow"):
+            item.add_marker(skip)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
