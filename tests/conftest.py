@@ -1,13 +1,17 @@
-"""Shared fixtures: the real embedded model, loaded once per test session, served on a real loopback port. And a
-closing section that lists what the run did not check (skipped tests, by reason)."""
+"""Shared fixtures: the real embedded model, loaded once per test session, served on a real loopback port; a real
+PostgreSQL server with a new database per test, and ``db_url``, which runs a store test on SQLite and on PostgreSQL.
+And a closing section that lists what the run did not check (skipped tests, by reason)."""
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Iterator
 
 import openai
 import pytest
 import pytest_asyncio
+from postgres import PostgresServer, find_bindir
 
 from flywheel.backend import LocalBackend
 from flywheel.inference.engine import InferenceEngine
@@ -93,3 +97,40 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.line(f"{len(tests)} skipped: {reason}", yellow=True, bold=True)
         for nodeid in tests:
             terminalreporter.line(f"    {nodeid}")
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """A PostgreSQL server of this test session's own (tests/postgres.py). Without Debian's ``postgresql`` the tests
+    that need it are skipped, saying so; in CI (``CI=true``, where .ci/run installs it) that is an error."""
+    bindir = find_bindir()
+    if bindir is None:
+        missing = "PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb): the store was not tested on it"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{missing}; CI must test it: install Debian's postgresql (apt-get install postgresql)")
+        pytest.skip(f"{missing} (apt-get install postgresql)")
+    server = PostgresServer(bindir)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+_databases = itertools.count()
+
+
+@pytest.fixture
+def pg_url(postgres: PostgresServer) -> Iterator[str]:
+    """A new, empty database on the session's PostgreSQL server, dropped after the test."""
+    name = f"t{next(_databases)}"
+    yield postgres.create_database(name)
+    postgres.drop_database(name)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path) -> str:
+    """A new, empty store database: SQLite in the test's directory, then PostgreSQL (a database of its own)."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'flywheel.db'}"
+    return request.getfixturevalue("pg_url")

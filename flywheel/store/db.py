@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.home import default_home
@@ -44,7 +44,33 @@ def _engine(url: str) -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    engine = create_engine(
+        _with_driver(url),
+        pool_pre_ping=True,  # a connection the server (or a restart) closed is replaced, not handed out
+        # a gateway's store calls run in worker threads (asyncio.to_thread: at most 32 at once), one connection
+        # each; 16 stay open, up to 48 more while a burst lasts (64 agents at once wait for none)
+        pool_size=16,
+        max_overflow=48,
+    )
+    if engine.dialect.name == "postgresql":
+        event.listen(engine, "connect", _postgresql_utc)
+    return engine
+
+
+def _postgresql_utc(dbapi_connection, _record) -> None:
+    """Timestamps read back in UTC, whatever the server's ``TimeZone`` (the same instant, labelled alike)."""
+    autocommit, dbapi_connection.autocommit = dbapi_connection.autocommit, True  # else a rollback undoes the SET
+    dbapi_connection.execute("SET TIME ZONE 'UTC'")
+    dbapi_connection.autocommit = autocommit
+
+
+def _with_driver(url: str) -> str:
+    """``postgresql://`` as a user writes it is psycopg 3 (SQLAlchemy's default is psycopg2, not installed);
+    a URL that names a driver (``postgresql+psycopg2://``) keeps it."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        return parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+    return url
 
 
 def upgrade(engine: Engine) -> None:

@@ -1,0 +1,70 @@
+"""The store on each database it supports: SQLite (a file) and PostgreSQL (a real server that the tests start, see
+tests/postgres.py), through its repository functions only. No model, no HTTP."""
+
+from __future__ import annotations
+
+from datetime import UTC, timedelta
+
+import pytest
+from sqlalchemy import inspect, text
+
+from flywheel.store import Store
+from flywheel.store import episodes as db
+from flywheel.store.db import MIGRATIONS, _with_driver
+from flywheel.store.schema import Base
+
+
+@pytest.fixture
+def store(db_url: str):
+    store = Store(db_url)
+    yield store
+    store.close()
+
+
+def test_migrations_build_the_whole_schema_from_empty(db_url: str):
+    """A new database gets every table of the models, at the latest revision; opening it again changes nothing."""
+    for _ in range(2):
+        store = Store(db_url)
+        try:
+            tables = set(inspect(store.engine).get_table_names())
+            assert set(Base.metadata.tables) <= tables and "alembic_version" in tables
+            with store.session() as s:
+                (revision,) = s.execute(text("SELECT version_num FROM alembic_version")).scalars().all()
+            heads = sorted(p.name.split("_", 1)[0] for p in (MIGRATIONS / "versions").glob("[0-9]*.py"))
+            assert revision == heads[-1]
+        finally:
+            store.close()
+
+
+def test_json_and_time_zones_round_trip(store: Store):
+    """JSON columns keep nested values, unicode, floats and nulls; timestamps come back as the same instant, in UTC
+    (a server whose TimeZone is not UTC must not shift or relabel them)."""
+    meta = {"nested": {"list": [1, 2.5, None, True, "ünï ✓"], "empty": {}}, "big": 2**53, "tiny": 1e-300}
+    with store.session() as s:
+        episode = db.create_episode(s, "json-task", meta=meta)
+        request = {"messages": [{"role": "user", "content": 'quote " and \\ and \n'}], "temperature": 0.7}
+        call = db.add_call(
+            s, episode.id, model="m", step=None, request=request, response={"choices": []}, prompt_tokens=1,
+            completion_tokens=2, latency_ms=3.5, prefix_call=None, prefix_choice=None, prefix_message=None,
+            retokenized_turns=0, reward=None,
+        )  # fmt: skip
+    with store.session() as s:
+        again = db.get_episode(s, episode.id)
+        (call_again,) = db.calls(s, episode.id)
+    assert again.meta == meta and call_again.request == request and call_again.response == {"choices": []}
+    for written, read in ((episode.created_at, again.created_at), (call.created_at, call_again.created_at)):
+        assert read == written and read.utcoffset() == timedelta(0), (written, read)
+        assert read.tzinfo is not None and abs(read - written.astimezone(UTC)) < timedelta(microseconds=1)
+
+
+@pytest.mark.parametrize(
+    ("url", "engine_url"),
+    [
+        ("postgresql://u:p@db.example/flywheel", "postgresql+psycopg://u:p@db.example/flywheel"),
+        ("postgres://u@db.example/flywheel", "postgresql+psycopg://u@db.example/flywheel"),
+        ("postgresql+psycopg2://u@h/f", "postgresql+psycopg2://u@h/f"),  # a driver named stays
+        ("sqlite:///x.db", "sqlite:///x.db"),
+    ],
+)
+def test_a_postgresql_url_as_typed_uses_psycopg_3(url: str, engine_url: str):
+    assert _with_driver(url) == engine_url
