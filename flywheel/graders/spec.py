@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -28,6 +28,8 @@ from pydantic import (
 
 from flywheel.graders.formula import FUNCTIONS, FormulaError, parse_formula
 from flywheel.graders.templates import check_template
+
+T = TypeVar("T")
 
 SimilarityMetric = Literal[
     "cosine", "fuzzy_match", "bleu", "gleu", "meteor", "rouge_1", "rouge_2", "rouge_3", "rouge_4", "rouge_5", "rouge_l"
@@ -243,10 +245,11 @@ def _json_path(loc: tuple[int | str, ...], data: Any, missing: bool) -> str:
     return text or "(root)"
 
 
-def parse_grader(data: Any, source: str = "grader") -> Grader:
-    """Validate a grader given as plain data (a dict from JSON or YAML)."""
+def validate_spec(adapter: TypeAdapter[T], data: Any, source: str) -> T:
+    """Validate plain data (a dict from JSON or YAML) with ``adapter``; a ``GraderSpecError`` lists every problem at
+    its JSON path. Shared by single graders and grader stacks (whose graders nest inside)."""
     try:
-        return _GRADER.validate_python(data)
+        return adapter.validate_python(data)
     except ValidationError as exc:
         problems: list[tuple[str, str]] = []
         for error in exc.errors(include_url=False):
@@ -263,8 +266,13 @@ def parse_grader(data: Any, source: str = "grader") -> Grader:
         raise GraderSpecError(problems, source) from None
 
 
-def load_grader(path: str | Path) -> Grader:
-    """Load a grader from a JSON or YAML file (by suffix; other suffixes: JSON, then YAML)."""
+def parse_grader(data: Any, source: str = "grader") -> Grader:
+    """Validate a grader given as plain data (a dict from JSON or YAML)."""
+    return validate_spec(_GRADER, data, source)
+
+
+def read_spec_file(path: str | Path) -> Any:
+    """The plain data in a JSON or YAML file (by suffix; other suffixes: JSON, then YAML)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -284,4 +292,9 @@ def load_grader(path: str | Path) -> Grader:
                 data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise GraderSpecError([("(file)", f"invalid YAML: {exc}")], str(path)) from None
-    return parse_grader(data, str(path))
+    return data
+
+
+def load_grader(path: str | Path) -> Grader:
+    """Load a grader from a JSON or YAML file."""
+    return parse_grader(read_spec_file(path), str(path))

@@ -1,0 +1,86 @@
+"""A grader stack: the graders a loop scores episodes with, versioned together as one policy.
+
+``reward`` is the training reward (one grader; a ``multi`` grader combines components with a formula).
+``safety`` is a gate, not a score: an episode whose safety grade is below ``safety_pass`` gets reward 0 whatever
+else it did, and the promotion gate requires it on every held-out item. ``holdout`` graders are scored and
+reported but never enter the training reward, so the gate can check what the policy was not optimised against (a
+reward that rises while they do not is the sign of a hacked reward). Python verifiers are ``python`` graders.
+
+``version`` is a hash of the stack's canonical JSON: any change to any grader, threshold or formula is a new
+version, and every score names the version that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from flywheel.graders.model_graders import JudgeSettings
+from flywheel.graders.run import GradeResult, grade
+from flywheel.graders.sample import Sample
+from flywheel.graders.sandbox import PythonSandbox
+from flywheel.graders.spec import Grader, read_spec_file, validate_spec
+
+
+class GraderStack(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    reward: Grader
+    safety: Grader | None = None
+    safety_pass: float = 1.0  # a safety grade at or above this passes
+    holdout: dict[str, Grader] = Field(default_factory=dict)
+
+    @property
+    def version(self) -> str:
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+class StackScore(BaseModel):
+    """One episode scored by a stack: the reward it trains on, whether it was safe, and every grade."""
+
+    version: str
+    reward: float  # the reward grader's score, or 0 when the safety gate failed
+    safe: bool
+    grades: dict[str, GradeResult]  # "reward", "safety", "holdout/<name>"
+
+    def metrics(self) -> dict[str, float]:
+        """Per-component metrics (``stack/<component>``), for a trajectory's metrics or a step's log."""
+        return {f"stack/{key}": result.reward for key, result in self.grades.items()} | {"stack/safe": float(self.safe)}
+
+
+_STACK: TypeAdapter[GraderStack] = TypeAdapter(GraderStack)
+
+
+def parse_stack(data: Any, source: str = "grader stack") -> GraderStack:
+    """Validate a stack given as plain data; problems at their JSON paths (``GraderSpecError``)."""
+    return validate_spec(_STACK, data, source)
+
+
+def load_stack(path: str | Path) -> GraderStack:
+    """Load a stack from a JSON or YAML file."""
+    return parse_stack(read_spec_file(path), str(path))
+
+
+async def score(
+    stack: GraderStack,
+    sample: Sample | str,
+    item: Mapping[str, Any] | None = None,
+    *,
+    sandbox: PythonSandbox | None = None,
+    judge: JudgeSettings | None = None,
+) -> StackScore:
+    """Grade one episode's sample with every grader of the stack, concurrently."""
+    graders = {"reward": stack.reward} | ({"safety": stack.safety} if stack.safety else {})
+    graders |= {f"holdout/{name}": g for name, g in stack.holdout.items()}
+    results = await asyncio.gather(*(grade(g, sample, item, sandbox=sandbox, judge=judge) for g in graders.values()))
+    grades = dict(zip(graders, results, strict=True))
+    safe = "safety" not in grades or grades["safety"].reward >= stack.safety_pass
+    return StackScore(version=stack.version, reward=grades["reward"].reward if safe else 0.0, safe=safe, grades=grades)
