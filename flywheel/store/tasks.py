@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, computed_field
 from sqlalchemy import case, func, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from flywheel.store import episodes as db
@@ -175,6 +176,22 @@ def enqueue(
     _write_lock(s)
     wanted = {"payload": payload, "group_size": group_size, "split": split, "model": model, "max_tries": max_tries}
     existing = s.get(Task, task_id)
+    if existing is None:
+        if s.scalars(select(Episode.id).where(Episode.task_id == task_id).limit(1)).first() is not None:
+            raise TaskConflictError(
+                f"Episodes with task id {task_id!r} exist already: a queued task's group holds its attempts' episodes"
+                " only; give it another id."
+            )
+        now = _now()
+        try:
+            # the task before its attempts (their foreign key), in a savepoint: on PostgreSQL, an enqueue of the same
+            # id in another transaction may insert it first (this insert waits for that one to commit, then fails)
+            with s.begin_nested():
+                s.add(Task(id=task_id, created_at=now, **wanted))
+        except IntegrityError:
+            existing = s.get(Task, task_id)
+            if existing is None:  # not that race: another constraint failed
+                raise
     if existing is not None:
         if differs := [name for name, value in wanted.items() if getattr(existing, name) != value]:
             raise TaskConflictError(
@@ -182,14 +199,6 @@ def enqueue(
                 " give the new one another id."
             )
         return _task(s, task_id), False
-    if s.scalars(select(Episode.id).where(Episode.task_id == task_id).limit(1)).first() is not None:
-        raise TaskConflictError(
-            f"Episodes with task id {task_id!r} exist already: a queued task's group holds its attempts' episodes"
-            " only; give it another id."
-        )
-    now = _now()
-    s.add(Task(id=task_id, created_at=now, **wanted))
-    s.flush()  # the task before its attempts (their foreign key; no relationship orders them)
     for index in range(group_size):
         attempt = Attempt(
             id=new_attempt_id(), task_id=task_id, index=index, status=AttemptStatus.queued, tries=0, runner=None,

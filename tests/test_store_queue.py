@@ -1,0 +1,101 @@
+"""The rollout queue's store functions under concurrency, on SQLite and on a real PostgreSQL server: units of work
+that race in threads of one process, each with its own connection, as a gateway's worker threads do."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from flywheel.store import Store
+from flywheel.store import tasks as queue_db
+
+
+@pytest.fixture
+def store(db_url: str):
+    store = Store(db_url)
+    yield store
+    store.close()
+
+
+def at_once(n: int, fn: Callable[[int], Any]) -> tuple[list[Any], list[BaseException]]:
+    """``fn(i)`` in ``n`` threads released together; their results, and what they raised."""
+    barrier = threading.Barrier(n)
+    results: list[Any] = []
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            results.append(fn(i))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results, errors
+
+
+def test_identical_enqueues_at_once_make_one_task(store: Store):
+    """The same task posted by several clients at the same instant (a retried request racing its original) is one
+    task: one is new, the others are told it exists; never a duplicate key error (on PostgreSQL both inserts ran
+    before the fix, and the second failed on the primary key)."""
+    for round_ in range(12):
+        task_id = f"twice-{round_}"
+
+        def enqueue(_: int, task_id: str = task_id) -> bool:
+            with store.session() as s:
+                task, new = queue_db.enqueue(s, task_id, {"q": round_}, group_size=3)
+            assert task.id == task_id and task.group_size == 3
+            return new
+
+        results, errors = at_once(4, enqueue)
+        assert errors == [] and sorted(results) == [False, False, False, True], (round_, errors, results)
+        with store.session() as s:
+            task, attempts = queue_db.get_task(s, task_id)
+        assert len(attempts) == 3 and task.counts[queue_db.AttemptStatus.queued] == 3
+
+
+def test_different_enqueues_of_one_id_at_once_are_one_task_and_conflicts(store: Store):
+    """Two groups under one id at the same instant: one is queued, the others are a ``TaskConflictError`` (a 409),
+    not a database error."""
+    for round_ in range(6):
+        task_id = f"clash-{round_}"
+
+        def enqueue(i: int, task_id: str = task_id) -> bool:
+            with store.session() as s:
+                return queue_db.enqueue(s, task_id, {"who": i}, group_size=2)[1]
+
+        results, errors = at_once(3, enqueue)
+        assert results == [True] and len(errors) == 2, (round_, results, errors)
+        assert all(isinstance(e, queue_db.TaskConflictError) for e in errors), errors
+
+
+def test_concurrent_claims_never_lease_an_attempt_twice(store: Store):
+    """Eight threads claim at once until the queue is empty: each attempt is leased exactly once (on SQLite the
+    write lock is taken before the claim reads; on PostgreSQL the claimed row is locked and other claims skip it)."""
+    with store.session() as s:
+        queue_db.enqueue(s, "many", {}, group_size=40)
+    leased: Counter[str] = Counter()
+
+    def claim_all(i: int) -> None:
+        while True:
+            with store.session() as s:
+                lease = queue_db.claim(s, f"r{i}", 30)
+            if lease is None:
+                return
+            leased[lease.attempt.id] += 1
+            with store.session() as s:
+                queue_db.complete(s, lease.attempt.id, lease.episode.id, reward=1.0)
+
+    _, errors = at_once(8, claim_all)
+    assert errors == [] and len(leased) == 40 and set(leased.values()) == {1}, (errors, leased)
+    with store.session() as s:
+        task, _ = queue_db.get_task(s, "many")
+    assert task.complete and task.counts[queue_db.AttemptStatus.finished] == 40
