@@ -55,6 +55,7 @@ class Call(Base):
     upstream: Mapped[str | None] = mapped_column(String(256))
     # its response has no token ids (an upstream returned none): fit for SFT, graders and evaluation, not RL
     text_only: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    deployment: Mapped[str | None] = mapped_column(String(300))  # the alias it was asked as (calc@production)
 
 
 class Task(Base):
@@ -91,3 +92,44 @@ class Attempt(Base):
     error: Mapped[str | None] = mapped_column(String(2000))  # why the last try ended without a result
     created_at: Mapped[datetime]
     finished_at: Mapped[datetime | None]  # when it finished or failed
+
+
+class AuditEvent(Base):
+    """One thing someone did (append-only): hash-chained to the event before it (``store/audit.py``)."""
+
+    __tablename__ = "audit_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)  # the chain's order
+    at: Mapped[datetime]
+    actor: Mapped[str] = mapped_column(String(256))
+    action: Mapped[str] = mapped_column(String(64), index=True)
+    subject: Mapped[str] = mapped_column(String(300), index=True)  # what it acted on, e.g. a deployment's alias
+    reason: Mapped[str | None] = mapped_column(String(2000))
+    details: Mapped[dict[str, Any]]
+    prev_hash: Mapped[str] = mapped_column(String(64))
+    hash: Mapped[str] = mapped_column(String(64))
+
+
+class AuditHead(Base):
+    """The chain's one head row: its length and last hash. Each append locks it, so appends never fork."""
+
+    __tablename__ = "audit_head"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)  # always 1
+    count: Mapped[int]
+    hash: Mapped[str] = mapped_column(String(64))
+
+
+class Deployment(Base):
+    """A named alias (``<model>@<stage>``) that points at one of the model's checkpoint steps."""
+
+    __tablename__ = "deployments"
+
+    name: Mapped[str] = mapped_column(String(300), primary_key=True)
+    model: Mapped[str] = mapped_column(String(256), index=True)
+    stage: Mapped[str] = mapped_column(String(32))
+    step: Mapped[int]
+    share: Mapped[float | None] = mapped_column(Float)  # canary, shadow: the share of traffic, 0..1
+    updated_at: Mapped[datetime]
+    updated_by: Mapped[str] = mapped_column(String(256))
+    event_id: Mapped[int]  # the audit event that set it
