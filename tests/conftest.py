@@ -105,7 +105,10 @@ def postgres() -> Iterator[PostgresServer]:
     that need it are skipped, saying so; in CI (``CI=true``, where .ci/run installs it) that is an error."""
     bindir = find_bindir()
     if bindir is None:
-        missing = "PostgreSQL is not installed (no /usr/lib/postgresql/*/bin/initdb): the store was not tested on it"
+        missing = (
+            "PostgreSQL is not installed (no initdb in /usr/lib/postgresql/*/bin or on PATH):"
+            " the store was not tested on it"
+        )
         if os.environ.get("CI") == "true":
             pytest.fail(f"{missing}; CI must test it: install Debian's postgresql (apt-get install postgresql)")
         pytest.skip(f"{missing} (apt-get install postgresql)")

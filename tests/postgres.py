@@ -37,7 +37,7 @@ def find_bindir() -> Path | None:
 
     found = [Path(b) for b in sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=version, reverse=True)]
     if (initdb := shutil.which("initdb")) is not None:
-        found.append(Path(initdb).parent)
+        found.append(Path(initdb).resolve().parent)
     return next((b for b in found if (b / "initdb").is_file() and (b / "pg_ctl").is_file()), None)
 
 
