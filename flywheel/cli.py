@@ -121,12 +121,20 @@ def serve(
         console.print(f"[red]Invalid --upstream: {exc}[/]")
         raise typer.Exit(2) from None
 
+    from flywheel.store import Store
+    from flywheel.store.db import StoreUnavailableError, shown_url
+
+    try:  # the database too, before the model loads
+        store = Store(db)
+    except StoreUnavailableError as exc:
+        console.print(f"[red]{exc}[/]")
+        raise typer.Exit(2) from None
+
     from flywheel.gateway.recorder import Gateway
     from flywheel.inference.engine import InferenceEngine
     from flywheel.inference.loading import ModelNotFoundError, load_model
     from flywheel.inference.registry import ModelRegistry
     from flywheel.server.app import create_app
-    from flywheel.store import Store
 
     try:
         hf_model, tokenizer, resolved = load_model(model, dtype=_dtype(dtype))
@@ -145,8 +153,7 @@ def serve(
     console.print(f"Serving [bold]{model}[/] ({hf_model.dtype}) at http://{host}:{port}/v1")
     if compile:
         console.print("Compiling the decode step first (~1-2 minutes on 2 cores): requests wait until it is done.")
-    store = Store(db)
-    console.print(f"Episodes: http://{host}:{port}/episodes, stored in {store.url}")
+    console.print(f"Episodes: http://{host}:{port}/episodes, stored in {shown_url(store.url)}")
     console.print(f"API keys: {keys!r}" if keys else "No API keys: every route is open to whoever reaches the server.")
     if relay_to is not None:
         console.print(f"Other models: asked of the upstream at {relay_to.host}")

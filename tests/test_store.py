@@ -7,10 +7,12 @@ from datetime import UTC, timedelta
 
 import pytest
 from sqlalchemy import inspect, text
+from typer.testing import CliRunner
 
+from flywheel.cli import app
 from flywheel.store import Store
 from flywheel.store import episodes as db
-from flywheel.store.db import MIGRATIONS, _with_driver
+from flywheel.store.db import MIGRATIONS, StoreUnavailableError, _with_driver
 from flywheel.store.schema import Base
 
 
@@ -68,3 +70,32 @@ def test_json_and_time_zones_round_trip(store: Store):
 )
 def test_a_postgresql_url_as_typed_uses_psycopg_3(url: str, engine_url: str):
     assert _with_driver(url) == engine_url
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("postgresql://u:secret@127.0.0.1:1/flywheel", "Connection refused"),  # nothing listens on port 1
+        ("not a url", "not a database URL"),
+        ("mysql://u:secret@h/d", "MySQLdb"),  # a driver that is not installed
+    ],
+)
+def test_a_store_that_cannot_open_says_why_without_the_password(url: str, says: str):
+    with pytest.raises(StoreUnavailableError, match="Cannot open the store at ") as refused:
+        Store(url)
+    assert says in str(refused.value) and "secret" not in str(refused.value)
+
+
+def test_a_database_that_does_not_exist_is_named(postgres):
+    with pytest.raises(StoreUnavailableError, match='database "missing" does not exist'):
+        Store(postgres.url("missing"))
+
+
+def test_serve_with_a_store_it_cannot_open_says_why_before_loading_the_model(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps to COLUMNS
+    done = CliRunner().invoke(app, ["serve", "--db", "postgresql://u:secret@127.0.0.1:1/flywheel", "--port", "1"])
+    said = done.output
+    assert done.exit_code == 2 and "Cannot open the store at postgresql://u:***@127.0.0.1:1/flywheel" in said, said
+    assert done.exception is None or isinstance(done.exception, SystemExit), done.exception
+    assert "secret" not in said and "Serving" not in said

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event, make_url
+from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from flywheel.home import default_home
@@ -82,13 +83,37 @@ def upgrade(engine: Engine) -> None:
         command.upgrade(config, "head")
 
 
+class StoreUnavailableError(RuntimeError):
+    """The store's database could not be opened: a malformed URL, a driver not installed, a server that does not
+    answer, a refused login, a database that does not exist."""
+
+
+def shown_url(url: str) -> str:
+    """The URL with its password hidden, fit to print or log."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "(not a database URL)"
+
+
 class Store:
     """A database with the latest schema. ``session()`` gives a unit of work that commits on success."""
 
     def __init__(self, url: str | None = None):
         self.url = url or default_url()
-        self.engine = _engine(self.url)
-        upgrade(self.engine)
+        try:
+            self.engine = _engine(self.url)
+        except (ArgumentError, ImportError) as exc:  # ImportError: SQLAlchemy's dialect or its driver is missing
+            raise StoreUnavailableError(
+                f"Cannot open the store at {shown_url(self.url)}: {exc} (URLs look like sqlite:///path/flywheel.db"
+                " or postgresql://user:password@host:5432/database)"
+            ) from exc
+        try:
+            upgrade(self.engine)
+        except OperationalError as exc:  # the server, the login or the database (its message says which)
+            self.engine.dispose()
+            reason = "; ".join(line.strip() for line in str(exc.orig or exc).splitlines() if line.strip())
+            raise StoreUnavailableError(f"Cannot open the store at {shown_url(self.url)}: {reason}") from exc
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     @contextmanager
