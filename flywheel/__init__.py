@@ -1,6 +1,8 @@
 """Flywheel: make LLM agents better with reinforcement learning from outcomes.
 
-The public API mirrors OpenPipe ART, so ``import flywheel as art`` runs ART-style code unchanged. Importing it is
+The public API mirrors OpenPipe ART, so ``import flywheel as art`` runs ART-style code unchanged (docs/user-guide.md,
+"Coming from ART", says what differs); ``flywheel.local``, ``flywheel.utils`` and ``flywheel.dev`` are ART's
+``art.local``, ``art.utils`` and ``art.dev``. Importing it is
 light (no torch): an agent or a runner process needs the data types, ``gather`` and the model handles; the names
 that load the engine (``LocalBackend``) or a judge's client (``rewards``) are imported when first used.
 """
@@ -10,9 +12,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from flywheel import dev
 from flywheel.gather import gather_trajectories, gather_trajectory_groups
 from flywheel.model import Backend, Model, TrainableModel
-from flywheel.types import History, Trajectory, TrajectoryGroup
+from flywheel.train.config import TrainConfig
+from flywheel.types import History, TrainResult, Trajectory, TrajectoryGroup
+from flywheel.utils import retry
 
 if TYPE_CHECKING:
     from flywheel import rewards
@@ -36,10 +41,14 @@ __all__ = [
     "History",
     "LocalBackend",
     "Model",
+    "TrainConfig",
+    "TrainResult",
     "TrainableModel",
     "Trajectory",
     "TrajectoryGroup",
+    "dev",
     "gather_trajectories",
     "gather_trajectory_groups",
+    "retry",
     "rewards",
 ]

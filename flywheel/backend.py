@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flywheel.dev import train_config
 from flywheel.gateway.auth import ApiKeys, is_loopback
 from flywheel.gateway.recorder import Gateway
 from flywheel.gather import phase_seconds
@@ -24,11 +25,14 @@ from flywheel.runs import RunStore, model_path
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
 from flywheel.store import Store
-from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
+from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights, warn_once
 from flywheel.train.trainer import Trainer, load_for_serving
-from flywheel.types import Trajectory, TrajectoryGroup
+from flywheel.types import TrainResult, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from flywheel.dev import TrainOptions
     from flywheel.model import TrainableModel
 
 MAX_CHECKPOINT_ENGINES = 2  # earlier checkpoints served at once (each holds a copy of the base weights)
@@ -62,16 +66,22 @@ class LocalBackend:
         compile: bool = False,
         api_keys: ApiKeys | None = None,
         insecure_no_auth: bool = False,
+        in_process: bool = True,
     ):
         """``compile``: engines decode with a compiled step (``InferenceEngine(compile=True)``: faster sampling at
         few concurrent rows, minutes to compile per engine, needs a C++ compiler). ``api_keys``: the HTTP server
         wants a key of each route's role (``flywheel.gateway.auth``; give registered models an agent key as their
         ``inference_api_key``); without any it is open, so a ``host`` other than loopback also needs
-        ``insecure_no_auth=True``."""
+        ``insecure_no_auth=True``. ``in_process``: ART's choice of where its engine runs; here it always runs in
+        this process (False is accepted, with a warning)."""
         if serve_http and not api_keys and not insecure_no_auth and not is_loopback(host):
             raise ValueError(
                 f"LocalBackend(host={host!r}) would serve every route to anyone who can reach it: give api_keys, "
                 "or insecure_no_auth=True to serve it open anyway."
+            )
+        if not in_process:
+            warn_once(
+                "LocalBackend.in_process", "LocalBackend(in_process=False): Flywheel's engine runs in this process."
             )
         self.path = Path(path) if path is not None else default_home()
         self.registry = ModelRegistry(loader=self._serve_checkpoint)
@@ -82,6 +92,7 @@ class LocalBackend:
         self._runs: dict[tuple[str, str], RunStore] = {}  # their directories, locked while registered here
         self._step_locks: dict[tuple[str, str], asyncio.Lock] = {}  # one step (train, save, restore) at a time
         self._extras: dict[tuple[str, str], dict] = {}  # the ``extra`` of the checkpoint the live weights are at
+        self._trained: dict[tuple[str, str], tuple[int, set[str]]] = {}  # last train step, its trajectories' ids
         self._dtype, self._max_batch, self._compile = dtype, max_batch, compile
         self._host, self._port, self._serve_http, self._api_keys = host, port, serve_http, api_keys
         self._server: BackgroundServer | None = None
@@ -239,13 +250,18 @@ class LocalBackend:
         self,
         model: TrainableModel,
         groups: Iterable[TrajectoryGroup],
-        config: TrainConfig,
+        config: TrainConfig | None = None,
         *,
         save_checkpoint: bool = True,
         extra: dict | None = None,
-    ) -> dict[str, float]:
-        """One RL step. ``save_checkpoint``: write a checkpoint of it (with ``extra``, e.g. the caller's data
-        position, back from ``checkpoint_extra`` on resume); its history row says whether it has one."""
+        verbose: bool = False,
+        **options: Unpack[TrainOptions],
+    ) -> TrainResult:
+        """One RL step, recorded (history row, trajectories). ``config`` (default: ART's defaults) and ART's keyword
+        arguments (``learning_rate=...``, mapped by ``flywheel.dev.train_config``). ``save_checkpoint``: write a
+        checkpoint of it (with ``extra``, e.g. the caller's data position, back from ``checkpoint_extra`` on
+        resume); its history row says whether it has one. ``verbose``: print the step's metrics."""
+        config = train_config(config, options)
         trainer = self.trainer(model)
         groups = list(groups)
         trajectories = [t for g in groups for t in g.trajectories]
@@ -259,7 +275,11 @@ class LocalBackend:
             save = save_checkpoint and not metrics.get("skipped")
             self.run(model).save_trajectories("train", trainer.step, trajectories)  # first: the row commits them
             await self._after_step(model, trainer, [row], "train", config.model_dump(), save, extra)
-        return metrics
+            step = trainer.step
+            self._trained[(model.project, model.name)] = (step, {t.id for t in trajectories})
+        if verbose:
+            print(f"{model.name} step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
+        return TrainResult(step=step, metrics=metrics)
 
     async def train_sft(
         self,
@@ -337,15 +357,28 @@ class LocalBackend:
     def history(self, model: TrainableModel) -> list[dict]:
         return self.run(model).history()
 
-    async def log(self, model: TrainableModel, trajectories: list[Trajectory], split: str) -> dict[str, float]:
-        """Record evaluation trajectories and their mean reward/metrics as ``<split>/...`` at the current step."""
+    async def log(
+        self,
+        model: TrainableModel,
+        trajectories: list[Trajectory],
+        split: str,
+        extra_metrics: dict[str, float] | None = None,
+        step: int | None = None,
+    ) -> dict[str, float]:
+        """Record evaluation trajectories and their mean reward/metrics as ``<split>/...`` at the current step (or
+        ``step``), with ``extra_metrics`` (``<split>/<name>``, unless the name has a ``/``). Trajectories of the
+        last ``train`` step, which recorded them, are not written again as that step's ``train`` split."""
         key = (model.project, model.name)
         async with self._step_locks.get(key) or contextlib.nullcontext():
-            step = await self.get_step(model)
+            step = await self.get_step(model) if step is None else step
+            trained_step, trained_ids = self._trained.get(key, (None, set()))
+            if split == "train" and step == trained_step:
+                trajectories = [t for t in trajectories if t.id not in trained_ids]
             metrics: dict[str, float] = {}
             if trajectories:
                 metrics[f"{split}/reward"] = sum(t.reward for t in trajectories) / len(trajectories)
                 metrics |= metric_means(trajectories, split) | {f"{split}/n": len(trajectories)}
+            metrics |= {k if "/" in k else f"{split}/{k}": v for k, v in (extra_metrics or {}).items()}
             run = self.run(model)
             run.save_trajectories(split, step, trajectories)  # first: the row commits them
             await asyncio.to_thread(run.append, [{"time": time.time(), "step": step, "split": split, **metrics}])
@@ -381,6 +414,7 @@ class LocalBackend:
         self._runs.clear()
         self._step_locks.clear()
         self._extras.clear()
+        self._trained.clear()
         for served in self.registry.all():  # drop the last references to the engines' models
             self.registry.remove(served.name)
 

@@ -10,16 +10,18 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
+from openai.types.chat.chat_completion import Choice
 from tqdm.auto import tqdm
 
-from flywheel.types import Trajectory, TrajectoryGroup
+from flywheel.types import Trajectory, TrajectoryGroup, completion_token_count
 
 logger = logging.getLogger(__name__)
 
 AfterEachResult = TrajectoryGroup | list[TrajectoryGroup] | None
 AfterEach = Callable[[TrajectoryGroup], AfterEachResult | Awaitable[AfterEachResult]]
+RolloutResult = Trajectory | list[Trajectory]
 
-_MAX_METRICS_SHOWN = 4  # the progress bar has one line; a few metric means fit on it next to the reward
+MAX_METRICS_SHOWN = 4  # the progress bar has one line; a few metric means fit on it next to the reward
 
 
 class _Gathering:
@@ -33,6 +35,8 @@ class _Gathering:
         max_exceptions: int | float,
         max_concurrency: int | None,
         after_each: AfterEach | None,
+        max_metrics: int | None = MAX_METRICS_SHOWN,
+        pbar_total_completion_tokens: bool = False,
     ) -> None:
         if max_concurrency is not None and max_concurrency < 1:
             raise ValueError(f"max_concurrency must be at least 1 (or None for no limit), got {max_concurrency}")
@@ -52,12 +56,18 @@ class _Gathering:
         self.reward_sum = 0.0
         self.finished = 0
         self.metric_totals: dict[str, tuple[float, int]] = {}  # key -> (sum, count), for running means
+        self.max_metrics = max_metrics
+        self.completion_tokens: int | None = 0 if pbar_total_completion_tokens else None
         self.bar = tqdm(total=self.total, desc=pbar_desc, disable=pbar_desc is None)
 
     async def run(self) -> list[list[TrajectoryGroup]]:
         """The groups each input item became (after ``after_each``), in input order."""
+        return await self.run_all(self.group(i, item) for i, item in enumerate(self.items))
+
+    async def run_all(self, coroutines: Iterable[Coroutine[Any, Any, Any]]) -> list[Any]:
+        """Runs these as tasks of this call; on the first error, stops and closes everything else it started."""
         try:
-            return await asyncio.gather(*(self.spawn(self.group(i, item)) for i, item in enumerate(self.items)))
+            return await asyncio.gather(*(self.spawn(coroutine) for coroutine in coroutines))
         except BaseException:
             # Stop what is still running and wait until it has stopped, so that nothing outlives this call
             # (no "Task was destroyed but it is pending"), then close the rollouts that never started.
@@ -120,17 +130,21 @@ class _Gathering:
                 self.count_trajectory(trajectory)
         return group
 
-    async def rollout(self, awaitable: Awaitable[Trajectory]) -> Trajectory | Exception:
-        """Runs one rollout within the concurrency limit; returns its exception while the budget allows."""
+    async def rollout(self, awaitable: Awaitable[RolloutResult]) -> RolloutResult | Exception:
+        """Runs one rollout within the concurrency limit; returns its exception while the budget allows. A rollout
+        may make one trajectory or a list of them (anything else is refused by its caller)."""
         try:
             async with self.slots:
-                trajectory = await awaitable
+                result = await awaitable
         except Exception as exc:
             self.count_exception(exc)
             return exc
-        if isinstance(trajectory, Trajectory):  # anything else is refused by TrajectoryGroup._complete
-            self.count_trajectory(trajectory)
-        return trajectory
+        made = [result] if isinstance(result, Trajectory) else result if isinstance(result, list) else []
+        for trajectory in made:
+            if isinstance(trajectory, Trajectory):
+                self.record(trajectory)
+        self.advance()
+        return result
 
     def add_to_total(self, n: int) -> None:
         self.total += n
@@ -147,19 +161,29 @@ class _Gathering:
         self.advance()
 
     def count_trajectory(self, trajectory: Trajectory) -> None:
+        self.record(trajectory)
+        self.advance()
+
+    def record(self, trajectory: Trajectory) -> None:
+        """Adds a finished trajectory to the running means shown on the bar."""
         self.finished += 1
         self.reward_sum += trajectory.reward
         for key, value in trajectory.metrics.items():
-            if key in self.metric_totals or len(self.metric_totals) < _MAX_METRICS_SHOWN:
+            if key in self.metric_totals or self.max_metrics is None or len(self.metric_totals) < self.max_metrics:
                 total, count = self.metric_totals.get(key, (0.0, 0))
                 self.metric_totals[key] = (total + float(value), count + 1)
-        self.advance()
+        if self.completion_tokens is not None:
+            self.completion_tokens += sum(
+                completion_token_count(item) for item in trajectory.messages_and_choices if isinstance(item, Choice)
+            )
 
     def advance(self) -> None:
         postfix: dict[str, float | int] = {}
         if self.finished:
             postfix["reward"] = self.reward_sum / self.finished
             postfix.update({key: total / count for key, (total, count) in self.metric_totals.items()})
+        if self.completion_tokens is not None:
+            postfix["completion_tokens"] = self.completion_tokens
         postfix["exceptions"] = self.exceptions
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
@@ -172,6 +196,8 @@ async def gather_trajectory_groups(
     max_exceptions: int | float = 0,
     max_concurrency: int | None = None,
     after_each: AfterEach | None = None,
+    max_metrics: int | None = MAX_METRICS_SHOWN,
+    pbar_total_completion_tokens: bool = True,
 ) -> list[TrajectoryGroup]:
     """Runs the rollouts of all groups concurrently and returns the finished groups in input order.
 
@@ -183,7 +209,9 @@ async def gather_trajectory_groups(
       in are kept but not counted.
     - ``after_each(group)``, sync or async, runs as each group finishes and returns the group, None (drop it)
       or a list of groups (kept in its place). If it raises, a RuntimeError naming the group's index is raised.
-    - ``pbar_desc``: the progress bar's label; None hides it.
+    - ``pbar_desc``: the progress bar's label; None hides it. ``max_metrics``: how many trajectory metrics' means
+      it shows next to the reward (None: all); ``pbar_total_completion_tokens``: it also shows the tokens sampled.
+    - A rollout may return a list of trajectories (e.g. one per agent of a game): they all join its group.
     """
     gathering = _Gathering(
         list(groups),
@@ -191,28 +219,40 @@ async def gather_trajectory_groups(
         max_exceptions=max_exceptions,
         max_concurrency=max_concurrency,
         after_each=after_each,
+        max_metrics=max_metrics,
+        pbar_total_completion_tokens=pbar_total_completion_tokens,
     )
     return [group for kept in await gathering.run() for group in kept]
 
 
 async def gather_trajectories(
-    trajectories: Iterable[Awaitable[Trajectory]],
+    trajectories: Iterable[Awaitable[RolloutResult]],
     *,
     pbar_desc: str | None = "gather",
+    pbar_total_completion_tokens: bool = True,
     max_exceptions: int | float = 0,
     max_concurrency: int | None = None,
-) -> list[Trajectory]:
-    """Runs rollouts concurrently and returns the trajectories that succeeded, in input order.
-
-    Failures within ``max_exceptions`` are logged and left out; see gather_trajectory_groups for the options.
-    """
-    (group,) = await gather_trajectory_groups(
-        [TrajectoryGroup(trajectories)],
+) -> list[RolloutResult | BaseException]:
+    """Runs rollouts concurrently and returns, in input order, what each one returned (a trajectory, or a list of
+    them) or, as ART does, the exception it raised, in its place, while ``max_exceptions`` allows (with the
+    default 0 the first failure cancels the rest and is raised). Options as in ``gather_trajectory_groups``."""
+    awaitables = list(trajectories)
+    gathering = _Gathering(
+        [],
         pbar_desc=pbar_desc,
         max_exceptions=max_exceptions,
         max_concurrency=max_concurrency,
+        after_each=None,
+        pbar_total_completion_tokens=pbar_total_completion_tokens,
     )
-    return group.trajectories
+    gathering.awaitables += awaitables
+    gathering.add_to_total(len(awaitables))
+    results = await gathering.run_all(gathering.rollout(awaitable) for awaitable in awaitables)
+    for result in results:
+        made = result if isinstance(result, list) else [result]
+        if not all(isinstance(item, Trajectory | BaseException) for item in made):
+            raise TypeError(f"a rollout returned {type(result).__name__}, expected a Trajectory or a list of them")
+    return results
 
 
 def phase_seconds(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:

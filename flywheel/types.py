@@ -9,11 +9,13 @@ whatever metrics or metadata the rollout wants to record. Rewards are compared w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import math
+import time
 import traceback
 import uuid
-from collections.abc import Awaitable, Generator, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Self
 
@@ -29,6 +31,8 @@ from pydantic import (
     field_validator,
     model_serializer,
 )
+
+MetadataValue = str | int | float | bool | None
 
 Message = dict[str, Any]
 """An OpenAI chat message dict, ``{"role": ..., "content": ...}``, maybe with ``tool_calls``, ``tool_call_id``
@@ -146,8 +150,47 @@ class Trajectory(History):
     additional_histories: list[History] = []
     reward: float = 0.0
     metrics: dict[str, float | int | bool] = {}
-    metadata: dict[str, str | int | float | bool | None] = {}
+    metadata: dict[str, MetadataValue] = {}
     logs: list[str] = []
+    # when the trajectory was made (time.monotonic()), for finish(); not saved
+    _started: float = PrivateAttr(default_factory=time.monotonic)
+
+    def log(self, message: str) -> None:
+        """Adds a line to ``logs`` (kept with the trajectory, shown by ``for_logging``)."""
+        self.logs.append(message)
+
+    def finish(self) -> Self:
+        """Records ``metrics["duration"]``: seconds since the trajectory was made. Returns it, for
+        ``return trajectory.finish()``."""
+        self.metrics["duration"] = time.monotonic() - self._started
+        return self
+
+    @contextlib.asynccontextmanager
+    async def track_duration(self, metric_name: str) -> AsyncIterator[None]:
+        """``async with trajectory.track_duration("judge"):`` adds the block's seconds to
+        ``metrics["judge_duration"]`` (summed over every use)."""
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            key = f"{metric_name}_duration"
+            self.metrics[key] = self.metrics.get(key, 0.0) + time.monotonic() - start
+
+    def for_logging(self) -> dict[str, Any]:
+        """A JSON-ready summary to print or log: reward, metrics, metadata, logs, tools and the messages, each
+        marked ``trainable`` when the model sampled it."""
+        messages = [
+            {**(choice_to_message(item) if isinstance(item, Choice) else item), "trainable": isinstance(item, Choice)}
+            for item in self.messages_and_choices
+        ]
+        return {
+            "reward": self.reward,
+            "metrics": self.metrics,
+            "metadata": self.metadata,
+            "messages": messages,
+            "tools": self.tools,
+            "logs": self.logs,
+        }
 
     @field_validator("reward")
     @classmethod
@@ -207,6 +250,9 @@ class TrajectoryGroup(BaseModel):
 
     trajectories: list[Trajectory]
     exceptions: list[PydanticException] = []
+    metadata: dict[str, MetadataValue] = {}  # about the scenario the group is of
+    metrics: dict[str, float | int | bool] = {}  # about the group as a whole (per-trajectory ones go on each)
+    logs: list[str] = []
 
     _pending: list[Awaitable[Trajectory]] = PrivateAttr(default_factory=list)
     _original_exceptions: list[BaseException] = PrivateAttr(default_factory=list)
@@ -217,6 +263,10 @@ class TrajectoryGroup(BaseModel):
         self,
         trajectories: Iterable[Trajectory | BaseException | Awaitable[Trajectory]] = (),
         exceptions: Iterable[BaseException | PydanticException] = (),
+        *,
+        metadata: dict[str, MetadataValue] | None = None,
+        metrics: dict[str, float | int | bool] | None = None,
+        logs: list[str] | None = None,
     ) -> None:
         items, exceptions = list(trajectories), list(exceptions)
         raised = [item for item in items if isinstance(item, BaseException)]
@@ -227,7 +277,9 @@ class TrajectoryGroup(BaseModel):
         if any(inspect.isawaitable(item) for item in finished):
             pending = [item if inspect.isawaitable(item) else _resolved(item) for item in finished]
             finished = []
-        super().__init__(trajectories=finished, exceptions=recorded)
+        super().__init__(
+            trajectories=finished, exceptions=recorded, metadata=metadata or {}, metrics=metrics or {}, logs=logs or []
+        )
         for exception in raised:
             self._record(exception)
         if pending:
@@ -261,7 +313,7 @@ class TrajectoryGroup(BaseModel):
             self._complete(await asyncio.gather(*self._pending, return_exceptions=True))
         return self
 
-    def _complete(self, results: Iterable[Trajectory | BaseException]) -> None:
+    def _complete(self, results: Iterable[Trajectory | list[Trajectory] | BaseException]) -> None:
         """Fills the group with the results of its pending rollouts, in order; shared with gather."""
         finished: list[Trajectory] = []
         for result in results:
@@ -269,8 +321,13 @@ class TrajectoryGroup(BaseModel):
                 self._record(result)
             elif isinstance(result, Trajectory):
                 finished.append(result)
+            elif isinstance(result, list) and all(isinstance(t, Trajectory) for t in result):
+                finished += result  # a rollout that made several trajectories (e.g. one per agent)
             else:
-                raise TypeError(f"a rollout returned {type(result).__name__}, expected a Trajectory (missing return?)")
+                raise TypeError(
+                    f"a rollout returned {type(result).__name__}, expected a Trajectory or a list of them "
+                    "(missing return?)"
+                )
         self._pending = []
         self.trajectories = finished
 
@@ -283,3 +340,11 @@ class TrajectoryGroup(BaseModel):
 
     def __len__(self) -> int:
         return len(self.trajectories)
+
+
+@dataclass
+class TrainResult:
+    """What ``backend.train`` returns (ART's): the model's step after it, and the step's metrics."""
+
+    step: int
+    metrics: dict[str, float]

@@ -180,7 +180,11 @@ async def evaluate(config: EvalConfig) -> EvalReport:
             max_exceptions=len(rows),
             max_concurrency=config.concurrency,
         )
-    by_row: dict[int, Trajectory] = {int(t.metadata["rft_row"]): t for t in answered}  # type: ignore[arg-type]
+    by_row: dict[int, Trajectory] = {
+        int(t.metadata["rft_row"]): t  # type: ignore[arg-type]
+        for t in answered
+        if isinstance(t, Trajectory)  # failed rollouts come back as their exceptions
+    }
     trajectories = [by_row.get(row.index) or Trajectory(messages_and_choices=row.messages) for row in rows]
 
     async def grade_row(row: RFTRow, trajectory: Trajectory) -> list[GradeResult]:

@@ -1,8 +1,14 @@
-"""Training configuration (pydantic: validated at the boundary, saved with every checkpoint)."""
+"""Training configuration (pydantic: validated at the boundary, saved with every checkpoint).
+
+``TrainConfig`` is also ``art.TrainConfig``: it takes ART's fields with ART's defaults (``learning_rate`` 5e-6,
+``beta`` 0). A field it does not use (one of ART's that has no meaning here, or a name it does not know) is
+dropped with a warning naming it, once per field name per process: never silently, never an error.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+import warnings
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -33,8 +39,27 @@ class TrainedWeights(BaseModel):
     targets: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """A ``UserWarning`` the first time ``key`` is seen in this process (an accepted setting that does nothing
+    here): said once, not at every step of a training loop."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=2)
+
+
+# ART's TrainConfig fields with no counterpart here: (ART's default, which is what happens here; why another value
+# is ignored). Our KL term is ``beta``, on the loss.
+ART_ONLY_FIELDS: dict[str, tuple[Any, str]] = {
+    "kl_penalty_coef": (0.0, "ART's KL-penalised advantages are not implemented; use beta (a KL term in the loss)"),
+    "kl_penalty_source": ("current_learner", "ART's KL-penalised advantages are not implemented"),
+}
+
+
 class TrainConfig(BaseModel):
-    learning_rate: float = Field(5e-5, gt=0)
+    learning_rate: float = Field(5e-6, gt=0)  # ART's default
     loss: Loss = "grpo"
     advantage: Estimator = "grpo"
     scale_rewards: bool = True  # divide group advantages by the group's std (GRPO); Dr. GRPO turns it off
@@ -61,6 +86,17 @@ class TrainConfig(BaseModel):
     credit: Credit = "uniform"  # uniform: one advantage per trajectory; turn: per-turn returns (see credit.py)
     gamma: float = Field(1.0, ge=0.0, le=1.0)  # discount of per-turn returns (credit="turn")
     turn_norm: Literal["index", "all"] = "index"  # turn baseline: same turn index, or all turns of the group
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_unused_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.keys() <= cls.model_fields.keys():
+            return data
+        for key in sorted(data.keys() - cls.model_fields.keys()):
+            default, why = ART_ONLY_FIELDS.get(key, (None, "it is not a Flywheel training setting"))
+            if key not in ART_ONLY_FIELDS or data[key] != default:
+                warn_once(f"TrainConfig.{key}", f"TrainConfig({key}={data[key]!r}) is ignored: {why}.")
+        return {k: v for k, v in data.items() if k in cls.model_fields}
 
     @property
     def clip(self) -> tuple[float, float]:

@@ -1,0 +1,276 @@
+"""ART-style code run through ``import flywheel as art`` (issue #26, items 1-5 and 7).
+
+Each test is written the way an ART script writes it: ``art.TrainConfig``, ``from flywheel.local import
+LocalBackend`` (ART: ``from art.local import LocalBackend``), ``art.utils``' helpers, ``art.dev`` settings,
+``@art.retry``, ``trajectory.track_duration``, ``backend.train(model, groups, learning_rate=...)`` and
+``model.log(groups, metrics=result.metrics, step=result.step)``. Only the last test loads a model of its own (and
+trains it for two short steps); the others need no model or use the session's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import warnings
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+import flywheel as art
+from flywheel.backend import LocalBackend
+from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local import LocalBackend as ARTLocalBackend
+from flywheel.local.backend import LocalBackend as ARTLocalBackendModule
+from flywheel.train.config import TrainedWeights
+from flywheel.utils import iterate_dataset, limit_concurrency
+
+
+def _warnings(make) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make()
+    return [str(w.message) for w in caught]
+
+
+def test_train_config_has_arts_fields_and_defaults_and_warns_once_per_unused_field():
+    assert art.TrainConfig().learning_rate == 5e-6 and art.TrainConfig().beta == 0.0  # ART's defaults
+    assert _warnings(lambda: art.TrainConfig(learning_rate=1e-5, beta=0.01, kl_penalty_coef=0.0)) == []
+    first = _warnings(lambda: art.TrainConfig(kl_penalty_coef=0.2, art_compat_unknown=1))
+    assert len(first) == 2
+    assert any("kl_penalty_coef=0.2" in m and "beta" in m for m in first)
+    assert any("art_compat_unknown" in m and "not a Flywheel training setting" in m for m in first)
+    assert _warnings(lambda: art.TrainConfig(kl_penalty_coef=0.3, art_compat_unknown=2)) == []  # once per process
+    assert "art_compat_unknown" not in art.TrainConfig(art_compat_unknown=3).model_dump()  # dropped, not kept
+
+    from flywheel.examples.calculator.train import JobConfig
+
+    job = JobConfig()  # the main job sets its own rates: ART's default does not change it
+    assert [rl.learning_rate for rl in (job.rl, job.with_lora().rl)] == [1e-5, 1e-4]
+    assert all("learning_rate" in rl.model_fields_set for rl in (job.rl, job.with_lora().rl))
+
+
+def test_dev_settings_map_what_means_something_here_and_name_the_rest():
+    internal = art.dev.InternalModelConfig(
+        init_args=art.dev.InitArgs(max_seq_length=8192, model_name="ignored-as-base_model"),
+        engine_args=art.dev.EngineArgs(gpu_memory_utilization=0.7),
+        peft_args={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+    )
+    notices = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        weights = art.dev.trained_weights(internal, TrainedWeights())
+        config = art.dev.train_config(
+            art.TrainConfig(learning_rate=1e-5),
+            art.dev.TrainConfig(epsilon=0.3, truncated_importance_sampling=3.0, importance_sampling_level="sequence"),
+        )
+        art.dev.train_config(None, {"precalculate_logprobs": True})
+        notices = [str(w.message) for w in caught]
+    assert (weights.rank, weights.alpha, weights.targets, weights.mode) == (4, 8, ["q_proj", "v_proj"], "lora")
+    full = art.dev.trained_weights({"init_args": {"full_finetuning": True}}, weights)
+    assert full.mode == "full"
+    assert (config.learning_rate, config.epsilon, config.importance_sampling_cap, config.loss) == (
+        1e-5,
+        0.3,
+        3.0,
+        "gspo",
+    )
+    assert len(notices) == 3 and all("has no effect on Flywheel's engine" in n for n in notices)
+    assert any("max_seq_length=8192" in n for n in notices) and any("gpu_memory_utilization" in n for n in notices)
+    assert any("precalculate_logprobs=True" in n for n in notices)
+
+
+async def test_utils_iterate_dataset_retry_and_limit_concurrency_behave_as_arts():
+    data = list(range(7))
+    batches = list(iterate_dataset(data, groups_per_step=3, num_epochs=2, use_tqdm=False))
+    assert [b.step for b in batches] == list(range(6)) and [b.epoch for b in batches] == [0, 0, 0, 1, 1, 1]
+    for epoch in (0, 1):  # ART's order: each epoch shuffled after random.seed(epoch)
+        order = list(range(7))
+        random.seed(epoch)
+        random.shuffle(order)
+        assert [i for b in batches if b.epoch == epoch for i in b.items] == order
+    items, epoch, step, epoch_step = batches[4]  # ART's earlier tuple form
+    assert (epoch, step, epoch_step) == (1, 4, 1) and items == batches[4].items
+    resumed = list(iterate_dataset(data, groups_per_step=3, num_epochs=2, initial_step=4, use_tqdm=False))
+    assert resumed == batches[4:]
+
+    calls, retried = [], []
+
+    @art.retry(max_attempts=3, delay=0.001, exceptions=(ConnectionError,), on_retry=lambda e, n: retried.append(n))
+    async def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionError("transient")
+        return "ok"
+
+    assert await flaky() == "ok" and retried == [1, 2]
+
+    @art.retry(max_attempts=2, delay=0.001)
+    def always_fails() -> None:
+        raise ValueError("broken")
+
+    with pytest.raises(ValueError, match="broken"):
+        always_fails()
+
+    running: dict[str, int] = {}
+    peak: dict[str, int] = {}
+
+    @limit_concurrency(2, derive_key=lambda key: key)
+    async def work(key: str) -> None:
+        running[key] = running.get(key, 0) + 1
+        peak[key] = max(peak.get(key, 0), running[key])
+        await asyncio.sleep(0.01)
+        running[key] -= 1
+
+    await asyncio.gather(*(work(k) for k in "aaaaabb"))
+    assert peak == {"a": 2, "b": 2}
+
+
+async def test_trajectories_groups_and_gather_take_arts_arguments(capsys: pytest.CaptureFixture[str]):
+    async def rollout(i: int) -> art.Trajectory:
+        trajectory = art.Trajectory(messages_and_choices=[{"role": "user", "content": f"#{i}"}], reward=i)
+        async with trajectory.track_duration("env"):
+            await asyncio.sleep(0.001)
+        trajectory.log(f"rollout {i}")
+        return trajectory.finish()
+
+    async def pair(i: int) -> list[art.Trajectory]:  # e.g. both players of a game
+        return [await rollout(i), await rollout(i + 1)]
+
+    async def fails() -> art.Trajectory:
+        raise ConnectionError("judge unreachable")
+
+    groups = await art.gather_trajectory_groups(
+        [art.TrajectoryGroup([pair(0), rollout(5)], metadata={"scenario": "s1"}, metrics={"n": 2}, logs=["g"])],
+        pbar_desc="art",
+        max_metrics=1,
+        pbar_total_completion_tokens=True,
+    )
+    (group,) = groups
+    assert [t.reward for t in group] == [0, 1, 5]
+    assert (group.metadata, group.metrics, group.logs) == ({"scenario": "s1"}, {"n": 2}, ["g"])
+    assert all(t.metrics["env_duration"] > 0 and "duration" in t.metrics for t in group)
+    bar = capsys.readouterr().err.split("\r")[-1]
+    assert "completion_tokens=0" in bar and "env_duration=" in bar and bar.count("duration=") == 1  # max_metrics=1
+    logged = group.trajectories[2].for_logging()
+    assert logged["logs"] == ["rollout 5"] and logged["messages"] == [
+        {"role": "user", "content": "#5", "trainable": False}
+    ]
+
+    results = await art.gather_trajectories([rollout(1), fails(), pair(2)], pbar_desc=None, max_exceptions=1)
+    assert isinstance(results[0], art.Trajectory) and isinstance(results[1], ConnectionError)
+    assert [t.reward for t in results[2]] == [2, 3]  # type: ignore[union-attr]
+    with pytest.raises(ConnectionError):
+        await art.gather_trajectories([fails()], pbar_desc=None)
+
+
+def test_trainable_model_takes_a_config_of_the_scripts_own_and_arts_private_settings():
+    class AgentConfig(BaseModel):
+        max_turns: int = 3
+
+    model = art.TrainableModel[AgentConfig](
+        name="m",
+        project="p",
+        entity="team",
+        base_model=EMBEDDED_MODEL,
+        config=AgentConfig(max_turns=5),
+        _internal_config=art.dev.InternalModelConfig(peft_args={"r": 16}),
+    )
+    assert isinstance(model, art.TrainableModel) and model.config is not None and model.config.max_turns == 5
+    assert model.entity == "team" and model._internal_config == {"peft_args": {"r": 16}}
+    assert model.model_dump()["config"] == {"max_turns": 5}
+    with pytest.raises(ValueError, match="config must be a pydantic model"):
+        art.TrainableModel(name="m", project="p", base_model=EMBEDDED_MODEL, config={"max_turns": 5})
+    with pytest.raises(RuntimeError, match="not registered"):
+        model.backend()
+
+
+async def test_model_backend_client_and_litellm_params_as_arts(backend: LocalBackend, model: art.TrainableModel):
+    assert model.backend() is backend and model.base_path == str(backend.path)
+    client = model.openai_client()
+    assert model.openai_client() is client  # one client, not one per call
+    assert client.max_retries == 2 and client.timeout.read == 1200  # type: ignore[union-attr]
+    params = model.litellm_completion_params(step=0)
+    assert params["model"] == f"openai/{model.name}@0" and params["api_base"] == backend.base_url
+    assert ARTLocalBackend is ARTLocalBackendModule is art.LocalBackend
+
+
+async def test_local_backend_takes_arts_arguments(tmp_path: Path):
+    notices = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        local = ARTLocalBackend(in_process=False, path=str(tmp_path))
+        notices = [str(w.message) for w in caught]
+    assert local.path == tmp_path and any("in_process=False" in n for n in notices)
+    await local.close()
+
+
+class GameConfig(BaseModel):
+    max_turns: int = 2
+
+
+async def test_an_art_style_multi_turn_game_trains_with_both_entry_points(
+    backend: LocalBackend, capsys: pytest.CaptureFixture[str]
+):
+    """A two-turn number game in ART's style; step 1 through ``model.train(config, _config, verbose)``, step 2
+    through ``backend.train(..., learning_rate=...)`` and ``model.log(..., metrics=, step=)``."""
+    model = art.TrainableModel(
+        name="art-game",
+        project="art-compat",
+        base_model=EMBEDDED_MODEL,
+        config=GameConfig(),
+        _internal_config=art.dev.InternalModelConfig(peft_args={"r": 4}),
+    )
+    await model.register(backend)
+
+    @art.retry(max_attempts=2, delay=0.01)
+    async def rollout(model: art.TrainableModel[GameConfig], scenario: str, index: int) -> art.Trajectory:
+        client = model.openai_client()
+        trajectory = art.Trajectory(
+            messages_and_choices=[{"role": "system", "content": "Guess the secret number between 1 and 9."}],
+            reward=0.0,
+            metadata={"scenario": scenario},
+        )
+        assert model.config is not None
+        for turn in range(model.config.max_turns):
+            trajectory.messages_and_choices.append({"role": "user", "content": f"Turn {turn + 1}: your guess?"})
+            async with trajectory.track_duration("llm"):
+                response = await client.chat.completions.create(
+                    model=model.get_inference_name(), messages=trajectory.messages(), max_tokens=6, temperature=1.0
+                )
+            trajectory.messages_and_choices.append(response.choices[0])
+        answer = trajectory.messages()[-1]["content"] or ""
+        trajectory.reward = float("7" in answer) + 0.01 * index  # the index breaks ties: every group trains
+        trajectory.log(f"guessed {answer!r}")
+        return trajectory.finish()
+
+    steps = []
+    for batch in iterate_dataset(["game"], groups_per_step=1, num_epochs=2, use_tqdm=False):
+        groups = await art.gather_trajectory_groups(
+            (art.TrajectoryGroup(rollout(model, s, i) for i in range(3)) for s in batch.items), pbar_desc=None
+        )
+        if batch.step == 0:
+            await model.train(
+                groups,
+                config=art.TrainConfig(learning_rate=1e-4),
+                _config=art.dev.TrainConfig(epsilon=0.2),
+                verbose=True,
+            )
+            steps.append(await model.get_step())
+        else:
+            result = await backend.train(model, groups, learning_rate=1e-4)
+            assert isinstance(result, art.TrainResult) and result.metrics["skipped"] == 0
+            await model.log(groups, split="train", metrics=result.metrics, step=result.step)
+            steps.append(result.step)
+    assert steps == [1, 2] and "art-game step 1:" in capsys.readouterr().out
+    validation = await art.gather_trajectories((rollout(model, "val", i) for i in range(2)), pbar_desc=None)
+    await model.log(validation)
+    run = backend.run(model)
+    rows = run.history()
+    assert [(r["step"], r["split"]) for r in rows] == [(1, "train"), (2, "train"), (2, "train"), (2, "val")]
+    assert rows[2]["train/loss"] == rows[1]["loss"]  # model.log's row carries backend.train's metrics
+    trained = (run.path / "trajectories" / "train" / "0002.jsonl").read_text().splitlines()
+    assert len(trained) == 3  # model.log did not write backend.train's trajectories a second time
+    assert all(json.loads(line)["metrics"]["llm_duration"] > 0 for line in trained)
+    assert await model.delete_checkpoints() == [1]  # keeps the latest and the best by val/reward
