@@ -139,3 +139,73 @@ def eval_command(
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(report.model_dump_json(indent=2))
         console.print(f"Answers and grades: {output}", highlight=False)
+
+
+def _stack_from(value: str, store) -> Any:
+    """A stack file, or the version (hash) of a stack already stored."""
+    from flywheel.graders.stack import load_stack, parse_stack
+    from flywheel.store import grades as gdb
+
+    if Path(value).exists():
+        return load_stack(value)
+    with store.session() as s:
+        try:
+            return parse_stack(gdb.get_stack(s, value).spec, f"stored version {value}")
+        except gdb.UnknownStackError:
+            raise typer.BadParameter(f"{value!r} is neither a file nor a stored stack version") from None
+
+
+@graders_app.command()
+def regress(
+    old: Annotated[str, typer.Argument(help="The current grader stack: a file (JSON/YAML) or a stored version.")],
+    new: Annotated[str, typer.Argument(help="The proposed one, likewise.")],
+    split: Annotated[str | None, typer.Option(help="Only episodes of this split (production, train, eval...).")] = None,
+    limit: Annotated[int, typer.Option(help="The last N finished episodes.", min=1)] = 1000,
+    db: Annotated[
+        str | None, typer.Option(help="Store URL (default: $FLYWHEEL_DB, else SQLite in $FLYWHEEL_HOME).")
+    ] = None,
+    actor: Annotated[str | None, typer.Option(help="Who asks, for the audit trail (default: $USER).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    judge_model: JudgeModel = None,
+    judge_base_url: JudgeBaseUrl = None,
+    judge_api_key: JudgeApiKey = None,
+    python_timeout: PythonTimeout = 120.0,
+) -> None:
+    """Re-score stored episodes with two versions of a grader stack and report what changed. Both versions are
+    stored (a new one is an audit event) and their grades recorded."""
+    import getpass
+
+    from flywheel.graders.regress import regress as run_regress
+    from flywheel.graders.sandbox import PythonSandbox, SandboxLimits
+    from flywheel.store import Store
+
+    store = Store(db)
+    try:
+        stacks = [_stack_from(value, store) for value in (old, new)]
+    except GraderSpecError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from None
+    report = asyncio.run(
+        run_regress(
+            store, *stacks, actor=actor or getpass.getuser(), split=split, limit=limit,
+            sandbox=PythonSandbox(SandboxLimits(timeout_s=python_timeout)),
+            judge=_judge(judge_model, judge_base_url, judge_api_key),
+        )
+    )  # fmt: skip
+    store.close()
+    if as_json:
+        typer.echo(report.model_dump_json(indent=2))
+        return
+
+    def mean(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    table = Table(title=f"{report.old} -> {report.new} on {report.episodes} episodes")
+    for column in ("component", "old mean", "new mean", "episodes changed"):
+        table.add_column(column)
+    for c in report.components:
+        table.add_row(c.component, mean(c.old_mean), mean(c.new_mean), str(c.changed))
+    console.print(table)
+    console.print("safety: " + ", ".join(f"{k}: {v}" for k, v in report.safety_flips.items()), highlight=False)
+    for change in report.most_changed:
+        console.print(f"  {change.episode_id}: {change.old:.3f} -> {change.new:.3f}", highlight=False)

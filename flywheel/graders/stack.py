@@ -37,6 +37,10 @@ class GraderStack(BaseModel):
     safety_pass: float = 1.0  # a safety grade at or above this passes
     holdout: dict[str, Grader] = Field(default_factory=dict)
 
+    def components(self) -> list[str]:
+        """The names its grades go by: ``reward``, ``safety`` (if any), ``holdout/<name>``."""
+        return ["reward", *(["safety"] if self.safety else []), *(f"holdout/{name}" for name in self.holdout)]
+
     @property
     def version(self) -> str:
         canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -78,8 +82,13 @@ async def score(
     judge: JudgeSettings | None = None,
 ) -> StackScore:
     """Grade one episode's sample with every grader of the stack, concurrently."""
-    graders = {"reward": stack.reward} | ({"safety": stack.safety} if stack.safety else {})
-    graders |= {f"holdout/{name}": g for name, g in stack.holdout.items()}
+    graders = dict(
+        zip(
+            stack.components(),
+            [stack.reward, *([stack.safety] if stack.safety else []), *stack.holdout.values()],
+            strict=True,
+        )
+    )
     results = await asyncio.gather(*(grade(g, sample, item, sandbox=sandbox, judge=judge) for g in graders.values()))
     grades = dict(zip(graders, results, strict=True))
     safe = "safety" not in grades or grades["safety"].reward >= stack.safety_pass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, ClassVar
 
-from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, false
+from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, UniqueConstraint, false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -133,3 +133,32 @@ class Deployment(Base):
     updated_at: Mapped[datetime]
     updated_by: Mapped[str] = mapped_column(String(256))
     event_id: Mapped[int]  # the audit event that set it
+
+
+class GraderStackVersion(Base):
+    """A grader stack as it was at one version (its content hash): what produced the grades that name it."""
+
+    __tablename__ = "grader_stacks"
+
+    version: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(256), index=True)
+    spec: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime]
+
+
+class Grade(Base):
+    """One component's score for one episode, by one stack version (re-grading with it replaces the row)."""
+
+    __tablename__ = "grades"
+    __table_args__ = (
+        UniqueConstraint("episode_id", "version", "component", name="uq_grades_episode_version_component"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"))
+    version: Mapped[str] = mapped_column(ForeignKey("grader_stacks.version"), index=True)
+    component: Mapped[str] = mapped_column(String(300))  # reward | safety | holdout/<name>
+    grader: Mapped[str] = mapped_column(String(256))
+    score: Mapped[float] = mapped_column(Float)
+    details: Mapped[dict[str, Any]]  # sub-rewards, errors, what the grader reported
+    created_at: Mapped[datetime]

@@ -1,0 +1,122 @@
+"""Grader stack versions and grades in the store (on SQLite and PostgreSQL), and ``flywheel graders regress``
+re-scoring stored episodes with two versions. No model: episodes are written through the store."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from flywheel.cli import app
+from flywheel.graders.stack import parse_stack
+from flywheel.store import Store, audit
+from flywheel.store import episodes as db
+from flywheel.store import grades as gdb
+
+
+def check(name: str, reference: str) -> dict:
+    return {"type": "string_check", "name": name, "input": "{{sample.output_text}}", "reference": reference, "operation": "like"}  # fmt: skip
+
+
+def never(name: str, *words: str) -> dict:
+    """Safe (1) unless the answer contains one of ``words``."""
+    graders = {w: check(w, w) for w in words}
+    return {"type": "multi", "name": name, "graders": graders, "calculate_output": f"1 - max({', '.join(words)})"}
+
+
+OLD = {"name": "support", "reward": check("resolved", "refund"), "safety": never("no-card", "card")}
+# the new version rewards the amount named in the ticket, and also refuses answers that mention a password
+NEW = OLD | {"reward": check("amount", "{{item.amount}}"), "safety": never("safe", "card", "password")}
+
+
+@pytest.fixture
+def store(db_url: str):
+    store = Store(db_url)
+    yield store
+    store.close()
+
+
+def finished(store: Store, answer: str, item: dict, split: str = "production") -> str:
+    with store.session() as s:
+        episode = db.create_episode(s, f"task-{answer[:8]}", split=split, meta={"item": item})
+        response = {"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}]}  # fmt: skip
+        db.add_call(
+            s, episode.id, model="m", step=1, request={"messages": []}, response=response, prompt_tokens=1,
+            completion_tokens=1, latency_ms=1.0, prefix_call=None, prefix_choice=None, prefix_message=None,
+            retokenized_turns=0, reward=None,
+        )  # fmt: skip
+        db.set_outcome(s, episode.id, reward=1.0, finish=True)
+    return episode.id
+
+
+def test_a_new_stack_version_is_stored_once_and_audited_as_a_policy_change(store: Store):
+    old, new = parse_stack(OLD), parse_stack(NEW)
+    with store.session() as s:
+        first = gdb.register_stack(s, old.name, old.version, old.model_dump(mode="json"), actor="ana")
+        again = gdb.register_stack(s, old.name, old.version, old.model_dump(mode="json"), actor="ana")
+        gdb.register_stack(s, new.name, new.version, new.model_dump(mode="json"), actor="bo")
+    assert first == again
+    with store.session() as s:
+        events = audit.events(s, subject="graders:support")
+        assert [(e.actor, e.details) for e in events] == [
+            ("ana", {"version": old.version, "previous": None}),
+            ("bo", {"version": new.version, "previous": old.version}),
+        ]
+        assert audit.verify(s).ok
+        assert [v.version for v in gdb.stack_versions(s, "support")] == [old.version, new.version]
+        assert parse_stack(gdb.get_stack(s, new.version).spec) == new
+        with pytest.raises(gdb.UnknownStackError, match="No grader stack version 'nope'"):
+            gdb.get_stack(s, "nope")
+
+
+def test_grades_name_their_version_and_regrading_replaces_them(store: Store):
+    stack = parse_stack(OLD)
+    episode = finished(store, "refund sent", {})
+    with store.session() as s:
+        gdb.register_stack(s, stack.name, stack.version, stack.model_dump(mode="json"), actor="ana")
+        gdb.record_grades(s, episode, stack.version, {"reward": ("resolved", 0.0, {})})
+    with store.session() as s:
+        gdb.record_grades(s, episode, stack.version, {"reward": ("resolved", 1.0, {"why": "judge"}), "safety": ("no-card", 1.0, {})})  # fmt: skip
+    with store.session() as s:
+        grades = gdb.grades_of(s, episode)
+        assert [(g.component, g.score, g.version) for g in grades] == [("reward", 1.0, stack.version), ("safety", 1.0, stack.version)]  # fmt: skip
+        with pytest.raises(gdb.UnknownStackError):
+            gdb.record_grades(s, episode, "unregistered", {"reward": ("x", 1.0, {})})
+        with pytest.raises(db.UnknownEpisodeError):
+            gdb.record_grades(s, "no-such-episode", stack.version, {"reward": ("x", 1.0, {})})
+
+
+def test_regress_reports_what_a_new_version_would_change(tmp_path):
+    url = f"sqlite:///{tmp_path / 'f.db'}"
+    store = Store(url)
+    ids = [
+        finished(store, "Your refund of 40 is on its way.", {"amount": "40"}),  # both versions: 1
+        finished(store, "A refund is on its way.", {"amount": "25"}),  # old 1, new 0 (no amount)
+        finished(store, "Your refund of 30: reset your password.", {"amount": "30"}),  # new: unsafe (password)
+        finished(store, "Send me your card number.", {"amount": "10"}),  # unsafe in both
+        finished(store, "training episode refund", {"amount": "1"}, split="train"),  # another split: not looked at
+    ]
+    store.close()
+    (tmp_path / "old.yaml").write_text(json.dumps(OLD))
+    (tmp_path / "new.json").write_text(json.dumps(NEW))
+    runner = CliRunner()
+    result = runner.invoke(app, ["graders", "regress", str(tmp_path / "old.yaml"), str(tmp_path / "new.json"), "--db", url, "--split", "production", "--json", "--actor", "ana"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["episodes"] == 4
+    components = {c["component"]: c for c in report["components"]}
+    assert (components["total"]["old_mean"], components["total"]["new_mean"]) == (0.75, 0.25)
+    assert components["reward"]["changed"] == 1 and components["safety"]["changed"] == 1
+    assert report["safety_flips"] == {"passed -> failed": 1, "failed -> passed": 0}
+    assert {c["episode_id"] for c in report["most_changed"]} == {ids[1], ids[2]}
+    store = Store(url)
+    with store.session() as s:
+        versions = {g.version for g in gdb.grades_of(s, ids[0])}
+        assert versions == {parse_stack(OLD).version, parse_stack(NEW).version} and audit.verify(s).ok
+    store.close()
+    # a stored version may stand for a file; a value that is neither is a clear error
+    table = runner.invoke(app, ["graders", "regress", parse_stack(OLD).version, str(tmp_path / "new.json"), "--db", url])  # fmt: skip
+    assert table.exit_code == 0 and "episodes changed" in table.output, table.output
+    bad = runner.invoke(app, ["graders", "regress", "0123abcd", str(tmp_path / "new.json"), "--db", url])
+    assert bad.exit_code == 2 and "neither a file nor a stored stack version" in bad.output
