@@ -98,4 +98,30 @@ def test_concurrent_claims_never_lease_an_attempt_twice(store: Store):
     assert errors == [] and len(leased) == 40 and set(leased.values()) == {1}, (errors, leased)
     with store.session() as s:
         task, _ = queue_db.get_task(s, "many")
+        listed = {status: queue_db.list_tasks(s, status=status) for status in queue_db.TaskStatus}
     assert task.complete and task.counts[queue_db.AttemptStatus.finished] == 40
+    assert {status: [t.id for t in tasks] for status, tasks in listed.items()} == {
+        "open": [],
+        "complete": ["many"],
+        "failed": [],
+    }
+
+
+def test_64_units_of_work_at_once_each_get_a_connection(pg_url: str):
+    """64 agents' store calls in flight at once on PostgreSQL each hold a connection: the pool opens them (16 kept,
+    48 more in a burst) instead of making the 16th wait (SQLAlchemy's default pool, 5 + 10, would: the barrier
+    inside the units of work then times out)."""
+    store = Store(pg_url)
+    try:
+        inside = threading.Barrier(64, timeout=20)
+
+        def unit(_: int) -> int:
+            with store.session() as s:
+                queue_db.list_tasks(s)
+                inside.wait()  # all 64 hold their connection here together
+                return 1
+
+        results, errors = at_once(64, unit)
+        assert errors == [] and sum(results) == 64, errors[:3]
+    finally:
+        store.close()
