@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flywheel.agents.transitions import export_app
+from flywheel.deployment_cli import audit_app, deploy, promote, rollback, show_deployments
 from flywheel.graders.cli import eval_command, graders_app
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.rewards.cli import app as judge_app
@@ -24,6 +25,11 @@ app.add_typer(export_app, name="export")
 app.add_typer(graders_app, name="graders")
 app.add_typer(judge_app, name="judge")
 app.command("eval")(eval_command)
+app.command()(deploy)
+app.command()(promote)
+app.command()(rollback)
+app.command("deployments")(show_deployments)
+app.add_typer(audit_app, name="audit")
 
 DTYPES = {"auto": None, "bf16": "bfloat16", "fp32": "float32"}
 

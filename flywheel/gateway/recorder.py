@@ -130,6 +130,7 @@ class Gateway:
         latency_ms: float,
         text_only: bool = False,
         upstream: str | None = None,
+        deployment: str | None = None,  # the alias it was asked as (calc@production), if any
     ) -> CallRecord:
         """Store a finished call. ``response``: the chat.completion body with every choice's token ids and
         log-probs (whatever the client asked to see); ``text_only``: it has no token ids (an upstream returned
@@ -149,6 +150,7 @@ class Gateway:
             latency_ms=latency_ms,
             text_only=text_only,
             upstream=upstream,
+            deployment=deployment,
         )
 
     def forget(self, episode: EpisodeRecord) -> None:

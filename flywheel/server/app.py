@@ -37,11 +37,12 @@ from flywheel.gateway.upstream import Relay, Upstream, without_logprobs
 from flywheel.inference.chat import parse_tool_calls, render_prompt
 from flywheel.inference.engine import Completion, ContextOverflowError, EngineClosedError, InferenceEngine
 from flywheel.inference.guided import GrammarError, Guide, compile_guide, compile_tool_call_guide
-from flywheel.inference.registry import ModelRegistry, UnknownModelError
+from flywheel.inference.registry import ModelRegistry, ServedModel, UnknownModelError
 from flywheel.inference.sampling import SamplingParams
 from flywheel.server.limits import MAX_BODY_BYTES, BodyLimit
 from flywheel.server.protocol import ChatCompletionRequest, ErrorDetail, ErrorResponse, JsonSchemaFormat, TextFormat
-from flywheel.store import EpisodeConflictError, UnknownEpisodeError
+from flywheel.store import EpisodeConflictError, UnknownEpisodeError, deployments
+from flywheel.store.deployments import UnknownDeploymentError
 from flywheel.types import set_sampled_tokens
 
 
@@ -183,6 +184,10 @@ def create_app(
     async def _unknown(_: Request, exc: UnknownModelError):
         return error_response(404, str(exc), "invalid_request_error", param="model", code="model_not_found")
 
+    @app.exception_handler(UnknownDeploymentError)
+    async def _unknown_deployment(_: Request, exc: UnknownDeploymentError):
+        return error_response(404, str(exc), "invalid_request_error", param="model", code="model_not_found")
+
     @app.exception_handler(ContextOverflowError)
     async def _overflow(_: Request, exc: ContextOverflowError):
         return error_response(400, str(exc), "invalid_request_error", param="messages", code="context_length_exceeded")
@@ -253,10 +258,18 @@ def create_app(
         if not isinstance(model, str):
             return True  # the engine's checks say what is wrong with it
         try:
-            await registry.resolve(model)
-        except UnknownModelError:
+            await _resolve(model)
+        except (UnknownModelError, UnknownDeploymentError):
             return False
         return True
+
+    async def _resolve(model: str) -> tuple[ServedModel, str | None]:
+        """The served model a request names, and the deployment it was named by: an alias (``calc@production``,
+        with a gateway's store) is the checkpoint it points at now (``calc@3``), read at each request."""
+        if gateway is not None and deployments.is_alias(model):
+            deployment = await gateway.store.run(deployments.get, model)
+            return await registry.resolve(deployment.target), deployment.name
+        return await registry.resolve(model), None
 
     @app.get("/episodes/{episode_id}/v1/models")
     async def episode_models(episode_id: str):
@@ -266,7 +279,7 @@ def create_app(
         if episode_id is not None and gateway is None:
             raise UnknownEpisodeError(episode_id)  # this server records no episodes
         start = time.perf_counter()
-        served = await registry.resolve(req.model)
+        served, deployment = await _resolve(req.model)
         engine, step = served.engine, served.current_step()  # the weights it starts with
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = req.offered_tools
@@ -292,6 +305,7 @@ def create_app(
                 eos,
                 model=req.model,
                 step=step,
+                deployment=deployment,
                 request=request,
                 response=full,
                 latency_ms=(time.perf_counter() - start) * 1000,

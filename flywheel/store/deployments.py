@@ -93,13 +93,18 @@ def _known(s: Session, model: str) -> list[str]:
     return list(s.scalars(select(Deployment.name).where(Deployment.model == model).order_by(Deployment.name)))
 
 
-def get(s: Session, name: str) -> DeploymentRecord:
-    """The deployment ``name`` (``UnknownDeploymentError`` naming the model's others, if there is none)."""
+def find(s: Session, name: str) -> DeploymentRecord | None:
+    """The deployment ``name``, or None."""
     parse_alias(name)
     row = s.get(Deployment, name)
-    if row is None:
+    return None if row is None else DeploymentRecord.model_validate(row)
+
+
+def get(s: Session, name: str) -> DeploymentRecord:
+    """The deployment ``name`` (``UnknownDeploymentError`` naming the model's others, if there is none)."""
+    if (found := find(s, name)) is None:
         raise UnknownDeploymentError(name, _known(s, name.rpartition("@")[0]))
-    return DeploymentRecord.model_validate(row)
+    return found
 
 
 def list_deployments(s: Session, model: str | None = None) -> list[DeploymentRecord]:

@@ -63,6 +63,7 @@ class CallRecord(BaseModel):
     created_at: Timestamp
     upstream: str | None = None  # the upstream that answered it, if not the local engine
     text_only: bool = False  # no token ids recorded: not for RL
+    deployment: str | None = None  # the alias it was asked as (calc@production), if any: step is what it meant
 
 
 class EpisodeRecord(BaseModel):
