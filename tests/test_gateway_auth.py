@@ -48,6 +48,7 @@ EXPECTED: dict[tuple[str, str], Role | None] = {
     ("POST", "/episodes/{}/reward"): Role.runner,
     ("POST", "/episodes/{}/finish"): Role.runner,
     ("POST", "/episodes/{}/abandon"): Role.runner,
+    ("POST", "/episodes/{}/feedback"): Role.runner,  # issue #25: outcome feedback from the production system
     ("POST", "/tasks/claim"): Role.runner,
     ("POST", "/attempts/{}/heartbeat"): Role.runner,
     ("POST", "/attempts/{}/complete"): Role.runner,
@@ -67,6 +68,7 @@ BODIES = {  # what each route would act on if it let the request through
     "/episodes/{}/reward": {"reward": 1.0},
     "/episodes/{}/finish": {"reward": 1.0},
     "/episodes/{}/abandon": {"reason": "intruder"},
+    "/episodes/{}/feedback": {"kind": "rating", "value": 0.0},
     "/v1/chat/completions": CHAT,
     "/episodes/{}/v1/chat/completions": CHAT,
 }

@@ -8,6 +8,8 @@ Routes (JSON; errors in OpenAI's ``{"error": {...}}`` shape):
 - ``POST /episodes/{id}/reward`` ``{reward?, metrics?, call_rewards?}`` -> the episode (still open)
 - ``POST /episodes/{id}/finish`` ``{reward?, metrics?, call_rewards?}`` -> the episode, finished (it needs a reward)
 - ``POST /episodes/{id}/abandon`` ``{reason?}`` -> the episode, abandoned (it never trains)
+- ``POST /episodes/{id}/feedback`` ``{kind, value, note?, source?, key?}`` -> 201 (200: that key was already posted),
+  outcome feedback arriving later (resolved, a rating, a KPI), in any state; ``GET`` -> ``{"data": [...]}``
 - ``GET /episodes/{id}/trajectory`` -> a ``flywheel.Trajectory``; ``GET /episodes/{id}/transitions`` -> JSON lines
 - ``GET /groups?task_id=&split=`` -> a ``flywheel.TrajectoryGroup`` of the task's finished episodes
 
@@ -32,6 +34,7 @@ from flywheel.gateway.export import episode_trajectory, trajectory_group
 from flywheel.gateway.recorder import Gateway
 from flywheel.store import EpisodeRecord, EpisodeStatus
 from flywheel.store import episodes as db
+from flywheel.store import feedback as fb
 
 
 class NewEpisode(BaseModel):
@@ -55,6 +58,23 @@ class Outcome(BaseModel):
     def _finite(cls, value: float | None) -> float | None:
         if value is not None and not math.isfinite(value):
             raise ValueError(f"reward was {value}; rewards must be finite numbers")
+        return value
+
+
+class NewFeedback(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: str = Field(min_length=1, max_length=64, description="resolved, rating, kpi/<name>, ...")
+    value: float
+    note: str | None = Field(None, max_length=2000)
+    source: str | None = Field(None, max_length=256)
+    key: str | None = Field(None, min_length=1, max_length=256, description="Your id for it: a repost is harmless.")
+
+    @field_validator("value")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError(f"value was {value}; feedback values must be finite numbers")
         return value
 
 
@@ -138,6 +158,15 @@ def episode_router(gateway: Gateway) -> APIRouter:
         episode = await run(db.abandon, episode_id, body.reason)
         gateway.forget(episode)
         return episode_body(episode, root_url(request))
+
+    @router.post("/episodes/{episode_id}/feedback", status_code=201)
+    async def feedback(episode_id: str, body: NewFeedback):
+        record, created = await run(fb.add_feedback, episode_id, **body.model_dump())
+        return JSONResponse(record.model_dump(mode="json"), status_code=201 if created else 200)
+
+    @router.get("/episodes/{episode_id}/feedback")
+    async def feedback_list(episode_id: str):
+        return {"object": "list", "data": [f.model_dump(mode="json") for f in await run(fb.feedback_of, episode_id)]}
 
     def trajectory_of(s, episode_id: str, text_only: str):
         calls = db.calls(s, episode_id)

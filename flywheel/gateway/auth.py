@@ -77,6 +77,7 @@ RULES: tuple[Rule, ...] = (
     _rule("POST", "/episodes/{episode_id}/reward", Role.runner),
     _rule("POST", "/episodes/{episode_id}/finish", Role.runner),
     _rule("POST", "/episodes/{episode_id}/abandon", Role.runner),
+    _rule("POST", "/episodes/{episode_id}/feedback", Role.runner),  # outcome feedback from the production system
     _rule("POST", "/tasks/claim", Role.runner),
     _rule("POST", "/attempts/{attempt_id}/heartbeat", Role.runner),
     _rule("POST", "/attempts/{attempt_id}/complete", Role.runner),

@@ -121,6 +121,24 @@ class EpisodeClient:
             await self._call("POST", f"/episodes/{episode_id}/abandon", json={"reason": reason})
         )
 
+    async def feedback(
+        self,
+        episode_id: str,
+        kind: str,
+        value: float,
+        *,
+        note: str | None = None,
+        source: str | None = None,
+        key: str | None = None,
+    ) -> dict[str, Any]:
+        """Outcome feedback that arrived later (``resolved``, ``rating``, ``kpi/<name>``), in any state; ``key``:
+        your id for it, so that sending it again is harmless."""
+        body = {"kind": kind, "value": value, "note": note, "source": source, "key": key}
+        return await self._call("POST", f"/episodes/{episode_id}/feedback", json=body)
+
+    async def feedback_of(self, episode_id: str) -> list[dict[str, Any]]:
+        return (await self._call("GET", f"/episodes/{episode_id}/feedback"))["data"]
+
     async def calls(self, episode_id: str) -> list[dict[str, Any]]:
         return (await self._call("GET", f"/episodes/{episode_id}/calls"))["data"]
 

@@ -162,3 +162,19 @@ class Grade(Base):
     score: Mapped[float] = mapped_column(Float)
     details: Mapped[dict[str, Any]]  # sub-rewards, errors, what the grader reported
     created_at: Mapped[datetime]
+
+
+class Feedback(Base):
+    """Outcome feedback that arrived for an episode, possibly long after it finished."""
+
+    __tablename__ = "feedback"
+    __table_args__ = (UniqueConstraint("episode_id", "key", name="uq_feedback_episode_key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(64))  # resolved | rating | kpi/<name> | ...
+    value: Mapped[float] = mapped_column(Float)
+    note: Mapped[str | None] = mapped_column(String(2000))
+    source: Mapped[str | None] = mapped_column(String(256))  # who sent it (a CRM, the user, a reviewer)
+    key: Mapped[str | None] = mapped_column(String(256))  # the sender's id for it: posting it again is harmless
+    created_at: Mapped[datetime]
