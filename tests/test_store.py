@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from flywheel.cli import app
 from flywheel.store import Store
 from flywheel.store import episodes as db
+from flywheel.store import tasks as queue_db
 from flywheel.store.db import MIGRATIONS, StoreUnavailableError, _with_driver
 from flywheel.store.schema import Base
 
@@ -99,3 +100,24 @@ def test_serve_with_a_store_it_cannot_open_says_why_before_loading_the_model(mon
     assert done.exit_code == 2 and "Cannot open the store at postgresql://u:***@127.0.0.1:1/flywheel" in said, said
     assert done.exception is None or isinstance(done.exception, SystemExit), done.exception
     assert "secret" not in said and "Serving" not in said
+
+
+def test_what_a_database_cannot_hold_is_refused_alike_on_both(store: Store):
+    """NaN or an infinity in JSON (PostgreSQL refuses it: a 500 before; SQLite kept a value no reader could render)
+    and a NUL character in text (PostgreSQL's text cannot hold one) are a ValueError naming the column and where,
+    and nothing of that unit of work is written."""
+    with store.session() as s:
+        episode = db.create_episode(s, "kept")
+    refused = [
+        (lambda s: db.create_episode(s, "t", meta={"scores": [1.0, float("nan")]}), r"episodes\.meta .* nan at \['scores'\]\[1\]"),
+        (lambda s: db.create_episode(s, "a\x00b"), r"episodes\.task_id .* NUL character"),
+        (lambda s: db.set_outcome(s, episode.id, reward=1.0, metrics={"x": float("inf")}), r"episodes\.metrics .* inf at \['x'\]"),
+        (lambda s: queue_db.enqueue(s, "q", {"p": {"deep": float("-inf")}}, group_size=2), r"tasks\.payload .* -inf at \['p'\]\['deep'\]"),
+        (lambda s: queue_db.enqueue(s, "q", {}, group_size=1, model="m\x00"), r"tasks\.model .* NUL character"),
+    ]  # fmt: skip
+    for write, says in refused:
+        with pytest.raises(ValueError, match=says), store.session() as s:
+            write(s)
+    with store.session() as s:
+        assert [e.id for e in db.list_episodes(s)] == [episode.id] and queue_db.list_tasks(s) == []
+        assert db.get_episode(s, episode.id).metrics == {} and db.get_episode(s, episode.id).reward is None

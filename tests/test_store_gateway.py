@@ -83,3 +83,20 @@ async def test_episodes_and_the_rollout_queue_on_postgresql(gateway: BackgroundS
         assert task.complete and task.counts == {"queued": 0, "leased": 0, "finished": 2, "failed": 0}
         (group,) = await queue.wait_groups(["pg-task"], max_wait=10)
         assert len(group.trajectories) == 2 and {t.reward for t in group.trajectories} == {1.0}
+
+        # what PostgreSQL cannot hold (NaN and infinities in JSON, NUL in text) is a 400 naming it, never a 500
+        open_one = (await queue.create("pg-bad")).id
+        bad = [
+            ("/episodes", '{"task_id": "pg-bad", "metadata": {"x": NaN}}'),
+            ("/episodes", '{"task_id": "pg-\\u0000"}'),
+            ("/tasks", '{"task_id": "pg-inf", "payload": {"x": [Infinity]}, "group_size": 1}'),
+            (f"/episodes/{open_one}/reward", '{"reward": 1, "metrics": {"x": NaN}}'),
+        ]
+        async with httpx.AsyncClient(base_url=root, headers={"content-type": "application/json"}) as http:
+            for path, body in bad:
+                answer = await http.post(path, content=body)
+                assert answer.status_code == 400 and "cannot be stored" in answer.json()["error"]["message"], (
+                    answer.text
+                )
+        assert [e.id for e in await queue.list(task_id="pg-bad")] == [open_one]
+        assert (await queue.get(open_one)).reward is None

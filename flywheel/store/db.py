@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -12,7 +14,7 @@ from typing import Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event, make_url
+from sqlalchemy import JSON, Engine, String, create_engine, event, inspect, make_url
 from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -74,6 +76,38 @@ def _with_driver(url: str) -> str:
     return url
 
 
+def _bad_number(value: Any, path: str = "") -> str | None:
+    """Where ``value`` (a JSON value) holds NaN or an infinity, and which: ``"nan at ['a'][0]"``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{value} at {path or 'the top'}"
+    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    return next((found for k, v in children if (found := _bad_number(v, f"{path}[{k!r}]"))), None)
+
+
+def _storable(session: Session, _context: Any, _instances: Any) -> None:
+    """Before each flush: refuse, alike on both databases, what one of them cannot hold, as a ``ValueError`` (a 400
+    at the API, not a 500) that names the column: text with a NUL character (PostgreSQL's text cannot hold one) and
+    NaN or an infinity in JSON (JSON has none: PostgreSQL refuses it, SQLite would keep what no reader parses)."""
+    for row in (*session.new, *session.dirty):
+        state = inspect(row)
+        for attribute in state.mapper.column_attrs:
+            kind = attribute.columns[0].type
+            if not isinstance(kind, String | JSON):
+                continue
+            for value in state.attrs[attribute.key].history.added:  # what this flush writes
+                where = f"{state.mapper.local_table.name}.{attribute.key}"
+                if isinstance(value, str) and "\x00" in value:
+                    raise ValueError(f"{where} cannot be stored: it contains a NUL character (\\u0000)")
+                if isinstance(kind, JSON) and value is not None:
+                    try:
+                        json.dumps(value, allow_nan=False)
+                    except ValueError:
+                        raise ValueError(
+                            f"{where} cannot be stored: it holds {_bad_number(value)}; JSON has no NaN or infinity"
+                            " (send a finite number or null)"
+                        ) from None
+
+
 def upgrade(engine: Engine) -> None:
     """Apply every migration the database has not seen (a new database gets the whole schema)."""
     config = Config()
@@ -115,6 +149,7 @@ class Store:
             reason = "; ".join(line.strip() for line in str(exc.orig or exc).splitlines() if line.strip())
             raise StoreUnavailableError(f"Cannot open the store at {shown_url(self.url)}: {reason}") from exc
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        event.listen(self._sessions, "before_flush", _storable)
 
     @contextmanager
     def session(self) -> Iterator[Session]:
