@@ -89,6 +89,7 @@ def episode_trajectory(episode: EpisodeRecord, calls: list[CallRecord], *, text_
         "calls": len(calls),
         "retokenized_turns": sum(c.retokenized_turns for c in calls),
         "completion_tokens": sum(c.completion_tokens for c in calls),
+        "latency_ms": sum(c.latency_ms for c in calls),
     }
     return Trajectory(
         id=episode.id,

@@ -31,7 +31,7 @@ class HeldOutSet(BaseModel):
     hash, so a changed set is a new version and results on different versions are never paired."""
 
     name: str
-    items: dict[str, Any]  # item id -> the item
+    items: dict[str, dict[str, Any]]  # item id -> the item (what the agent is given)
 
     @property
     def version(self) -> str:

@@ -1,0 +1,100 @@
+"""Held-out evaluation through the gateway's runners: every item of a frozen set run by the agent in its own
+environment against one served model name (a checkpoint ``calc@12`` or a deployment ``calc@production``), each
+episode scored by a grader stack, the grades recorded, one ``ItemResult`` per item for the gate.
+
+The items go to the rollout queue as tasks of split ``eval`` (``samples`` attempts each: their mean is the item's
+result), so the same runners that collect training groups run them, wherever they are. An item whose attempts all
+failed scores 0 (the agent could not finish it); one that was unsafe in any attempt is unsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+from pydantic import BaseModel
+
+from flywheel.gateway.client import QueueClient, TaskSpec
+from flywheel.graders.rewards import sample_of
+from flywheel.graders.stack import GraderStack, StackScore, score
+from flywheel.loop.gate import HeldOutSet, ItemResult
+from flywheel.store import Store
+from flywheel.store import grades as gdb
+from flywheel.types import Trajectory
+
+
+class HeldOutRun(BaseModel):
+    """One model's results on one version of a held-out set, by one version of a grader stack."""
+
+    id: str
+    model: str
+    heldout: str  # name@version
+    stack: str  # version
+    results: list[ItemResult]
+    episodes: list[str]
+    failed_items: list[str]  # no attempt finished
+
+
+def _tool_calls(trajectory: Trajectory) -> int:
+    return sum(len(m.get("tool_calls") or []) for m in trajectory.messages() if m.get("role") == "assistant")
+
+
+def _item_result(item_id: str, trajectories: list[Trajectory], scores: list[StackScore]) -> ItemResult:
+    if not trajectories:
+        return ItemResult(item=item_id, score=0.0, safe=True)
+    n = len(trajectories)
+    return ItemResult(
+        item=item_id,
+        score=sum(s.reward for s in scores) / n,
+        safe=all(s.safe for s in scores),
+        tokens=sum(float(t.metrics.get("completion_tokens", 0)) for t in trajectories) / n,
+        tool_calls=sum(_tool_calls(t) for t in trajectories) / n,
+        latency_ms=sum(float(t.metrics.get("latency_ms", 0)) for t in trajectories) / n,
+    )
+
+
+async def evaluate(
+    queue: QueueClient,
+    heldout: HeldOutSet,
+    model: str,
+    stack: GraderStack,
+    *,
+    samples: int = 1,
+    max_wait: float = 1800.0,
+    store: Store | None = None,
+    actor: str = "loop",
+) -> HeldOutRun:
+    """Run ``model`` on every held-out item through the queue's runners; score and (with ``store``) record."""
+    run_id = secrets.token_hex(6)
+    task_of = {item_id: f"eval:{heldout.name}:{heldout.version}:{run_id}:{item_id}" for item_id in heldout.items}
+    specs = [
+        TaskSpec(task_id=task_of[i], payload=item, group_size=samples, split="eval", model=model)
+        for i, item in heldout.items.items()
+    ]
+    groups = await queue.gather_groups(specs, max_wait=max_wait, allow_failed=True)
+    scored: dict[str, tuple[list[Trajectory], list[StackScore]]] = {}
+    for (item_id, item), group in zip(heldout.items.items(), groups, strict=True):
+        trajectories = list(group.trajectories)
+        scores = await asyncio.gather(*(score(stack, sample_of(t), item) for t in trajectories))
+        scored[item_id] = (trajectories, list(scores))
+    episodes = [str(t.metadata["episode_id"]) for ts, _ in scored.values() for t in ts]
+    if store is not None:
+
+        def record() -> None:
+            with store.session() as s:
+                gdb.register_stack(s, stack.name, stack.version, stack.model_dump(mode="json"), actor=actor)
+                for trajectories, scores in scored.values():
+                    for t, result in zip(trajectories, scores, strict=True):
+                        grades = {k: (g.name, g.reward, g.model_dump(mode="json")) for k, g in result.grades.items()}
+                        gdb.record_grades(s, str(t.metadata["episode_id"]), stack.version, grades)
+
+        await asyncio.to_thread(record)
+    return HeldOutRun(
+        id=run_id,
+        model=model,
+        heldout=f"{heldout.name}@{heldout.version}",
+        stack=stack.version,
+        results=[_item_result(i, *scored[i]) for i in heldout.items],
+        episodes=episodes,
+        failed_items=[i for i, (ts, _) in scored.items() if not ts],
+    )
