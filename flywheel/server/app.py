@@ -27,12 +27,14 @@ from openai.types.chat.chat_completion_message_tool_call import ChatCompletionMe
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob, TopLogprob
 from openai.types.completion_usage import CompletionUsage
 from pydantic import ValidationError
+from starlette.background import BackgroundTask
 
 from flywheel.gateway.api import episode_router
 from flywheel.gateway.auth import ApiKeyAuth, ApiKeys
 from flywheel.gateway.export import NotTrainableError
 from flywheel.gateway.queue import queue_router
 from flywheel.gateway.recorder import Gateway
+from flywheel.gateway.traffic import SHADOW_IN_FLIGHT, Route, TrafficPolicy
 from flywheel.gateway.upstream import Relay, Upstream, without_logprobs
 from flywheel.inference.chat import parse_tool_calls, render_prompt
 from flywheel.inference.engine import Completion, ContextOverflowError, EngineClosedError, InferenceEngine
@@ -160,14 +162,18 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     auth: ApiKeys | None = None,
     upstream: Upstream | None = None,
+    shadow_in_flight: int = SHADOW_IN_FLIGHT,
 ) -> FastAPI:
     """The OpenAI-compatible API over ``registry``'s engines; with a ``gateway``, also the episode API and the
     episode-scoped routes (``/episodes/{id}/v1/...``, or ``/v1/...`` with an ``X-Flywheel-Episode`` header) whose
     calls it records. With ``auth`` keys, each request needs a key of its route's role (``flywheel.gateway.auth``);
     without any, every route is open. With an ``upstream``, a model the registry does not serve is asked of it
-    (``flywheel.gateway.upstream``: relayed, and recorded in an episode)."""
+    (``flywheel.gateway.upstream``: relayed, and recorded in an episode). A gateway's deployments are served by
+    its traffic policy (``flywheel.gateway.traffic``: canary, shadow; at most ``shadow_in_flight`` shadow calls at
+    once), which is ``app.state.traffic``."""
     app = FastAPI(title="Flywheel OpenAI-compatible API")
     relay = Relay(upstream, gateway) if upstream is not None else None
+    traffic = app.state.traffic = TrafficPolicy(gateway.store, shadow_in_flight) if gateway is not None else None
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     if auth:  # added last, so it runs first: a refused request's body is never read
         app.add_middleware(ApiKeyAuth, keys=auth)
@@ -263,13 +269,27 @@ def create_app(
             return False
         return True
 
-    async def _resolve(model: str) -> tuple[ServedModel, str | None]:
-        """The served model a request names, and the deployment it was named by: an alias (``calc@production``,
-        with a gateway's store) is the checkpoint it points at now (``calc@3``), read at each request."""
-        if gateway is not None and deployments.is_alias(model):
-            deployment = await gateway.store.run(deployments.get, model)
-            return await registry.resolve(deployment.target), deployment.name
+    async def _resolve(model: str, episode_id: str | None = None) -> tuple[ServedModel, Route | None]:
+        """The served model a request names, and the route of an alias: an alias (``calc@production``, with a
+        gateway's store) is the checkpoint its traffic policy sends the request to now (``calc@3``, or the
+        canary's step for a canary's share of episodes), read at each request."""
+        if traffic is not None and deployments.is_alias(model):
+            route = await traffic.route(model, episode_id)
+            return await registry.resolve(route.answer.target), route
         return await registry.resolve(model), None
+
+    def _after(req: ChatCompletionRequest, episode_id: str | None, route: Route | None) -> BackgroundTask | None:
+        """What follows the answer to an aliased call, once it is sent: its episode's arm recorded, the call
+        mirrored to a shadow (``TrafficPolicy.after``: in tasks of their own)."""
+        if traffic is None or route is None or episode_id is None:
+            return None
+
+        async def mirror(shadow: str, shadow_episode: str) -> None:  # the same request, recorded in the shadow's
+            await _chat(
+                req.model_copy(update={"model": shadow, "stream": False, "stream_options": None}), shadow_episode
+            )
+
+        return BackgroundTask(traffic.after, route, episode_id, mirror)
 
     @app.get("/episodes/{episode_id}/v1/models")
     async def episode_models(episode_id: str):
@@ -279,7 +299,8 @@ def create_app(
         if episode_id is not None and gateway is None:
             raise UnknownEpisodeError(episode_id)  # this server records no episodes
         start = time.perf_counter()
-        served, deployment = await _resolve(req.model)
+        served, route = await _resolve(req.model, episode_id)
+        deployment = None if route is None else route.deployment  # the alias that answered
         engine, step = served.engine, served.current_step()  # the weights it starts with
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = req.offered_tools
@@ -318,11 +339,12 @@ def create_app(
                 engine, prompt, params, completion_id, created, req.model, bool(tools), include_usage, req.logprobs,
                 on_done,
             )  # fmt: skip
-            return StreamingResponse(events, media_type="text/event-stream")
+            return StreamingResponse(events, media_type="text/event-stream", background=_after(req, episode_id, route))
         full = body(await engine.generate(prompt, params))
         if splice is not None:
             await record(full)  # durable before the agent sees the answer (and posts a reward for it)
-        return JSONResponse(full if req.logprobs else without_logprobs(full))  # else computed for the record only
+        answer = full if req.logprobs else without_logprobs(full)  # else computed for the record only
+        return JSONResponse(answer, background=_after(req, episode_id, route))
 
     return app
 

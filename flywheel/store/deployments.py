@@ -25,7 +25,7 @@ from flywheel.store.episodes import Timestamp
 from flywheel.store.schema import Deployment
 
 STAGE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
-ACTIONS = ("deploy", "promote", "rollback")  # the audit actions that move an alias
+ACTIONS = ("deploy", "promote", "rollback", "remove")  # the audit actions that move an alias (or end it)
 
 
 class InvalidAliasError(ValueError):
@@ -172,8 +172,28 @@ def promote(
     )
 
 
+def remove(s: Session, name: str, *, actor: str, reason: str | None = None) -> AuditEventRecord:
+    """Delete the alias ``name``, with its audit event, in this unit of work (a canary or shadow ended: the gateway
+    sends it no traffic from the next request on). Its history before it was removed is not rolled back to."""
+    audit.lock(s)
+    current = get(s, name)
+    event = audit.append(
+        s,
+        actor=actor,
+        action="remove",
+        subject=name,
+        reason=reason,
+        details={"model": current.model, "stage": current.stage, "previous_step": current.step,
+                 "previous_share": current.share},
+    )  # fmt: skip
+    row = s.get(Deployment, name)
+    s.delete(row)
+    s.flush()
+    return event
+
+
 def history(s: Session, name: str) -> list[AuditEventRecord]:
-    """The audit events that moved the alias, oldest first."""
+    """The audit events that moved (or removed) the alias, oldest first."""
     parse_alias(name)
     return audit.events(s, subject=name, actions=ACTIONS)
 
@@ -186,7 +206,9 @@ def rollback_target(s: Session, name: str) -> tuple[int, float | None]:
     get(s, name)
     moves: list[tuple[int, float | None]] = []
     for event in history(s, name):
-        if event.action == "rollback":
+        if event.action == "remove":
+            moves.clear()  # what it pointed at before it was removed is not gone back to
+        elif event.action == "rollback":
             if moves:
                 moves.pop()
         else:

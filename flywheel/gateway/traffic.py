@@ -1,0 +1,163 @@
+"""The traffic policy of a model's deployments: which checkpoint answers a request for ``MODEL@production``, and
+which calls are mirrored to a shadow.
+
+- Canary: while ``MODEL@canary`` exists with a share ``s > 0``, a share ``s`` of production's *episodes* is
+  answered by the canary's checkpoint. An episode's side is a hash of its id (``arm_hash``): every call of it goes
+  to the same side, in every gateway process and after a restart; a call with no episode is drawn at random. The
+  recorded call names the canary (``deployment``, ``step``) and the episode's ``meta["arm"]`` the deployment that
+  answered it (``flywheel/store/arms.py``). The canary removed or its share set to 0: production answers from the
+  next request on.
+- Shadow: while ``MODEL@shadow`` exists with a share ``s > 0``, the calls of a share ``s`` of the episodes that
+  production answers (another hash) are also sent to the shadow's checkpoint, after the user's answer is sent,
+  and recorded in the production episode's shadow episode (split ``shadow``, ``meta["shadow_of"]``), so that the
+  candidate's answers can be graded on the same contexts. A shadow's failure is logged and counted, never seen by
+  the user; at most ``max_in_flight`` shadow calls run at once, and one more is dropped (and counted).
+
+One store read per aliased request (the model's deployments, as resolving the alias already took); what follows
+the answer (marking the episode's arm, mirroring) runs in tasks of its own after the response is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from flywheel.store import Store
+from flywheel.store import arms as arm_store
+from flywheel.store.deployments import DeploymentRecord, UnknownDeploymentError, list_deployments, parse_alias
+
+log = logging.getLogger(__name__)
+
+PRODUCTION, CANARY, SHADOW = "production", "canary", "shadow"
+SHADOW_IN_FLIGHT = 4  # shadow calls at once, by default: the rest are dropped
+MARKED_EPISODES = 4096  # episodes whose arm this process remembers having recorded
+
+
+def arm_hash(episode_id: str, salt: str) -> float:
+    """A number in [0, 1) that an episode id always gives (the same in every process): the episode is on a
+    deployment's side when it is below its share. ``salt`` keeps the canary's and the shadow's draws apart."""
+    digest = hashlib.sha256(f"{salt}:{episode_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def _share(deployment: DeploymentRecord | None) -> float:
+    return 0.0 if deployment is None or deployment.share is None else deployment.share
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one request goes: the deployment that answers it, and the shadow it is mirrored to, if any."""
+
+    asked: str  # the alias the request named (calc@production)
+    answer: DeploymentRecord  # the deployment that answers it (calc@production, or calc@canary)
+    shadow: DeploymentRecord | None = None  # mirror the call to it, after the answer
+
+    @property
+    def deployment(self) -> str:
+        """The alias that answered, as the call is recorded (``calls.deployment``)."""
+        return self.answer.name
+
+
+@dataclass
+class TrafficCounts:
+    """What the policy did since the process started."""
+
+    canary: int = 0  # production requests the canary answered
+    mirrored: int = 0  # shadow calls answered and recorded
+    shadow_failed: int = 0  # shadow calls that failed (logged)
+    shadow_dropped: int = 0  # shadow calls not made: max_in_flight were running
+    arm_failed: int = 0  # episodes' arms that could not be recorded (logged)
+    peak_in_flight: int = 0  # the most shadow calls that ran at once
+
+
+@dataclass
+class TrafficPolicy:
+    """The gateway's traffic policy over ``store``'s deployments (one per app; safe on one event loop)."""
+
+    store: Store
+    max_in_flight: int = SHADOW_IN_FLIGHT
+    counts: TrafficCounts = field(default_factory=TrafficCounts)
+    _in_flight: int = 0
+    _tasks: set[asyncio.Task] = field(default_factory=set)
+    _marked: OrderedDict[str, str] = field(default_factory=OrderedDict)  # episode -> its arm, as recorded
+
+    async def route(self, model: str, episode_id: str | None = None) -> Route:
+        """The route of a request for the alias ``model`` (``UnknownDeploymentError`` if there is none) in
+        ``episode_id`` (None: a plain call)."""
+        name, stage = parse_alias(model)
+        found = {d.stage: d for d in await self.store.run(list_deployments, name)}
+        if stage not in found:
+            raise UnknownDeploymentError(model, sorted(d.name for d in found.values()))
+        asked = found[stage]
+        if stage != PRODUCTION:
+            return Route(model, asked)
+        canary, shadow = found.get(CANARY), found.get(SHADOW)
+        draw = random.random() if episode_id is None else arm_hash(episode_id, CANARY)
+        if canary is not None and draw < _share(canary):
+            self.counts.canary += 1
+            return Route(model, canary)
+        if episode_id is not None and shadow is not None and arm_hash(episode_id, SHADOW) < _share(shadow):
+            return Route(model, asked, shadow)
+        return Route(model, asked)
+
+    async def after(
+        self,
+        route: Route,
+        episode_id: str | None,
+        mirror: Callable[[str, str], Awaitable[object]],
+    ) -> None:
+        """After the answer to a call in ``episode_id`` is sent: record the episode's arm (once per process) and
+        mirror the call to the route's shadow, each in a task of its own (a keep-alive connection's next request
+        waits for nothing). ``mirror(shadow alias, shadow episode id)`` makes the shadow's call."""
+        if episode_id is None:
+            return
+        if self._marked.get(episode_id) != route.deployment:
+            self._spawn(self._mark(episode_id, route.deployment))
+        if route.shadow is None:
+            return
+        if self._in_flight >= self.max_in_flight:
+            self.counts.shadow_dropped += 1
+            return
+        self._in_flight += 1
+        self.counts.peak_in_flight = max(self.counts.peak_in_flight, self._in_flight)
+        self._spawn(self._mirror(route.shadow, episode_id, mirror))
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _mark(self, episode_id: str, arm: str) -> None:
+        try:
+            marked = await self.store.run(arm_store.mark_arm, episode_id, arm)
+        except Exception:
+            self.counts.arm_failed += 1
+            log.exception("could not record that %s answered episode %s", arm, episode_id)
+            return
+        self._marked[episode_id] = marked
+        self._marked.move_to_end(episode_id)
+        while len(self._marked) > MARKED_EPISODES:
+            self._marked.popitem(last=False)
+
+    async def _mirror(
+        self, shadow: DeploymentRecord, episode_id: str, mirror: Callable[[str, str], Awaitable[object]]
+    ) -> None:
+        try:
+            episode = await self.store.run(arm_store.shadow_episode, episode_id, shadow.name)
+            await mirror(shadow.name, episode.id)
+            self.counts.mirrored += 1
+        except Exception:
+            self.counts.shadow_failed += 1
+            log.warning("the shadow %s failed on a call of episode %s", shadow.name, episode_id, exc_info=True)
+        finally:
+            self._in_flight -= 1
+
+    async def drain(self) -> None:
+        """Wait until the work started after answers has ended (from any event loop: it polls)."""
+        while self._tasks:  # noqa: ASYNC110  (the tasks run on the server's loop: no Event of this one sees them)
+            await asyncio.sleep(0.01)
