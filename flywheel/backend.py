@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from flywheel.dev import TrainOptions
-    from flywheel.model import TrainableModel
+    from flywheel.model import Model, TrainableModel
 
 MAX_CHECKPOINT_ENGINES = 2  # earlier checkpoints served at once (each holds a copy of the base weights)
 
@@ -213,10 +213,10 @@ class LocalBackend:
                     self._checkpoint_engines.pop(oldest).close(drain=True)  # requests on it finish first
             return self.registry.get(served_name)
 
-    def model_dir(self, model: TrainableModel) -> Path:
+    def model_dir(self, model: Model) -> Path:
         return model_path(self.path, model.project, model.name)
 
-    def run(self, model: TrainableModel) -> RunStore:
+    def run(self, model: Model) -> RunStore:
         """The model's directory: history, trajectories, checkpoints (read-only use if not registered here)."""
         return self._runs.get((model.project, model.name)) or RunStore(self.model_dir(model))
 
@@ -231,7 +231,7 @@ class LocalBackend:
             self._extras[(model.project, model.name)] = checkpoint.state.extra
         self._publish(model)
 
-    async def get_step(self, model: TrainableModel) -> int:
+    async def get_step(self, model: Model) -> int:
         """Optimizer steps taken so far (0 before any training)."""
         key = (model.project, model.name)
         if key in self._trainers:
@@ -359,7 +359,7 @@ class LocalBackend:
 
     async def log(
         self,
-        model: TrainableModel,
+        model: Model,
         trajectories: list[Trajectory],
         split: str,
         extra_metrics: dict[str, float] | None = None,

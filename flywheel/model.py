@@ -43,6 +43,7 @@ class Model(BaseModel, Generic[ModelConfig]):
     base_path: str | None = None  # the backend's directory, under which `<project>/models/<name>/` is (register)
 
     _openai_client: AsyncOpenAI | None = PrivateAttr(default=None)
+    _backend: Backend | None = PrivateAttr(default=None)
 
     @field_validator("config", mode="before")
     @classmethod
@@ -92,10 +93,46 @@ class Model(BaseModel, Generic[ModelConfig]):
             "api_key": self.inference_api_key or "flywheel",
         }
 
+    async def register(self, backend: Backend) -> None:
+        """Logs of this model (e.g. a prompted baseline, ``log``) go to ``backend``'s directory; nothing loads."""
+        self._backend = backend
+        self.base_path = str(backend.path)
+
+    def backend(self) -> Backend:
+        """The backend the model is registered with."""
+        if self._backend is None:
+            raise RuntimeError(f"Model '{self.name}' is not registered: call `await model.register(backend)` first.")
+        return self._backend
+
+    async def get_step(self) -> int:
+        """0: a model Flywheel does not train has no steps."""
+        return 0
+
+    async def log(
+        self,
+        trajectories: Iterable[Trajectory | TrajectoryGroup | BaseException] | None = None,
+        split: str = "val",
+        *,
+        metrics: dict[str, float] | None = None,
+        step: int | None = None,
+    ) -> dict[str, float]:
+        """Records trajectories (or groups of them) of a split, their mean reward and metrics as ``<split>/...``,
+        and ``metrics`` given (e.g. ``backend.train``'s), at ``step`` (default: the current one). Exceptions (from
+        ``gather_trajectories``) count in ``<split>/exceptions``. Trajectories that ``train`` already recorded
+        at that step are not written twice."""
+        items = list(trajectories or [])
+        flat = [t for item in items for t in (item.trajectories if isinstance(item, TrajectoryGroup) else [item])]
+        failed = sum(isinstance(t, BaseException) for t in flat) + sum(
+            len(item.exceptions) for item in items if isinstance(item, TrajectoryGroup)
+        )
+        metrics = dict(metrics or {}) | ({"exceptions": failed} if failed else {})
+        kept = [t for t in flat if isinstance(t, Trajectory)]
+        return await self.backend().log(self, kept, split, metrics, step)
+
 
 class Backend(Protocol):
-    """What a ``TrainableModel`` needs of a backend: ``flywheel.LocalBackend`` runs everything in this process; an
-    out-of-process one (a remote engine and trainer) implements the same methods."""
+    """What a ``Model`` (its logs) and a ``TrainableModel`` need of a backend: ``flywheel.LocalBackend`` runs
+    everything in this process; an out-of-process one (a remote engine and trainer) implements the same methods."""
 
     path: Path  # where its models' directories are
 
@@ -104,7 +141,7 @@ class Backend(Protocol):
     @property
     def base_url(self) -> str: ...
     async def register(self, model: TrainableModel, trained_weights: TrainedWeights | None = None) -> None: ...
-    async def get_step(self, model: TrainableModel) -> int: ...
+    async def get_step(self, model: Model) -> int: ...
     async def train(
         self,
         model: TrainableModel,
@@ -126,7 +163,7 @@ class Backend(Protocol):
     ) -> list[dict[str, float]]: ...
     async def log(
         self,
-        model: TrainableModel,
+        model: Model,
         trajectories: list[Trajectory],
         split: str,
         extra_metrics: dict[str, float] | None = None,
@@ -145,7 +182,6 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
     base_model: str
     trainable: bool = True
     trained_weights: TrainedWeights = TrainedWeights()
-    _backend: Backend | None = PrivateAttr(default=None)
     _internal_config: dev.InternalModelConfig | None = PrivateAttr(default=None)
 
     def __init__(self, *, _internal_config: dev.InternalModelConfig | None = None, **data: Any) -> None:
@@ -157,17 +193,10 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
         if self._internal_config:
             weights = dev.trained_weights(self._internal_config, weights)
         await backend.register(self, weights)
-        self._backend = backend
-        self.base_path = str(backend.path)
+        await super().register(backend)
         if backend.serves_http:
             self.inference_base_url = backend.base_url
         self.inference_api_key = self.inference_api_key or "flywheel"
-
-    def backend(self) -> Backend:
-        """The backend the model is registered with."""
-        if self._backend is None:
-            raise RuntimeError(f"Model '{self.name}' is not registered: call `await model.register(backend)` first.")
-        return self._backend
 
     def get_inference_name(self, step: int | None = None) -> str:
         return self.name if step is None else f"{self.name}@{step}"
@@ -212,27 +241,6 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
         if isinstance(trajectories, (str, Path)):
             trajectories = _read_jsonl(Path(trajectories))
         return await self.backend().train_sft(self, list(trajectories), config or SFTConfig(), progress)
-
-    async def log(
-        self,
-        trajectories: Iterable[Trajectory | TrajectoryGroup | BaseException] | None = None,
-        split: str = "val",
-        *,
-        metrics: dict[str, float] | None = None,
-        step: int | None = None,
-    ) -> dict[str, float]:
-        """Records trajectories (or groups of them) of a split, their mean reward and metrics as ``<split>/...``,
-        and ``metrics`` given (e.g. ``backend.train``'s), at ``step`` (default: the current one). Exceptions (from
-        ``gather_trajectories``) count in ``<split>/exceptions``. Trajectories that ``train`` already recorded
-        at that step are not written twice."""
-        items = list(trajectories or [])
-        flat = [t for item in items for t in (item.trajectories if isinstance(item, TrajectoryGroup) else [item])]
-        failed = sum(isinstance(t, BaseException) for t in flat) + sum(
-            len(item.exceptions) for item in items if isinstance(item, TrajectoryGroup)
-        )
-        metrics = dict(metrics or {}) | ({"exceptions": failed} if failed else {})
-        kept = [t for t in flat if isinstance(t, Trajectory)]
-        return await self.backend().log(self, kept, split, metrics, step)
 
     async def delete_checkpoints(
         self, best_checkpoint_metric: str = "val/reward", *, maximize: bool = True

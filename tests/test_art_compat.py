@@ -196,6 +196,27 @@ async def test_model_backend_client_and_litellm_params_as_arts(backend: LocalBac
     assert ARTLocalBackend is ARTLocalBackendModule is art.LocalBackend
 
 
+async def test_a_prompted_model_is_a_baseline_logged_like_a_trained_one(backend: LocalBackend, model):
+    """ART's benchmark scripts log a prompted model (any OpenAI-compatible endpoint) next to the trained ones."""
+    baseline = art.Model(
+        name="prompted-baseline",
+        project="art-compat",
+        inference_model_name=model.name,  # here: the session's model as served; in ART scripts e.g. gpt-4.1
+        inference_base_url=backend.base_url,
+        inference_api_key="unused",
+    )
+    await baseline.register(backend)
+    assert baseline.backend() is backend and await baseline.get_step() == 0
+    messages = [{"role": "user", "content": "Say hi."}]
+    response = await baseline.openai_client().chat.completions.create(
+        model=baseline.get_inference_name(), messages=messages, max_tokens=4
+    )
+    trajectory = art.Trajectory(messages_and_choices=[*messages, response.choices[0]], reward=0.5)
+    await baseline.log([trajectory, ConnectionError("one rollout failed")], split="val")
+    (row,) = backend.run(baseline).history()
+    assert (row["step"], row["split"], row["val/reward"], row["val/exceptions"]) == (0, "val", 0.5, 1)
+
+
 async def test_local_backend_takes_arts_arguments(tmp_path: Path):
     notices = []
     with warnings.catch_warnings(record=True) as caught:
