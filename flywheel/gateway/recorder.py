@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -15,6 +16,7 @@ from flywheel.store import CallRecord, EpisodeRecord, Store
 from flywheel.store import episodes as db
 
 CACHED_EPISODES = 4096  # open episodes whose outputs stay in memory (others are read back from the store)
+WRITER_IDLE_S = 5.0  # the call writer's thread ends after this long with nothing to write
 
 
 def outputs_of(call: CallRecord, eos_ids: set[int]) -> list[Output]:
@@ -41,14 +43,42 @@ def outputs_of(call: CallRecord, eos_ids: set[int]) -> list[Output]:
     return found
 
 
+@dataclass
+class _Pending:
+    """A finished call waiting for the writer: what to store, and whom to answer once it is committed."""
+
+    episode_id: str
+    fields: dict[str, Any]
+    eos_ids: set[int]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[CallRecord]
+
+
+def _settle(results: list[tuple[asyncio.Future, CallRecord | BaseException]]) -> None:
+    """On the waiting calls' event loop: each call's record or error (a call cancelled meanwhile is recorded all
+    the same, and told nothing)."""
+    for future, outcome in results:
+        if future.done():
+            continue
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+
 class Gateway:
     """Episodes in front of the engine: prepares each call's prompt from the episode's earlier outputs and
-    records the call. Thread-safe; its store calls run off the event loop."""
+    records the call. Thread-safe; its store calls run off the event loop. Calls are recorded by one writer
+    thread, which commits all those that finished together in one transaction (group commit) before any of them
+    is answered: a burst of calls waits for one commit, not for one another's."""
 
     def __init__(self, store: Store):
         self.store = store
         self._outputs: OrderedDict[str, list[Output]] = OrderedDict()  # episode -> its outputs, most recent last
         self._lock = threading.Lock()
+        self._queue: list[_Pending] = []  # calls to record, in the order they finished
+        self._queued = threading.Condition()  # guards _queue and _writer
+        self._writer: threading.Thread | None = None  # runs while there are calls to write
 
     def _cached(self, episode_id: str) -> list[Output] | None:
         """The outputs of an episode this process holds (open, recorded here), if it holds them."""
@@ -79,8 +109,10 @@ class Gateway:
 
     async def check_open(self, episode_id: str) -> None:
         """Raise unless calls may be recorded in the episode (unknown: ``UnknownEpisodeError``; closed:
-        ``EpisodeConflictError``)."""
-        await self.store.run(db.check_open, episode_id)
+        ``EpisodeConflictError``). An episode whose outputs this process holds is open as far as it knows (one
+        closed meanwhile elsewhere is refused when its call is recorded, as ``prepare`` says)."""
+        if self._cached(episode_id) is None:
+            await self.store.run(db.check_open, episode_id)
 
     async def prepare(
         self,
@@ -100,23 +132,6 @@ class Gateway:
             return splice_prompt(tokenizer, messages, tools, cached)
         return await asyncio.to_thread(self._prepare, episode_id, messages, tools, tokenizer, eos_ids)
 
-    def _record(self, episode_id: str, splice: Splice, eos_ids: set[int], **fields: Any) -> CallRecord:
-        with self.store.session() as s:
-            call = db.add_call(
-                s,
-                episode_id,
-                prefix_call=splice.prefix_call,
-                prefix_choice=splice.prefix_choice,
-                prefix_message=splice.prefix_message,
-                retokenized_turns=splice.retokenized_turns,
-                reward=None,
-                **fields,
-            )
-        with self._lock:
-            if episode_id in self._outputs:
-                self._outputs[episode_id] += outputs_of(call, eos_ids)
-        return call
-
     async def record(
         self,
         episode_id: str,
@@ -134,13 +149,16 @@ class Gateway:
     ) -> CallRecord:
         """Store a finished call. ``response``: the chat.completion body with every choice's token ids and
         log-probs (whatever the client asked to see); ``text_only``: it has no token ids (an upstream returned
-        none); ``upstream``: where the call was answered, if not by the local engine."""
+        none); ``upstream``: where the call was answered, if not by the local engine. Returns once the call is
+        committed (with those that finished with it), so that whoever is answered then finds it recorded; its
+        episode unknown or closed meanwhile: ``UnknownEpisodeError`` or ``EpisodeConflictError`` for it alone."""
         usage = response.get("usage") or {}
-        return await asyncio.to_thread(
-            self._record,
-            episode_id,
-            splice,
-            eos_ids,
+        fields = dict(
+            prefix_call=splice.prefix_call,
+            prefix_choice=splice.prefix_choice,
+            prefix_message=splice.prefix_message,
+            retokenized_turns=splice.retokenized_turns,
+            reward=None,
             model=model,
             step=step,
             request=request,
@@ -152,6 +170,60 @@ class Gateway:
             upstream=upstream,
             deployment=deployment,
         )
+        loop = asyncio.get_running_loop()
+        pending = _Pending(episode_id, fields, eos_ids, loop, loop.create_future())
+        with self._queued:
+            self._queue.append(pending)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write, name="flywheel-call-writer", daemon=True)
+                self._writer.start()
+            self._queued.notify()
+        return await pending.future
+
+    def _write(self) -> None:
+        """The writer thread: commits what is queued, one transaction per batch, until nothing came for
+        ``WRITER_IDLE_S`` seconds."""
+        while True:
+            with self._queued:
+                if not self._queue:
+                    self._queued.wait(WRITER_IDLE_S)
+                if not self._queue:
+                    self._writer = None  # the next call starts another
+                    return
+                batch, self._queue = self._queue, []
+            settled: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, CallRecord | BaseException]]] = {}
+            for p, outcome in zip(batch, self._commit(batch), strict=True):
+                settled.setdefault(p.loop, []).append((p.future, self._hold(p, outcome)))
+            for loop, results in settled.items():  # one wake-up per event loop per batch
+                try:
+                    loop.call_soon_threadsafe(_settle, results)
+                except RuntimeError:  # that loop is closed: nobody waits for these answers any more
+                    pass
+
+    def _hold(self, p: _Pending, outcome: CallRecord | BaseException) -> CallRecord | BaseException:
+        """Add a recorded call's outputs to its episode's, if this process holds them (before the call is answered:
+        the episode's next call is spliced onto them)."""
+        if not isinstance(outcome, CallRecord):
+            return outcome
+        try:
+            outputs = outputs_of(outcome, p.eos_ids)
+        except Exception as exc:  # a body with no readable choices: recorded, but its answer says so
+            return exc
+        with self._lock:
+            if p.episode_id in self._outputs:
+                self._outputs[p.episode_id] += outputs
+        return outcome
+
+    def _commit(self, batch: list[_Pending]) -> list[CallRecord | BaseException]:
+        """Write a batch of calls in one transaction; if it fails as a whole, each call alone (so that one call's
+        failure is that call's only)."""
+        try:
+            with self.store.session() as s:
+                return list(db.add_calls(s, [(p.episode_id, p.fields) for p in batch]))
+        except Exception as exc:
+            if len(batch) == 1:
+                return [exc]
+            return [outcome for p in batch for outcome in self._commit([p])]
 
     def forget(self, episode: EpisodeRecord) -> None:
         """Drop a closed episode's outputs from memory."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any
@@ -149,11 +150,35 @@ def check_open(s: Session, episode_id: str) -> EpisodeRecord:
 
 def add_call(s: Session, episode_id: str, **fields: Any) -> CallRecord:
     """Record a call (``fields``: the columns of ``Call`` but id, episode_id, created_at) in an open episode."""
-    check_open(s, episode_id)
-    row = Call(episode_id=episode_id, created_at=_now(), **fields)
-    s.add(row)
+    (outcome,) = add_calls(s, [(episode_id, fields)])
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def add_calls(
+    s: Session, calls: Sequence[tuple[str, dict[str, Any]]]
+) -> list[CallRecord | UnknownEpisodeError | EpisodeConflictError]:
+    """Record calls (each an episode id and ``add_call``'s fields) in one flush, ids in the order given; for each,
+    its record, or the error that refused it (its episode unknown or closed: the others are recorded all the
+    same). The episodes' rows are locked until the unit of work ends (on a server; SQLite has one writer anyway),
+    so an episode finished meanwhile either waits for these calls or refuses them."""
+    wanted = sorted({episode_id for episode_id, _ in calls})  # one order: writers lock rows without a deadlock
+    query = select(Episode.id, Episode.status).where(Episode.id.in_(wanted)).order_by(Episode.id).with_for_update()
+    status = dict(s.execute(query).all())
+    outcomes: list[CallRecord | UnknownEpisodeError | EpisodeConflictError | Call] = []
+    for episode_id, fields in calls:
+        if episode_id not in status:
+            outcomes.append(UnknownEpisodeError(episode_id))
+        elif status[episode_id] != EpisodeStatus.open:
+            outcomes.append(
+                EpisodeConflictError(f"Episode {episode_id!r} is {status[episode_id]}: it takes no more calls.")
+            )
+        else:
+            outcomes.append(Call(episode_id=episode_id, created_at=_now(), **fields))
+    s.add_all([o for o in outcomes if isinstance(o, Call)])  # inserted, and numbered, in this order
     s.flush()
-    return CallRecord.model_validate(row)
+    return [CallRecord.model_validate(o) if isinstance(o, Call) else o for o in outcomes]
 
 
 def calls(s: Session, episode_id: str) -> list[CallRecord]:
