@@ -152,8 +152,13 @@ class Trajectory(History):
     metrics: dict[str, float | int | bool] = {}
     metadata: dict[str, MetadataValue] = {}
     logs: list[str] = []
-    # when the trajectory was made (time.monotonic()), for finish(); not saved
+    # when the trajectory was made (time.monotonic()), for finish(); not saved, and not part of its value (__eq__)
     _started: float = PrivateAttr(default_factory=time.monotonic)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Trajectory):
+            return NotImplemented
+        return type(self) is type(other) and self.__dict__ == other.__dict__
 
     def log(self, message: str) -> None:
         """Adds a line to ``logs`` (kept with the trajectory, shown by ``for_logging``)."""

@@ -153,6 +153,8 @@ async def test_trajectories_groups_and_gather_take_arts_arguments(capsys: pytest
     assert all(t.metrics["env_duration"] > 0 and "duration" in t.metrics for t in group)
     bar = capsys.readouterr().err.split("\r")[-1]
     assert "completion_tokens=0" in bar and "env_duration=" in bar and bar.count("duration=") == 1  # max_metrics=1
+    # the start time finish() measures from is not part of a trajectory's value: a JSON round trip is equal
+    assert art.Trajectory.model_validate_json(group.trajectories[0].model_dump_json()) == group.trajectories[0]
     logged = group.trajectories[2].for_logging()
     assert logged["logs"] == ["rollout 5"] and logged["messages"] == [
         {"role": "user", "content": "#5", "trainable": False}
