@@ -68,6 +68,7 @@ class TrafficCounts:
     """What the policy did since the process started."""
 
     canary: int = 0  # production requests the canary answered
+    followed: int = 0  # answers to episodes' aliased calls whose follow-up (arm, shadow) has started
     mirrored: int = 0  # shadow calls answered and recorded
     shadow_failed: int = 0  # shadow calls that failed (logged)
     shadow_dropped: int = 0  # shadow calls not made: max_in_flight were running
@@ -116,6 +117,7 @@ class TrafficPolicy:
         waits for nothing). ``mirror(shadow alias, shadow episode id)`` makes the shadow's call."""
         if episode_id is None:
             return
+        self.counts.followed += 1
         if self._marked.get(episode_id) != route.deployment:
             self._spawn(self._mark(episode_id, route.deployment))
         if route.shadow is None:
@@ -157,7 +159,9 @@ class TrafficPolicy:
         finally:
             self._in_flight -= 1
 
-    async def drain(self) -> None:
-        """Wait until the work started after answers has ended (from any event loop: it polls)."""
-        while self._tasks:  # noqa: ASYNC110  (the tasks run on the server's loop: no Event of this one sees them)
-            await asyncio.sleep(0.01)
+    async def drain(self, followed: int = 0) -> None:
+        """Wait until ``followed`` answers have been followed up and the work that started has ended (from any
+        event loop: it polls; at most a minute). An answer is followed up once sent: after its client may read it."""
+        async with asyncio.timeout(60):
+            while self.counts.followed < followed or self._tasks:  # noqa: ASYNC110  (on the server's loop)
+                await asyncio.sleep(0.01)
