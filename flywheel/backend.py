@@ -9,10 +9,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from flywheel import checkpoint_sync
 from flywheel.dev import train_config
 from flywheel.gateway.auth import ApiKeys, is_loopback
 from flywheel.gateway.recorder import Gateway
@@ -392,6 +393,44 @@ class LocalBackend:
         self.trainer(model)  # registered: this backend owns the directory
         async with self._step_locks[(model.project, model.name)]:
             return await asyncio.to_thread(self.run(model).prune, best_checkpoint_metric, maximize)
+
+    async def _experimental_push_to_s3(
+        self,
+        model: Model,
+        *,
+        s3_bucket: str | None = None,
+        prefix: str | None = None,
+        verbose: bool = False,
+        delete: bool = False,
+    ) -> None:
+        """ART's checkpoint sync: the model's directory to ``<s3_bucket>/<prefix>/<project>/models/<name>``, where
+        ``s3_bucket`` is a bucket name (S3, needs ``s3fs``) or any fsspec URL (``flywheel.checkpoint_sync``)."""
+        url = checkpoint_sync.remote_url(model.project, model.name, s3_bucket, prefix)
+        async with self._step_locks.get((model.project, model.name)) or contextlib.nullcontext():  # between steps
+            await asyncio.to_thread(checkpoint_sync.push, self.model_dir(model), url, delete=delete, verbose=verbose)
+
+    async def _experimental_pull_from_s3(
+        self,
+        model: Model,
+        *,
+        s3_bucket: str | None = None,
+        prefix: str | None = None,
+        verbose: bool = False,
+        delete: bool = False,
+        only_step: int | Literal["latest"] | None = None,
+    ) -> None:
+        """ART's checkpoint sync, the other way: before ``register`` (which then resumes from what was pulled)."""
+        if (model.project, model.name) in self._trainers:
+            raise RuntimeError(f"Model '{model.name}' is registered here: pull its directory before register().")
+        url = checkpoint_sync.remote_url(model.project, model.name, s3_bucket, prefix)
+        run = RunStore(self.model_dir(model))
+        run.lock()  # no other backend has it registered while its files change
+        try:
+            await asyncio.to_thread(
+                checkpoint_sync.pull, url, run.path, only_step=only_step, delete=delete, verbose=verbose
+            )
+        finally:
+            run.unlock()
 
     async def close(self) -> None:
         if self._server is not None:

@@ -10,6 +10,7 @@ trains it for two short steps); the others need no model or use the session's.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import random
 import warnings
@@ -229,15 +230,32 @@ async def test_local_backend_takes_arts_arguments(tmp_path: Path):
     await local.close()
 
 
+async def test_checkpoint_sync_says_what_it_needs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    local = ARTLocalBackend(path=tmp_path)
+    never_trained = art.Model(name="nothing-yet", project="art-compat")
+    monkeypatch.delenv("BACKUP_BUCKET", raising=False)
+    with pytest.raises(ValueError, match="BACKUP_BUCKET"):
+        await local._experimental_push_to_s3(never_trained)
+    with pytest.raises(FileNotFoundError, match="nothing to push"):
+        await local._experimental_push_to_s3(never_trained, s3_bucket=f"file://{tmp_path / 'bucket'}")
+    with pytest.raises(FileNotFoundError, match="nothing to pull"):
+        await local._experimental_pull_from_s3(never_trained, s3_bucket=f"file://{tmp_path / 'bucket'}")
+    if importlib.util.find_spec("s3fs") is None:  # a bucket name is S3's: without s3fs, an error that names it
+        with pytest.raises(ImportError, match="s3fs"):
+            await local._experimental_pull_from_s3(never_trained, s3_bucket="my-bucket")
+    await local.close()
+
+
 class GameConfig(BaseModel):
     max_turns: int = 2
 
 
 async def test_an_art_style_multi_turn_game_trains_with_both_entry_points(
-    backend: LocalBackend, capsys: pytest.CaptureFixture[str]
+    backend: LocalBackend, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ):
     """A two-turn number game in ART's style; step 1 through ``model.train(config, _config, verbose)``, step 2
-    through ``backend.train(..., learning_rate=...)`` and ``model.log(..., metrics=, step=)``."""
+    through ``backend.train(..., learning_rate=...)`` and ``model.log(..., metrics=, step=)``; then its directory
+    goes to a bucket (a ``file://`` one) and comes back on another backend, as ART's checkpoint sync does."""
     model = art.TrainableModel(
         name="art-game",
         project="art-compat",
@@ -297,3 +315,15 @@ async def test_an_art_style_multi_turn_game_trains_with_both_entry_points(
     assert len(trained) == 3  # model.log did not write backend.train's trajectories a second time
     assert all(json.loads(line)["metrics"]["llm_duration"] > 0 for line in trained)
     assert await model.delete_checkpoints() == [1]  # keeps the latest and the best by val/reward
+
+    bucket = f"file://{tmp_path / 'bucket'}"
+    await backend._experimental_push_to_s3(model, s3_bucket=bucket, prefix="runs")
+    pushed = tmp_path / "bucket" / "runs" / "art-compat" / "models" / "art-game"
+    assert (pushed / "history.jsonl").read_text() == (run.path / "history.jsonl").read_text()
+    assert (pushed / "checkpoints" / "0002").is_dir() and not (pushed / ".lock").exists()
+    with pytest.raises(RuntimeError, match="before register"):
+        await backend._experimental_pull_from_s3(model, s3_bucket=bucket, prefix="runs")
+    elsewhere = ARTLocalBackend(path=tmp_path / "elsewhere")
+    await elsewhere._experimental_pull_from_s3(model, s3_bucket=bucket, prefix="runs", only_step="latest")
+    assert elsewhere.run(model).steps() == [2] and elsewhere.run(model).history() == rows
+    await elsewhere.close()
