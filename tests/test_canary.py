@@ -209,6 +209,9 @@ async def test_a_canary_answers_a_sticky_share_of_episodes_and_hands_them_back_w
         deployments.remove(s, CANARY_ALIAS, actor="ana", reason="regressed")  # removed: production again
     await run(fresh, 1)
     assert (await recorded(store, fresh))[-1] == (PRODUCTION, 3)
+    deploy(store, CANARY_ALIAS, 7, share=1.0)  # a checkpoint nothing serves: production answers, not a 404
+    await run(fresh, 1)
+    assert (await recorded(store, fresh))[-1] == (PRODUCTION, 3) and traffic.counts.canary_unserved == 1
 
 
 async def test_a_shadow_answers_the_same_calls_after_the_user_in_a_linked_episode(gateway):
@@ -228,7 +231,7 @@ async def test_a_shadow_answers_the_same_calls_after_the_user_in_a_linked_episod
         answers = []
         for messages in turns:
             reply = await client.chat.completions.create(
-                model=PRODUCTION, **{**ASK, "messages": messages, "max_tokens": 4}
+                model=PRODUCTION, **{**ASK, "messages": messages, "max_tokens": 2}
             )
             answers.append(reply.choices[0].message.content)
             answered += 1

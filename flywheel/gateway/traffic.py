@@ -2,11 +2,11 @@
 which calls are mirrored to a shadow.
 
 - Canary: while ``MODEL@canary`` exists with a share ``s > 0``, a share ``s`` of production's *episodes* is
-  answered by the canary's checkpoint. An episode's side is a hash of its id (``arm_hash``): every call of it goes
-  to the same side, in every gateway process and after a restart; a call with no episode is drawn at random. The
-  recorded call names the canary (``deployment``, ``step``) and the episode's ``meta["arm"]`` the deployment that
-  answered it (``flywheel/store/arms.py``). The canary removed or its share set to 0: production answers from the
-  next request on.
+  answered by the canary's checkpoint (by production's, counted, if that one cannot be served). An episode's side
+  is a hash of its id (``arm_hash``): every call of it goes to the same side, in every gateway process and after a
+  restart; a call with no episode is drawn at random. The recorded call names the canary (``deployment``,
+  ``step``) and the episode's ``meta["arm"]`` the deployment that answered it (``flywheel/store/arms.py``). The
+  canary removed or its share set to 0: production answers from the next request on.
 - Shadow: while ``MODEL@shadow`` exists with a share ``s > 0``, the calls of a share ``s`` of the episodes that
   production answers (another hash) are also sent to the shadow's checkpoint, after the user's answer is sent,
   and recorded in the production episode's shadow episode (split ``shadow``, ``meta["shadow_of"]``), so that the
@@ -56,6 +56,7 @@ class Route:
     asked: str  # the alias the request named (calc@production)
     answer: DeploymentRecord  # the deployment that answers it (calc@production, or calc@canary)
     shadow: DeploymentRecord | None = None  # mirror the call to it, after the answer
+    fallback: DeploymentRecord | None = None  # a canary's production, if the canary's checkpoint cannot be served
 
     @property
     def deployment(self) -> str:
@@ -68,6 +69,7 @@ class TrafficCounts:
     """What the policy did since the process started."""
 
     canary: int = 0  # production requests the canary answered
+    canary_unserved: int = 0  # of those, answered by production instead: the canary's checkpoint could not be served
     followed: int = 0  # answers to episodes' aliased calls whose follow-up (arm, shadow) has started
     mirrored: int = 0  # shadow calls answered and recorded
     shadow_failed: int = 0  # shadow calls that failed (logged)
@@ -101,10 +103,19 @@ class TrafficPolicy:
         draw = random.random() if episode_id is None else arm_hash(episode_id, CANARY)
         if canary is not None and draw < _share(canary):
             self.counts.canary += 1
-            return Route(model, canary)
+            return Route(model, canary, fallback=asked)
         if episode_id is not None and shadow is not None and arm_hash(episode_id, SHADOW) < _share(shadow):
             return Route(model, asked, shadow)
         return Route(model, asked)
+
+    def fall_back(self, route: Route) -> Route | None:
+        """The route to production for a request the canary was to answer but cannot (its checkpoint is not
+        served and cannot be loaded): logged and counted; None for a route with no production to fall back on."""
+        if route.fallback is None:
+            return None
+        self.counts.canary_unserved += 1
+        log.warning("the canary %s (step %d) cannot be served: production answers", route.deployment, route.answer.step)
+        return Route(route.asked, route.fallback)
 
     async def after(
         self,

@@ -275,7 +275,12 @@ def create_app(
         canary's step for a canary's share of episodes), read at each request."""
         if traffic is not None and deployments.is_alias(model):
             route = await traffic.route(model, episode_id)
-            return await registry.resolve(route.answer.target), route
+            try:
+                return await registry.resolve(route.answer.target), route
+            except UnknownModelError:
+                if (route := traffic.fall_back(route)) is None:
+                    raise
+                return await registry.resolve(route.answer.target), route
         return await registry.resolve(model), None
 
     def _after(req: ChatCompletionRequest, episode_id: str | None, route: Route | None) -> BackgroundTask | None:
