@@ -1,6 +1,9 @@
 """Deployments: named aliases (``<model>@<stage>``, e.g. ``calc@production``, ``calc@canary``) that point at one of
 a model's checkpoint steps, and, for a canary or a shadow, the share of traffic it is meant for (0..1).
 
+The gateway applies the share (``flywheel/gateway/traffic.py``): a canary answers that share of production's
+episodes, a shadow is sent a copy of that share's calls. ``remove`` ends an alias (audited too).
+
 A stage is a word (``production``, ``canary``, ``shadow``; lowercase letters, digits, ``-`` and ``_``, starting
 with a letter): ``name@3`` already means checkpoint step 3. Every change (deploy, promote, rollback) is one unit
 of work that updates the alias *and* appends its audit event (``store/audit.py``): both or neither. So an alias's
