@@ -13,6 +13,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from flywheel import dev
+from flywheel.auto_trajectory import auto_trajectory, capture_auto_trajectory
 from flywheel.gather import gather_trajectories, gather_trajectory_groups
 from flywheel.model import Backend, Model, TrainableModel
 from flywheel.train.config import TrainConfig
@@ -46,6 +47,8 @@ __all__ = [
     "TrainableModel",
     "Trajectory",
     "TrajectoryGroup",
+    "auto_trajectory",
+    "capture_auto_trajectory",
     "dev",
     "gather_trajectories",
     "gather_trajectory_groups",

@@ -12,8 +12,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-import httpx
-from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+from openai import AsyncOpenAI, Timeout
 from pydantic import BaseModel, PrivateAttr, SerializeAsAny, field_validator
 
 from flywheel import dev
@@ -26,7 +25,7 @@ if TYPE_CHECKING:
 ModelConfig = TypeVar("ModelConfig", bound=BaseModel | None)
 
 # ART's client settings: a rollout may wait long for a busy engine, a connection should not
-OPENAI_TIMEOUT = httpx.Timeout(timeout=1200, connect=5.0)
+OPENAI_TIMEOUT = Timeout(timeout=1200, connect=5.0)
 
 
 class Model(BaseModel, Generic[ModelConfig]):
@@ -76,10 +75,6 @@ class Model(BaseModel, Generic[ModelConfig]):
                 base_url=self._base_url(),
                 api_key=api_key,
                 timeout=OPENAI_TIMEOUT,
-                http_client=DefaultAsyncHttpxClient(
-                    timeout=OPENAI_TIMEOUT,
-                    limits=httpx.Limits(max_connections=100_000, max_keepalive_connections=100_000),
-                ),
             )
             self._openai_client = client
         return client

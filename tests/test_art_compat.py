@@ -25,6 +25,7 @@ from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.local import LocalBackend as ARTLocalBackend
 from flywheel.local.backend import LocalBackend as ARTLocalBackendModule
 from flywheel.train.config import TrainedWeights
+from flywheel.types import sampled_tokens
 from flywheel.utils import iterate_dataset, limit_concurrency
 
 
@@ -199,12 +200,12 @@ async def test_model_backend_client_and_litellm_params_as_arts(backend: LocalBac
     assert ARTLocalBackend is ARTLocalBackendModule is art.LocalBackend
 
 
-async def test_a_prompted_model_is_a_baseline_logged_like_a_trained_one(backend: LocalBackend, model):
+async def test_a_prompted_model_is_a_baseline_logged_like_a_trained_one(backend: LocalBackend):
     """ART's benchmark scripts log a prompted model (any OpenAI-compatible endpoint) next to the trained ones."""
     baseline = art.Model(
         name="prompted-baseline",
         project="art-compat",
-        inference_model_name=model.name,  # here: the session's model as served; in ART scripts e.g. gpt-4.1
+        inference_model_name=EMBEDDED_MODEL,  # here: the base model as served; in ART scripts e.g. gpt-4.1
         inference_base_url=backend.base_url,
         inference_api_key="unused",
     )
@@ -218,6 +219,37 @@ async def test_a_prompted_model_is_a_baseline_logged_like_a_trained_one(backend:
     await baseline.log([trajectory, ConnectionError("one rollout failed")], split="val")
     (row,) = backend.run(baseline).history()
     assert (row["step"], row["split"], row["val/reward"], row["val/exceptions"]) == (0, "val", 0.5, 1)
+
+
+async def test_capture_auto_trajectory_records_the_calls_a_block_made(backend: LocalBackend):
+    model = art.Model(name=EMBEDDED_MODEL, project="art-compat", inference_base_url=backend.base_url)
+    streamed: list[str] = []
+
+    async def agent() -> None:  # an agent with no trajectory code: plain openai SDK calls
+        client = model.openai_client()
+        messages = [{"role": "user", "content": "Count to three."}]
+        first = await client.chat.completions.create(model=model.name, messages=messages, max_tokens=4)
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "Again."},
+        ]
+        stream = await client.chat.completions.create(model=model.name, messages=messages, max_tokens=4, stream=True)
+        streamed.append("".join([c.choices[0].delta.content or "" async for c in stream if c.choices]))
+        aside = [{"role": "user", "content": "Summarise: one two three."}]  # another conversation (a sub-agent)
+        await client.chat.completions.create(model=model.name, messages=aside, max_tokens=3)
+        art.auto_trajectory(required=True).reward = 1.0  # e.g. a verifier's verdict
+
+    trajectory = await art.capture_auto_trajectory(agent())
+    assert trajectory.reward == 1.0 and "duration" in trajectory.metrics
+    assert [m["role"] for m in trajectory.messages()] == ["user", "assistant", "user", "assistant"]
+    sampled = [c for c in trajectory.messages_and_choices if not isinstance(c, dict)]
+    assert len(sampled) == 2 and all(sampled_tokens(c) is not None for c in sampled)  # exact ids, streamed too
+    assert (trajectory.messages()[3]["content"] or "") == streamed[0]  # the SDK still read the whole stream
+    (aside,) = trajectory.additional_histories
+    assert aside.messages()[0]["content"].startswith("Summarise") and len(aside.messages_and_choices) == 2
+    assert art.auto_trajectory() is None
+    with pytest.raises(RuntimeError, match="outside capture_auto_trajectory"):
+        art.auto_trajectory(required=True)
 
 
 async def test_local_backend_takes_arts_arguments(tmp_path: Path):
