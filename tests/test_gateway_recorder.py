@@ -31,18 +31,22 @@ def fields(n: int) -> dict:
     )  # fmt: skip
 
 
-def test_a_batch_records_its_calls_in_order_and_refuses_only_those_of_closed_or_unknown_episodes(db_url: str):
+def test_a_batch_records_its_calls_in_order_and_refuses_only_those_it_cannot_record(db_url: str):
     store = Store(db_url)
     with store.session() as s:
         a, closed, b = (db.create_episode(s, "t").id for _ in range(3))
     with store.session() as s:
         db.set_outcome(s, closed, reward=1.0, finish=True)
     with store.session() as s:
-        outcomes = db.add_calls(s, [(a, fields(1)), (closed, fields(2)), (b, fields(3)), ("ep_nope", fields(4))])
+        nan = fields(6) | {"response": {"choices": [], "x": float("nan")}}
+        outcomes = db.add_calls(
+            s, [(a, fields(1)), (closed, fields(2)), (b, fields(3)), ("ep_nope", fields(4)), (b, nan)]
+        )
         outcomes += db.add_calls(s, [(a, fields(5))])
-    first, refused, second, unknown, third = outcomes
+    first, refused, second, unknown, unstorable, third = outcomes
     assert isinstance(refused, EpisodeConflictError) and "finished: it takes no more calls" in str(refused)
     assert isinstance(unknown, UnknownEpisodeError) and unknown.episode_id == "ep_nope"
+    assert isinstance(unstorable, ValueError) and "calls.response cannot be stored: it holds nan" in str(unstorable)
     assert isinstance(first, CallRecord) and isinstance(second, CallRecord) and isinstance(third, CallRecord)
     assert first.id < second.id < third.id  # the order given is the calls' order
     with store.session() as s:

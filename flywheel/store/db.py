@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import JSON, Engine, String, create_engine, event, inspect, make_url
+from sqlalchemy import JSON, Engine, String, Table, create_engine, event, inspect, make_url
 from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -95,17 +95,27 @@ def _storable(session: Session, _context: Any, _instances: Any) -> None:
             if not isinstance(kind, String | JSON):
                 continue
             for value in state.attrs[attribute.key].history.added:  # what this flush writes
-                where = f"{state.mapper.local_table.name}.{attribute.key}"
-                if isinstance(value, str) and "\x00" in value:
-                    raise ValueError(f"{where} cannot be stored: it contains a NUL character (\\u0000)")
-                if isinstance(kind, JSON) and value is not None:
-                    try:
-                        json.dumps(value, allow_nan=False)
-                    except ValueError:
-                        raise ValueError(
-                            f"{where} cannot be stored: it holds {_bad_number(value)}; JSON has no NaN or infinity"
-                            " (send a finite number or null)"
-                        ) from None
+                _check_value(f"{state.mapper.local_table.name}.{attribute.key}", kind, value)
+
+
+def storable(table: Table, row: dict[str, Any]) -> None:
+    """The same refusal for a row written without the ORM (a bulk insert, which no flush checks)."""
+    for column in table.columns:
+        if column.key in row and isinstance(column.type, String | JSON):
+            _check_value(f"{table.name}.{column.key}", column.type, row[column.key])
+
+
+def _check_value(where: str, kind: String | JSON, value: Any) -> None:
+    if isinstance(value, str) and "\x00" in value:
+        raise ValueError(f"{where} cannot be stored: it contains a NUL character (\\u0000)")
+    if isinstance(kind, JSON) and value is not None:
+        try:
+            json.dumps(value, allow_nan=False)
+        except ValueError:
+            raise ValueError(
+                f"{where} cannot be stored: it holds {_bad_number(value)}; JSON has no NaN or infinity"
+                " (send a finite number or null)"
+            ) from None
 
 
 def upgrade(engine: Engine) -> None:
