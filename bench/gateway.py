@@ -8,8 +8,8 @@ route the agent re-sends the reply it got, as agents do, so each call is spliced
 and p99 of each route and of the per-pair difference (episode - plain, the same agent and round), at 1 and 32
 agents. The agents run in a process of their own, as agents do; with ``--agents-in server`` they run in the
 server's process, on an event loop of its own, as they did for the results up to ``gateway-20261126-074732.json``
-(their Python then competes with the gateway's threads for one GIL). Usage: ``python bench/gateway.py [--rounds 200] [--agents 1 32] [--agents-in process|server]``; writes
-bench/results/gateway-<time>.json.
+(their Python then competes with the gateway's threads for one GIL). Usage: ``python bench/gateway.py
+[--rounds 200] [--agents 1 32] [--agents-in process|server]``; writes bench/results/gateway-<time>.json.
 """
 
 from __future__ import annotations
