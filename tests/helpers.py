@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from openai.types.chat import ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice
@@ -49,3 +51,24 @@ def lora_b_off_zero(trainer: Trainer, std: float, *, seeded: bool = False) -> No
             if "lora_B" in name:
                 p.normal_(std=std, generator=torch.Generator().manual_seed(len(name)) if seeded else None)
     trainer._adopt_params()
+
+
+def at_once(n: int, fn: Callable[[int], Any]) -> tuple[list[Any], list[BaseException]]:
+    """``fn(i)`` in ``n`` threads released together; their results, and what they raised."""
+    barrier = threading.Barrier(n)
+    results: list[Any] = []
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            results.append(fn(i))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results, errors

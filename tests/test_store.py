@@ -3,6 +3,7 @@ tests/postgres.py), through its repository functions only. No model, no HTTP."""
 
 from __future__ import annotations
 
+import contextlib
 from datetime import UTC, timedelta
 
 import pytest
@@ -11,10 +12,13 @@ from typer.testing import CliRunner
 
 from flywheel.cli import app
 from flywheel.store import Store
+from flywheel.store import db as store_db
 from flywheel.store import episodes as db
 from flywheel.store import tasks as queue_db
 from flywheel.store.db import MIGRATIONS, StoreUnavailableError, _with_driver
 from flywheel.store.schema import Base
+
+from helpers import at_once
 
 
 @pytest.fixture
@@ -121,3 +125,13 @@ def test_what_a_database_cannot_hold_is_refused_alike_on_both(store: Store):
     with store.session() as s:
         assert [e.id for e in db.list_episodes(s)] == [episode.id] and queue_db.list_tasks(s) == []
         assert db.get_episode(s, episode.id).metrics == {} and db.get_episode(s, episode.id).reward is None
+
+
+def test_processes_opening_a_new_database_at_once_migrate_it_once(db_url: str, monkeypatch):
+    """Gateways on several machines started together on a new database: before, each created the tables and all but
+    one failed; now one migrates while the others wait, then find it done. Four threads stand for the processes:
+    each opens a store of its own, without the lock that serialises migrations within one process."""
+    monkeypatch.setattr(store_db, "_migrating", contextlib.nullcontext())  # as if each were a process of its own
+    _, errors = at_once(4, lambda _: Store(db_url).close())
+    assert errors == []
+    test_migrations_build_the_whole_schema_from_empty(db_url)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 
 from flywheel.store import Store
 from flywheel.store import tasks as queue_db
+
+from helpers import at_once
 
 
 @pytest.fixture
@@ -19,27 +19,6 @@ def store(db_url: str):
     store = Store(db_url)
     yield store
     store.close()
-
-
-def at_once(n: int, fn: Callable[[int], Any]) -> tuple[list[Any], list[BaseException]]:
-    """``fn(i)`` in ``n`` threads released together; their results, and what they raised."""
-    barrier = threading.Barrier(n)
-    results: list[Any] = []
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        barrier.wait()
-        try:
-            results.append(fn(i))
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    return results, errors
 
 
 def test_identical_enqueues_at_once_make_one_task(store: Store):

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import JSON, Engine, String, Table, create_engine, event, inspect, make_url
+from sqlalchemy import JSON, Engine, String, Table, create_engine, event, inspect, make_url, text
 from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -23,6 +23,7 @@ from flywheel.home import default_home
 T = TypeVar("T")
 MIGRATIONS = Path(__file__).parent / "migrations"
 _migrating = threading.Lock()  # two stores opened at once in one process migrate one after the other
+MIGRATIONS_LOCK = 0x466C7977686565  # PostgreSQL's advisory lock that migrations hold ("Flywhee")
 
 
 def default_url() -> str:
@@ -123,6 +124,12 @@ def upgrade(engine: Engine) -> None:
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     with _migrating, engine.begin() as connection:
+        # processes (gateways on several machines) opening one new database at once: one migrates, the others wait
+        # for it, then find nothing to do (each would create the tables, and all but one fail)
+        if connection.dialect.name == "postgresql":
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATIONS_LOCK})
+        elif connection.dialect.name == "sqlite":  # the write lock; and Python's sqlite3 runs DDL outside a transaction
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
         config.attributes["connection"] = connection
         command.upgrade(config, "head")
 
