@@ -1,12 +1,22 @@
-"""The default redactor (flywheel/gateway/redact.py): what it replaces, and what it must leave alone."""
+"""Redaction before storage (flywheel/gateway/redact.py): what the default redactor replaces and what it must leave
+alone; and the gateway storing calls, metadata and feedback redacted, over a real loopback server."""
 
 from __future__ import annotations
 
 from collections import Counter
 
+import httpx
+import openai
 import pytest
 
+from flywheel.gateway.client import EpisodeClient, GatewayError
+from flywheel.gateway.recorder import Gateway
 from flywheel.gateway.redact import default_redactor, redact_value
+from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.inference.registry import ModelRegistry
+from flywheel.server.app import create_app
+from flywheel.server.background import BackgroundServer
+from flywheel.store import Store
 
 
 @pytest.mark.parametrize(
@@ -55,3 +65,46 @@ def test_every_string_in_a_json_value_is_redacted():
     assert redacted["temperature"] == 0.7 and redacted["email@example.com"] == "keys stay"
     assert counts == Counter({"email": 1, "phone": 1})
     assert request["messages"][0]["content"][0]["text"] == "I am bob@example.com"  # the input is not changed
+
+
+@pytest.fixture
+def gateway(engine, tmp_path):
+    registry = ModelRegistry()
+    registry.add(EMBEDDED_MODEL, engine)
+    store = Store(f"sqlite:///{tmp_path / 'f.db'}")
+    server = BackgroundServer(create_app(registry, Gateway(store))).start()
+    yield server.base_url.removesuffix("/v1")
+    server.stop()
+    store.close()
+
+
+async def test_what_the_gateway_stores_is_redacted_and_what_it_answers_is_not(gateway: str):
+    """A call with personal data is stored redacted and without the token ids that would spell it out (text-only:
+    refused for RL, saying why); one without keeps its exact ids; metadata and feedback notes are redacted too."""
+    async with EpisodeClient(gateway) as client:
+        episode = await client.create("ticket-1", split="production", metadata={"customer": "ann@example.com"})
+        assert episode.meta == {"customer": "[email]"}
+        openai_client = openai.AsyncOpenAI(base_url=episode.base_url, api_key="-", max_retries=0)
+        asked = "My card 4111 1111 1111 1111 was charged twice. Reply to ann@example.com."
+        answer = await openai_client.chat.completions.create(
+            model=EMBEDDED_MODEL, messages=[{"role": "user", "content": asked}], max_tokens=4, temperature=0
+        )
+        plain = await openai_client.chat.completions.create(
+            model=EMBEDDED_MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0
+        )
+        assert answer.choices[0].message.content and plain.choices[0].message.content
+        first, second = await client.calls(episode.id)
+        assert first["request"]["messages"][0]["content"] == "My card [card] was charged twice. Reply to [email]."
+        assert first["text_only"] and "token_ids" not in first["response"]["choices"][0]
+        assert "prompt_token_ids" not in first["response"]["choices"][0]
+        assert not second["text_only"] and second["response"]["choices"][0]["token_ids"]
+        await client.finish(episode.id, 1.0)
+        with pytest.raises(GatewayError, match="personal data was redacted") as refused:
+            await client.trajectory(episode.id)
+        assert refused.value.status == 409
+        assert (await client.trajectory(episode.id, text_only="allow")).reward == 1.0
+        posted = await client.feedback(episode.id, "rating", 1.0, note="call me on +44 20 7946 0958")
+        assert posted["note"] == "call me on [phone]"
+    async with httpx.AsyncClient(base_url=gateway) as http:
+        stats = (await http.get("/gateway/stats")).json()
+    assert stats["redacted"] == {"email": 2, "card": 1, "phone": 1}

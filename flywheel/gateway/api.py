@@ -22,6 +22,7 @@ a 400. Posting the same outcome twice is accepted and changes nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Annotated, Any, Literal
 
@@ -109,7 +110,8 @@ def episode_router(gateway: Gateway) -> APIRouter:
 
     @router.post("/episodes", status_code=201)
     async def create(body: NewEpisode, request: Request):
-        episode = await run(db.create_episode, body.task_id, split=body.split, model=body.model, meta=body.metadata)
+        meta, _ = gateway.redact(body.metadata)
+        episode = await run(db.create_episode, body.task_id, split=body.split, model=body.model, meta=meta)
         return episode_body(episode, root_url(request))
 
     @router.get("/episodes")
@@ -161,7 +163,8 @@ def episode_router(gateway: Gateway) -> APIRouter:
 
     @router.post("/episodes/{episode_id}/feedback", status_code=201)
     async def feedback(episode_id: str, body: NewFeedback):
-        record, created = await run(fb.add_feedback, episode_id, **body.model_dump())
+        note = gateway.redact(body.note)[0] if body.note is not None else None
+        record, created = await run(fb.add_feedback, episode_id, **body.model_dump(exclude={"note"}), note=note)
         return JSONResponse(record.model_dump(mode="json"), status_code=201 if created else 200)
 
     @router.get("/episodes/{episode_id}/feedback")
@@ -187,6 +190,15 @@ def episode_router(gateway: Gateway) -> APIRouter:
     def group_of(s, task_id: str, split: str | None, text_only: str):
         found = db.list_episodes(s, task_id=task_id, split=split, status=EpisodeStatus.finished, limit=10_000)
         return trajectory_group([(e, db.calls(s, e.id)) for e in found], text_only=text_only == "allow")
+
+    @router.get("/gateway/stats")
+    async def stats(request: Request):
+        """What the gateway did since it started: redactions by kind, canary and shadow traffic."""
+        traffic = getattr(request.app.state, "traffic", None)
+        return {
+            "redacted": dict(gateway.redactions),
+            "traffic": dataclasses.asdict(traffic.counts) if traffic is not None else {},
+        }
 
     @router.get("/groups")
     async def group(task_id: str, split: str | None = None, text_only: TextOnly = "refuse"):

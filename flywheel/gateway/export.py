@@ -26,6 +26,10 @@ class NotTrainableError(ValueError):
 
 
 TEXT_ONLY_REASON = "its upstream returned no token ids: usable for SFT, graders and evaluation, not RL"
+REDACTED_REASON = (
+    "personal data was redacted from them before they were stored, and their token ids with it: usable for SFT,"
+    " graders and evaluation, not RL"
+)
 
 
 def _choice(call: CallRecord, index: int) -> Choice:
@@ -77,7 +81,8 @@ def episode_trajectory(episode: EpisodeRecord, calls: list[CallRecord], *, text_
     text_only_calls = [c.id for c in calls if c.text_only]
     if text_only_calls and not text_only:
         raise NotTrainableError(
-            f"Episode {episode.id!r} has text-only calls ({', '.join(map(str, text_only_calls))}): {TEXT_ONLY_REASON}."
+            f"Episode {episode.id!r} has text-only calls ({', '.join(map(str, text_only_calls))}): "
+            f"{TEXT_ONLY_REASON if any(c.upstream for c in calls if c.text_only) else REDACTED_REASON}."
             " Ask for it with text_only=allow to use it for SFT, graders or evaluation."
         )
     chains = _chains(calls)

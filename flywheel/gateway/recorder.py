@@ -5,18 +5,28 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from flywheel.gateway.redact import Redactor, default_redactor, redact_value
 from flywheel.gateway.splice import Output, Splice, output_key, splice_prompt
 from flywheel.store import CallRecord, EpisodeRecord, Store
 from flywheel.store import episodes as db
 
 CACHED_EPISODES = 4096  # open episodes whose outputs stay in memory (others are read back from the store)
 WRITER_IDLE_S = 5.0  # the call writer's thread ends after this long with nothing to write
+
+
+def without_token_ids(response: dict[str, Any]) -> dict[str, Any]:
+    """A chat.completion body without what would spell out its text token by token (ids, log-probs)."""
+    choices = [
+        {k: v for k, v in choice.items() if k not in ("token_ids", "prompt_token_ids", "logprobs")}
+        for choice in response.get("choices", [])
+    ]
+    return {**response, "choices": choices}
 
 
 def outputs_of(call: CallRecord, eos_ids: set[int]) -> list[Output]:
@@ -72,13 +82,34 @@ class Gateway:
     thread, which commits all those that finished together in one transaction (group commit) before any of them
     is answered: a burst of calls waits for one commit, not for one another's."""
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, *, redactor: Redactor | None = default_redactor):
         self.store = store
+        self.redactor = redactor  # runs on what is stored, never on what is answered; None: store as is
+        self.redactions: Counter[str] = Counter()  # what it replaced, by kind, since this gateway started
         self._outputs: OrderedDict[str, list[Output]] = OrderedDict()  # episode -> its outputs, most recent last
         self._lock = threading.Lock()
         self._queue: list[_Pending] = []  # calls to record, in the order they finished
         self._queued = threading.Condition()  # guards _queue and _writer
         self._writer: threading.Thread | None = None  # runs while there are calls to write
+
+    def redact(self, value: Any) -> tuple[Any, int]:
+        """``value`` as it may be stored (every string through the redactor) and how many things it replaced."""
+        if self.redactor is None:
+            return value, 0
+        redacted, found = redact_value(value, self.redactor)
+        if found:
+            with self._lock:
+                self.redactions.update(found)
+        return redacted, sum(found.values())
+
+    def _redacted(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """A call's columns as they may be stored: request and response redacted; a call in which something was
+        redacted keeps no token ids or log-probs (they would spell it out) and is text-only."""
+        request, in_request = self.redact(fields["request"])
+        response, in_response = self.redact(fields["response"])
+        if not (in_request or in_response):
+            return fields
+        return fields | {"request": request, "response": without_token_ids(response), "text_only": True}
 
     def _cached(self, episode_id: str) -> list[Output] | None:
         """The outputs of an episode this process holds (open, recorded here), if it holds them."""
@@ -192,6 +223,8 @@ class Gateway:
                     return
                 batch, self._queue = self._queue, []
             settled: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, CallRecord | BaseException]]] = {}
+            for p in batch:  # here, not on the event loop: it reads every string of the call
+                p.fields = self._redacted(p.fields)
             for p, outcome in zip(batch, self._commit(batch), strict=True):
                 settled.setdefault(p.loop, []).append((p.future, self._hold(p, outcome)))
             for loop, results in settled.items():  # one wake-up per event loop per batch
