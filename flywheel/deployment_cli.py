@@ -20,6 +20,7 @@ from rich.table import Table
 
 from flywheel.home import default_home
 from flywheel.store import Store, audit, deployments
+from flywheel.store.db import StoreUnavailableError, shown_url
 from flywheel.store.deployments import InvalidAliasError, NoRollbackError, UnknownDeploymentError
 
 console = Console()
@@ -36,6 +37,14 @@ Home = Annotated[
     Path | None, typer.Option(help="Where models' checkpoints are (default: $FLYWHEEL_HOME, else ./.flywheel).")
 ]
 Project = Annotated[str | None, typer.Option(help="The model's project, if its name is a model of several.")]
+
+
+def _open(db: str | None) -> Store:
+    """The store, or one line saying why it cannot be opened (exit 2)."""
+    try:
+        return Store(db)
+    except StoreUnavailableError as exc:
+        _fail(str(exc))
 
 
 def _fail(message: str) -> NoReturn:
@@ -103,7 +112,7 @@ def deploy(
     if share is not None and not 0 <= share <= 1:
         _fail(f"--share must be from 0 to 1, not {share}.")
     _check_step(model, step, home, project)
-    store = Store(db)
+    store = _open(db)
     try:
         with store.session() as s:
             audit.lock(s)
@@ -133,7 +142,7 @@ def promote(
     _parse(f"{model}@{source}")
     _parse(f"{model}@{target}")
     who = _actor(actor)
-    store = Store(db)
+    store = _open(db)
     try:
         with store.session() as s:
             audit.lock(s)  # what is read here is what gets promoted
@@ -159,7 +168,7 @@ def rollback(
     rolling back again goes further back)."""
     model, _ = _parse(alias)
     who = _actor(actor)
-    store = Store(db)
+    store = _open(db)
     try:
         with store.session() as s:
             audit.lock(s)  # what is read here is what gets changed
@@ -205,13 +214,13 @@ def show(
     """The latest audit events, oldest first."""
     if ctx.invoked_subcommand is not None:
         return
-    store = Store(db)
+    store = _open(db)
     try:
         with store.session() as s:
             events = audit.events(s, subject=subject, limit=limit)
     finally:
         store.close()
-    table = Table(title="Audit trail" if events else f"Audit trail: no events in {store.url}")
+    table = Table(title="Audit trail" if events else f"Audit trail: no events in {shown_url(store.url)}")
     for column in ("id", "when", "actor", "action", "subject"):
         table.add_column(column, no_wrap=True)
     table.add_column("details")
@@ -226,7 +235,7 @@ def show(
 @audit_app.command()
 def verify(db: Db = None):
     """Check the audit chain: exit 0 if every event is as appended, 1 naming the first row that is not."""
-    store = Store(db)
+    store = _open(db)
     try:
         with store.session() as s:
             report = audit.verify(s)
@@ -243,13 +252,13 @@ def show_deployments(
     db: Db = None,
 ):
     """The deployments and the checkpoint step each points at now."""
-    store = Store(db)
+    store = _open(db)
     try:
         with store.session() as s:
             found = deployments.list_deployments(s, model)
     finally:
         store.close()
-    table = Table(title="Deployments" if found else f"Deployments: none in {store.url}")
+    table = Table(title="Deployments" if found else f"Deployments: none in {shown_url(store.url)}")
     for column in ("deployment", "step", "share", "since", "by", "audit event"):
         table.add_column(column)
     for d in found:

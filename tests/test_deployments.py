@@ -266,3 +266,12 @@ def test_the_cli_wants_an_actor_and_a_rollback_needs_an_earlier_step(cli):
     result = cli("rollback", "calc@production")
     assert result.exit_code == 2 and "no earlier step" in result.output
     assert "OK: 1 events" in cli("audit", "verify").output
+
+
+@pytest.mark.parametrize("command", [["audit"], ["deployments"], ["graders", "regress", "a.yaml", "b.yaml"]])
+def test_a_store_that_cannot_be_opened_is_one_line_without_its_password(command, tmp_path):
+    url = f"postgresql://flywheel:s3cret@127.0.0.1:1/db?host={tmp_path}"  # nothing listens there
+    result = CliRunner().invoke(app, [*command, "--db", url], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert "Cannot open the store" in result.output and "s3cret" not in result.output
+    assert "Traceback" not in result.output

@@ -178,8 +178,13 @@ def regress(
     from flywheel.graders.regress import regress as run_regress
     from flywheel.graders.sandbox import PythonSandbox, SandboxLimits
     from flywheel.store import Store
+    from flywheel.store.db import StoreUnavailableError
 
-    store = Store(db)
+    try:
+        store = Store(db)
+    except StoreUnavailableError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
     try:
         stacks = [_stack_from(value, store) for value in (old, new)]
     except GraderSpecError as exc:
