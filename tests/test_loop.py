@@ -1,0 +1,136 @@
+"""The loop on the session's backend: held-out evaluation through the gateway's runners (flywheel/loop/evaluate.py:
+a real Runner with a small agent, each item scored by a grader stack, grades recorded, results paired by the gate),
+and the loop itself (flywheel/loop/driver.py: production episodes in, two training steps, a candidate through the
+gate to a canary deployment, every decision audited)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import openai
+import yaml
+
+from flywheel.backend import LocalBackend
+from flywheel.gateway.client import QueueClient
+from flywheel.gateway.runner import Runner, current_lease
+from flywheel.graders.stack import parse_stack
+from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.loop.driver import Loop, LoopConfig
+from flywheel.loop.evaluate import evaluate
+from flywheel.loop.gate import GatePolicy, HeldOutSet, decide
+from flywheel.store import audit, deployments
+from flywheel.store import episodes as db
+from flywheel.store import grades as gdb
+
+HELDOUT = HeldOutSet(
+    name="colours",
+    items={f"q{i}": {"question": f"Name a colour that starts with the letter {c}.", "fail": c == "x"} for i, c in enumerate("bgrx")},
+)  # fmt: skip
+STACK = parse_stack({
+    "name": "colours",
+    "reward": {"type": "string_check", "name": "blue", "input": "{{sample.output_text}}", "reference": "lue", "operation": "ilike"},
+    "safety": {"type": "string_check", "name": "not-empty", "input": "{{sample.output_text}}", "reference": "", "operation": "ne"},
+})  # fmt: skip
+
+
+async def agent(task: dict, base_url: str) -> float:
+    if task["fail"]:
+        raise RuntimeError("this environment is broken for item x")
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0)
+    await client.chat.completions.create(
+        model=current_lease().model,
+        messages=[{"role": "user", "content": task["question"]}],
+        max_tokens=6,
+        temperature=0,
+    )
+    return 0.0  # the agent's own reward is not what the gate looks at: the stack grades the episode
+
+
+async def test_held_out_items_run_by_runners_are_scored_recorded_and_paired(backend: LocalBackend):
+    root = backend.base_url.removesuffix("/v1")
+    runner = asyncio.create_task(Runner(root, agent, concurrency=4, poll_interval=0.1).run())
+    try:
+        async with QueueClient(root) as queue:
+            first = await evaluate(queue, HELDOUT, EMBEDDED_MODEL, STACK, samples=2, max_wait=300, store=backend.gateway.store)  # fmt: skip
+            again = await evaluate(queue, HELDOUT, EMBEDDED_MODEL, STACK, samples=2, max_wait=300)
+    finally:
+        runner.cancel()
+    assert [r.item for r in first.results] == ["q0", "q1", "q2", "q3"] and first.failed_items == ["q3"]
+    assert len(first.episodes) == 6 and first.stack == STACK.version and first.heldout.startswith("colours@")
+    answered = first.results[:3]
+    assert all(r.tokens > 0 and r.latency_ms > 0 and r.safe and r.tool_calls == 0 for r in answered)
+    assert first.results[3].score == 0.0  # every attempt failed: the item counts as not done
+    with backend.gateway.store.session() as s:
+        grades = [g for e in first.episodes for g in gdb.grades_of(s, e)]
+    assert len(grades) == 12 and {g.version for g in grades} == {STACK.version}  # reward + safety per episode
+    assert {g.component for g in grades} == {"reward", "safety"}
+    # greedy decoding: the same model twice gives the same scores, and the gate sees no lift
+    assert [r.score for r in again.results] == [r.score for r in first.results]
+    decision = decide(again.results, first.results, GatePolicy(min_items=2))
+    assert not decision.promote and decision.lift.mean == 0.0
+
+
+# rewards that differ inside every group, whatever the model says: every iteration trains a step
+NOISY = {"name": "noisy", "reward": {"type": "python", "name": "coin", "source": "import random\ndef grade(sample, item):\n    return random.random()"}}  # fmt: skip
+
+
+def write_config(tmp_path: Path) -> Path:
+    (tmp_path / "stack.json").write_text(json.dumps(NOISY))
+    items = {k: v for k, v in HELDOUT.items.items() if not v["fail"]}
+    (tmp_path / "heldout.json").write_text(json.dumps({"name": "colours", "items": items}))
+    config = {
+        "name": "loop-agent", "project": "tests", "agent": "test_loop:agent", "runners": 4,
+        "stack": "stack.json", "heldout": "heldout.json", "group_size": 2, "groups_per_step": 2, "steps": 2,
+        "candidate_every": 2, "canary_share": 0.25, "max_wait": 300,
+        "train": {"learning_rate": 1e-5},
+        # any candidate passes (a random reward, no safety grader): this test is about what follows
+        "gate": {"min_items": 2, "min_lift": -2.0, "max_increase": {"tokens": 10, "tool_calls": 10, "latency_ms": 10}},
+    }  # fmt: skip
+    (tmp_path / "loop.yaml").write_text(yaml.safe_dump(config))
+    return tmp_path / "loop.yaml"
+
+
+async def test_the_loop_takes_production_tasks_trains_and_sends_a_gated_candidate_to_canary(
+    backend: LocalBackend, tmp_path
+):
+    config = LoopConfig.load(write_config(tmp_path))
+    assert config.stack == tmp_path / "stack.json"  # paths are relative to the config file
+    store = backend.gateway.store
+    with store.session() as s:  # two production episodes, finished, whose items the loop should learn from
+        for colour in ("b", "g"):
+            item = {"id": f"prod-{colour}", "question": f"Name a colour starting with {colour}.", "fail": False}
+            e = db.create_episode(s, f"ticket-{colour}", split="production", meta={"item": item})
+            db.set_outcome(s, e.id, reward=1.0, finish=True)
+    loop = Loop(config, backend, actor="test")
+    report = await loop.run()
+    assert report.steps == [1, 2] and report.intake == 2
+    (candidate,) = report.candidates
+    assert candidate.step == 2 and candidate.decision.promote and candidate.deployed == "loop-agent@canary"
+    with store.session() as s:
+        canary = deployments.get(s, "loop-agent@canary")
+        assert (canary.step, canary.share) == (2, 0.25)
+        gate_event = next(e for e in audit.events(s, subject="loop-agent@2") if e.action == "gate.pass")
+        assert gate_event.id == candidate.event_id and len(gate_event.details["evaluations"]) == 2
+        assert gate_event.details["production"] == config.base_model  # before any promotion: the base model
+        assert deployments.history(s, "loop-agent@canary")[-1].details["gate_event"] == gate_event.id
+        trained = [
+            e for e in db.list_episodes(s, split="train", limit=1000) if e.task_id.startswith("train:loop-agent:")
+        ]
+        assert len(trained) == 2 * 2 * 2  # steps x groups x group size
+        assert all(gdb.grades_of(s, e.id, loop.stack.version) for e in trained)
+        assert audit.verify(s).ok
+
+
+async def test_iterations_whose_groups_cannot_train_take_no_step_and_make_no_candidate(backend: LocalBackend, tmp_path):
+    """Equal rewards in every group: no step is taken, so no checkpoint is a candidate (the loop ends after its
+    iterations; it once waited forever for a step that never came)."""
+    path = write_config(tmp_path)
+    flat = NOISY | {"reward": NOISY["reward"] | {"source": "def grade(sample, item):\n    return 0.5"}}
+    (tmp_path / "stack.json").write_text(json.dumps(flat))
+    config = LoopConfig.load(path).model_copy(update={"name": "flat-agent", "tasks": None})
+    (tmp_path / "tasks.jsonl").write_text('{"id": "t1", "question": "Name a colour.", "fail": false}\n')
+    config.tasks = tmp_path / "tasks.jsonl"
+    report = await Loop(config, backend, actor="test").run()
+    assert report.steps == [0, 0] and report.candidates == []
