@@ -15,6 +15,7 @@ from flywheel.agents.transitions import export_app
 from flywheel.deployment_cli import audit_app, deploy, promote, rollback, show_deployments
 from flywheel.graders.cli import eval_command, graders_app
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.loop.cli import loop_command
 from flywheel.rewards.cli import app as judge_app
 
 app = typer.Typer(
@@ -30,6 +31,7 @@ app.command()(promote)
 app.command()(rollback)
 app.command("deployments")(show_deployments)
 app.add_typer(audit_app, name="audit")
+app.command("loop")(loop_command)
 
 DTYPES = {"auto": None, "bf16": "bfloat16", "fp32": "float32"}
 

@@ -10,9 +10,12 @@ import json
 from pathlib import Path
 
 import openai
+import pytest
 import yaml
+from typer.testing import CliRunner
 
 from flywheel.backend import LocalBackend
+from flywheel.cli import app
 from flywheel.gateway.client import QueueClient
 from flywheel.gateway.runner import Runner, current_lease
 from flywheel.graders.stack import parse_stack
@@ -134,3 +137,31 @@ async def test_iterations_whose_groups_cannot_train_take_no_step_and_make_no_can
     config.tasks = tmp_path / "tasks.jsonl"
     report = await Loop(config, backend, actor="test").run()
     assert report.steps == [0, 0] and report.candidates == []
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"stepz": 3}, "stepz: Extra inputs are not permitted"),
+        ({"group_size": 1}, "group_size: Input should be greater than or equal to 2"),
+        ({"stack": "missing.yaml"}, "cannot read"),
+        ({"tasks": "tasks.jsonl"}, "tasks.jsonl line 2: not JSON"),
+    ],
+)
+def test_flywheel_loop_refuses_a_broken_configuration_in_a_few_lines_before_loading_a_model(tmp_path, change, says):
+    path = write_config(tmp_path)
+    (tmp_path / "tasks.jsonl").write_text('{"id": "t1"}\n{"id": \n')
+    path.write_text(yaml.safe_dump(yaml.safe_load(path.read_text()) | change))
+    result = CliRunner().invoke(app, ["loop", str(path), "--home", str(tmp_path / "home")])
+    assert result.exit_code == 2 and says in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "home").exists()
+
+
+def test_flywheel_loop_runs_from_the_command_line(tmp_path):
+    path = write_config(tmp_path)
+    config = yaml.safe_load(path.read_text()) | {"steps": 1, "candidate_every": 1, "tasks": "tasks.jsonl"}
+    path.write_text(yaml.safe_dump(config))
+    (tmp_path / "tasks.jsonl").write_text('{"id": "t1", "question": "Name a colour.", "fail": false}\n')
+    result = CliRunner().invoke(app, ["loop", str(path), "--home", str(tmp_path / "home"), "--actor", "ci"])
+    assert result.exit_code == 0, result.output
+    assert "1 iterations, step 1" in result.output and "loop-agent@canary" in result.output

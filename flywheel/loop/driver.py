@@ -104,14 +104,19 @@ class Loop:
     def __init__(self, config: LoopConfig, backend: LocalBackend, *, actor: str = "loop"):
         self.config, self.backend, self.actor = config, backend, actor
         self.stack: GraderStack = load_stack(config.stack)
-        data = json.loads(Path(config.heldout).read_text())
-        self.heldout = HeldOutSet(name=data["name"], items=data["items"])
+        self.heldout = HeldOutSet.model_validate_json(Path(config.heldout).read_text())
         self.pool: dict[str, dict[str, Any]] = {}
         if config.tasks is not None:
-            for n, line in enumerate(Path(config.tasks).read_text().splitlines()):
-                if line.strip():
+            for n, line in enumerate(Path(config.tasks).read_text().splitlines(), start=1):
+                if not line.strip():
+                    continue
+                try:
                     task = json.loads(line)
-                    self.pool[item_id(task, f"seed-{n}")] = task
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{config.tasks} line {n}: not JSON ({exc})") from None
+                if not isinstance(task, dict):
+                    raise ValueError(f"{config.tasks} line {n}: a task is a JSON object, not {type(task).__name__}")
+                self.pool[item_id(task, f"seed-{n}")] = task
         self._rng = random.Random(config.seed)
         self.model = TrainableModel(
             name=config.name,
