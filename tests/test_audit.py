@@ -4,7 +4,6 @@ at once keep one chain. No model: store only."""
 
 from __future__ import annotations
 
-import threading
 from datetime import UTC, datetime
 
 import pytest
@@ -12,6 +11,8 @@ from sqlalchemy import insert, select, text
 
 from flywheel.store import Store, audit
 from flywheel.store.schema import AuditEvent, AuditHead
+
+from helpers import at_once
 
 
 @pytest.fixture
@@ -143,24 +144,14 @@ def test_concurrent_appends_from_several_threads_keep_one_chain(store):
     """Each thread appends in its own units of work at the same time: every event follows exactly one other (no
     two share a predecessor: no fork), and the chain verifies."""
     threads, each = 6, 8
-    start = threading.Barrier(threads)
-    errors: list[BaseException] = []
 
     def work(t: int) -> None:
-        try:
-            start.wait()
-            for i in range(each):
-                with store.session() as s:
-                    s.execute(select(AuditEvent.id).limit(1)).all()  # a read first, as a real unit of work does
-                    audit.append(s, actor=f"thread-{t}", action="test", subject=f"t{t}-{i}")
-        except BaseException as exc:
-            errors.append(exc)
+        for i in range(each):
+            with store.session() as s:
+                s.execute(select(AuditEvent.id).limit(1)).all()  # a read first, as a real unit of work does
+                audit.append(s, actor=f"thread-{t}", action="test", subject=f"t{t}-{i}")
 
-    workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    _, errors = at_once(threads, work)
     assert not errors, errors
     with store.session() as s:
         events = audit.events(s)

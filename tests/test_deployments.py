@@ -4,8 +4,6 @@ rollback | deployments | audit`` in-process (their checkpoints are tiny ones wri
 
 from __future__ import annotations
 
-import threading
-
 import openai
 import pytest
 import torch
@@ -21,6 +19,8 @@ from flywheel.store import Store, audit, deployments
 from flywheel.store.deployments import InvalidAliasError, NoRollbackError, UnknownDeploymentError
 from flywheel.store.schema import AuditEvent, Deployment
 from flywheel.train.config import TrainedWeights
+
+from helpers import at_once
 
 
 @pytest.fixture
@@ -127,22 +127,12 @@ def test_concurrent_switches_of_one_alias_each_record_the_step_they_replaced(sto
     """Several writers switch one alias at once: each event's previous step is the step the event before it set
     (what a switch reads is still true when it writes), and the chain verifies."""
     threads, each = 4, 5
-    start = threading.Barrier(threads)
-    errors: list[BaseException] = []
 
     def work(t: int) -> None:
-        try:
-            start.wait()
-            for i in range(each):
-                deploy(store, "calc@production", 100 * t + i, actor=f"writer-{t}")
-        except BaseException as exc:
-            errors.append(exc)
+        for i in range(each):
+            deploy(store, "calc@production", 100 * t + i, actor=f"writer-{t}")
 
-    workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    _, errors = at_once(threads, work)
     assert not errors, errors
     with store.session() as s:
         history = deployments.history(s, "calc@production")
