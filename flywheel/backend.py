@@ -29,6 +29,7 @@ from flywheel.store import Store
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights, warn_once
 from flywheel.train.trainer import Trainer, load_for_serving
 from flywheel.types import TrainResult, Trajectory, TrajectoryGroup
+from flywheel.wandb_log import WandbLog
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -98,6 +99,7 @@ class LocalBackend:
         self._host, self._port, self._serve_http, self._api_keys = host, port, serve_http, api_keys
         self._server: BackgroundServer | None = None
         self.gateway: Gateway | None = None  # with the HTTP server: agents anywhere record episodes through it
+        self.wandb = WandbLog()  # every history row also goes to W&B when WANDB_API_KEY is set (as in ART)
         self._lock = asyncio.Lock()
 
     @property
@@ -353,6 +355,7 @@ class LocalBackend:
             self._extras[(model.project, model.name)] = extra or {}
         else:
             await asyncio.to_thread(run.append, rows)
+        await asyncio.to_thread(self.wandb.log, model.project, model.name, rows)
         self._publish(model)
 
     def history(self, model: TrainableModel) -> list[dict]:
@@ -382,7 +385,9 @@ class LocalBackend:
             metrics |= {k if "/" in k else f"{split}/{k}": v for k, v in (extra_metrics or {}).items()}
             run = self.run(model)
             run.save_trajectories(split, step, trajectories)  # first: the row commits them
-            await asyncio.to_thread(run.append, [{"time": time.time(), "step": step, "split": split, **metrics}])
+            row = {"time": time.time(), "step": step, "split": split, **metrics}
+            await asyncio.to_thread(run.append, [row])
+            await asyncio.to_thread(self.wandb.log, model.project, model.name, [row])
         return metrics
 
     async def delete_checkpoints(
@@ -433,6 +438,7 @@ class LocalBackend:
             run.unlock()
 
     async def close(self) -> None:
+        await asyncio.to_thread(self.wandb.finish)
         if self._server is not None:
             self._server.stop()
             self._server = None
