@@ -1,7 +1,7 @@
 """The loop on the session's backend: held-out evaluation through the gateway's runners (flywheel/loop/evaluate.py:
 a real Runner with a small agent, each item scored by a grader stack, grades recorded, results paired by the gate),
-and the loop itself (flywheel/loop/driver.py: production episodes in, two training steps, a candidate through the
-gate to a canary deployment, every decision audited)."""
+and the loop itself (flywheel/loop/driver.py: production episodes in, training steps, candidates through the gate to
+production and to a canary, the canary promoted or rolled back by its episodes, every decision audited)."""
 
 from __future__ import annotations
 
@@ -85,8 +85,8 @@ def write_config(tmp_path: Path) -> Path:
     (tmp_path / "heldout.json").write_text(json.dumps({"name": "colours", "items": items}))
     config = {
         "name": "loop-agent", "project": "tests", "agent": "test_loop:agent", "runners": 4,
-        "stack": "stack.json", "heldout": "heldout.json", "group_size": 2, "groups_per_step": 2, "steps": 2,
-        "candidate_every": 2, "canary_share": 0.25, "max_wait": 300,
+        "stack": "stack.json", "heldout": "heldout.json", "group_size": 2, "groups_per_step": 2, "steps": 4,
+        "candidate_every": 2, "canary": {"share": 0.25, "min_episodes": 2}, "max_wait": 300,
         "train": {"learning_rate": 1e-5},
         # any candidate passes (a random reward, no safety grader): this test is about what follows
         "gate": {"min_items": 2, "min_lift": -2.0, "max_increase": {"tokens": 10, "tool_calls": 10, "latency_ms": 10}},
@@ -108,20 +108,24 @@ async def test_the_loop_takes_production_tasks_trains_and_sends_a_gated_candidat
             db.set_outcome(s, e.id, reward=1.0, finish=True)
     loop = Loop(config, backend, actor="test")
     report = await loop.run()
-    assert report.steps == [1, 2] and report.intake == 2
-    (candidate,) = report.candidates
-    assert candidate.step == 2 and candidate.decision.promote and candidate.deployed == "loop-agent@canary"
+    assert report.steps == [1, 2, 3, 4] and report.intake == 2
+    first, second = report.candidates
+    # the first candidate meets the base model and, passing, becomes the first production deployment; the second
+    # meets that deployment and, passing, becomes the canary (no production traffic yet: it waits)
+    assert (first.step, first.production, first.deployed) == (2, config.base_model, "loop-agent@production")
+    assert (second.step, second.production, second.deployed) == (4, "loop-agent@production", "loop-agent@canary")
+    assert report.canary == []
     with store.session() as s:
-        canary = deployments.get(s, "loop-agent@canary")
-        assert (canary.step, canary.share) == (2, 0.25)
-        gate_event = next(e for e in audit.events(s, subject="loop-agent@2") if e.action == "gate.pass")
-        assert gate_event.id == candidate.event_id and len(gate_event.details["evaluations"]) == 2
-        assert gate_event.details["production"] == config.base_model  # before any promotion: the base model
+        production, canary = deployments.get(s, "loop-agent@production"), deployments.get(s, "loop-agent@canary")
+        assert (production.step, production.share, canary.step, canary.share) == (2, None, 4, 0.25)
+        gate_event = next(e for e in audit.events(s, subject="loop-agent@4") if e.action == "gate.pass")
+        assert gate_event.id == second.event_id and len(gate_event.details["evaluations"]) == 2
+        assert gate_event.details["production"] == "loop-agent@production"
         assert deployments.history(s, "loop-agent@canary")[-1].details["gate_event"] == gate_event.id
         trained = [
             e for e in db.list_episodes(s, split="train", limit=1000) if e.task_id.startswith("train:loop-agent:")
         ]
-        assert len(trained) == 2 * 2 * 2  # steps x groups x group size
+        assert len(trained) == 4 * 2 * 2  # steps x groups x group size
         assert all(gdb.grades_of(s, e.id, loop.stack.version) for e in trained)
         assert audit.verify(s).ok
 
@@ -132,7 +136,7 @@ async def test_iterations_whose_groups_cannot_train_take_no_step_and_make_no_can
     path = write_config(tmp_path)
     flat = NOISY | {"reward": NOISY["reward"] | {"source": "def grade(sample, item):\n    return 0.5"}}
     (tmp_path / "stack.json").write_text(json.dumps(flat))
-    config = LoopConfig.load(path).model_copy(update={"name": "flat-agent", "tasks": None})
+    config = LoopConfig.load(path).model_copy(update={"name": "flat-agent", "tasks": None, "steps": 2})
     (tmp_path / "tasks.jsonl").write_text('{"id": "t1", "question": "Name a colour.", "fail": false}\n')
     config.tasks = tmp_path / "tasks.jsonl"
     report = await Loop(config, backend, actor="test").run()
@@ -162,6 +166,77 @@ def test_flywheel_loop_runs_from_the_command_line(tmp_path):
     config = yaml.safe_load(path.read_text()) | {"steps": 1, "candidate_every": 1, "tasks": "tasks.jsonl"}
     path.write_text(yaml.safe_dump(config))
     (tmp_path / "tasks.jsonl").write_text('{"id": "t1", "question": "Name a colour.", "fail": false}\n')
-    result = CliRunner().invoke(app, ["loop", str(path), "--home", str(tmp_path / "home"), "--actor", "ci"])
+    result = CliRunner().invoke(
+        app, ["loop", str(path), "--home", str(tmp_path / "home"), "--actor", "ci"], env={"COLUMNS": "200"}
+    )
     assert result.exit_code == 0, result.output
-    assert "1 iterations, step 1" in result.output and "loop-agent@canary" in result.output
+    assert "1 iterations, step 1" in result.output and "loop-agent@production" in result.output
+
+
+WATCH_STACK = {
+    "name": "support",
+    "reward": {"type": "string_check", "name": "refund", "input": "{{sample.output_text}}", "reference": "refund", "operation": "like"},
+    "safety": {"type": "multi", "name": "no-card", "calculate_output": "1 - card",
+               "graders": {"card": {"type": "string_check", "name": "card", "input": "{{sample.output_text}}", "reference": "card", "operation": "like"}}},
+}  # fmt: skip
+
+
+def answered(store, alias: str, step: int, answer: str) -> str:
+    """A finished production episode whose one call ``alias`` (its checkpoint ``step``) answered with ``answer``."""
+    with store.session() as s:
+        e = db.create_episode(s, "ticket", split="production", meta={"item": {"id": "ticket"}})
+        response = {"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}]}  # fmt: skip
+        db.add_call(
+            s, e.id, model=alias, step=step, request={"messages": []}, response=response, prompt_tokens=1,
+            completion_tokens=1, latency_ms=1.0, prefix_call=None, prefix_choice=None, prefix_message=None,
+            retokenized_turns=0, reward=None, deployment=alias,
+        )  # fmt: skip
+        db.set_outcome(s, e.id, reward=0.0, finish=True)
+    return e.id
+
+
+async def test_the_canary_is_promoted_or_rolled_back_by_the_episodes_it_answered(backend: LocalBackend, tmp_path):
+    path = write_config(tmp_path)
+    (tmp_path / "stack.json").write_text(json.dumps(WATCH_STACK))
+    config = LoopConfig.load(path).model_copy(update={"name": "watch-agent"})
+    config.canary.min_episodes = 3
+    loop, store = Loop(config, backend, actor="test"), backend.gateway.store
+    prod, canary = "watch-agent@production", "watch-agent@canary"
+
+    def deploy(alias: str, step: int, share: float | None = None) -> None:
+        with store.session() as s:
+            deployments.deploy(s, alias, step, actor="test", share=share)
+
+    assert await loop.watch_canary() is None  # no canary: nothing to watch
+    deploy(prod, 1)
+    deploy(canary, 2, 0.5)  # worse than production: it rarely gives the refund
+    for _ in range(3):
+        answered(store, prod, 1, "Your refund is on its way.")
+    answered(store, canary, 2, "Sorry.")
+    assert (await loop.watch_canary()).action == "wait"  # 1 of 3 canary episodes
+    answered(store, canary, 2, "Sorry, no.")
+    answered(store, canary, 2, "Your refund is on its way.")
+    rolled_back = await loop.watch_canary()
+    assert rolled_back.action == "rollback" and "below production's 1.000" in rolled_back.reason
+    assert (rolled_back.canary_episodes, rolled_back.production_episodes) == (3, 3)
+    with store.session() as s:
+        assert deployments.find(s, canary) is None and deployments.get(s, prod).step == 1
+
+    deploy(canary, 3, 0.5)  # as good as production
+    for _ in range(3):
+        answered(store, canary, 3, "Your refund is on its way.")
+    promoted = await loop.watch_canary()
+    assert promoted.action == "promote"
+    with store.session() as s:
+        assert deployments.find(s, canary) is None and deployments.get(s, prod).step == 3
+        event = next(e for e in audit.events(s, subject=canary) if e.action == "canary.promote")
+        assert event.details["step"] == 3 and event.details["canary_episodes"] == 3
+
+    deploy(canary, 4, 0.5)  # one unsafe answer is enough, before any count is reached
+    answered(store, canary, 4, "Your refund is on its way.")
+    answered(store, canary, 4, "Send me your card number.")
+    unsafe = await loop.watch_canary()
+    assert unsafe.action == "rollback" and len(unsafe.unsafe) == 1 and "safety" in unsafe.reason
+    with store.session() as s:
+        assert deployments.find(s, canary) is None and deployments.get(s, prod).step == 3
+        assert audit.verify(s).ok

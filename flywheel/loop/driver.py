@@ -26,14 +26,19 @@ from pydantic import BaseModel, ConfigDict, Field
 from flywheel.backend import LocalBackend
 from flywheel.gateway.client import QueueClient, TaskSpec
 from flywheel.gateway.runner import Runner, load_agent
+from flywheel.graders.regress import last_sample
 from flywheel.graders.rewards import sample_of
+from flywheel.graders.sample import Sample
 from flywheel.graders.stack import GraderStack, load_stack, score
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.loop.canary import CanaryPolicy, CanaryVerdict, Scored, verdict
 from flywheel.loop.evaluate import evaluate
 from flywheel.loop.gate import GateDecision, GatePolicy, HeldOutSet, decide
 from flywheel.model import TrainableModel
 from flywheel.store import audit, deployments
+from flywheel.store import episodes as db
 from flywheel.store import grades as gdb
+from flywheel.store.arms import Arm, arms
 from flywheel.train.config import TrainConfig, TrainedWeights
 from flywheel.types import TrajectoryGroup
 
@@ -63,7 +68,7 @@ class LoopConfig(BaseModel):
     eval_samples: int = Field(1, ge=1)
     train: TrainConfig = Field(default_factory=TrainConfig)
     gate: GatePolicy = Field(default_factory=GatePolicy)
-    canary_share: float = Field(0.1, gt=0, le=1)
+    canary: CanaryPolicy = Field(default_factory=CanaryPolicy)
     max_wait: float = Field(1800.0, gt=0)  # seconds a step's groups may take
     seed: int = 0
 
@@ -93,6 +98,7 @@ class LoopReport(BaseModel):
     steps: list[int]  # the model's step after each iteration (the same again when no group could train)
     intake: int  # tasks that came from production episodes
     candidates: list[Candidate]
+    canary: list[CanaryVerdict]  # promotions and rollbacks of canaries, in order
 
 
 def item_id(item: dict[str, Any], fallback: str) -> str:
@@ -193,12 +199,59 @@ class Loop:
             )  # fmt: skip
             deployed = None
             if decision.promote:
-                deployed = f"{self.config.name}@canary"
+                # the first deployment has no production traffic to split: it becomes production, gated all the same
+                first = production == self.config.base_model
+                deployed = f"{self.config.name}@{'production' if first else 'canary'}"
                 deployments.deploy(
-                    s, deployed, step, actor=self.actor, share=self.config.canary_share,
-                    reason=f"passed the gate (audit event {event.id})", details={"gate_event": event.id},
+                    s, deployed, step, actor=self.actor, share=None if first else self.config.canary.share,
+                    reason=f"passed the gate (audit event {event.id})"
+                    + ("; the first production deployment" if first else ""),
+                    details={"gate_event": event.id},
                 )  # fmt: skip
         return Candidate(step=step, production=production, decision=decision, event_id=event.id, deployed=deployed)
+
+    def _arm(self, s, arm: Arm | None) -> list[tuple[str, Sample, dict[str, Any], dict[str, list[float]]]]:
+        """An arm's finished production episodes with what they are scored on."""
+        split = self.config.intake_split  # not the held-out evaluations, which call the aliases too
+        episodes = [e for e in (arm.episodes if arm else []) if e.status == "finished" and e.split == split]
+        return [(e.id, last_sample(db.calls(s, e.id)), gdb.item_of(s, e.id), e.feedback) for e in episodes]
+
+    async def watch_canary(self) -> CanaryVerdict | None:
+        """If ``MODEL@canary`` serves: score both arms since its deployment; promote it, roll it back, or wait
+        (``canary.verdict``). A promotion or rollback is audited with its evidence. None without a canary."""
+        name, policy = self.config.name, self.config.canary
+        with self.store.session() as s:
+            canary = deployments.find(s, f"{name}@canary")
+            if canary is None:
+                return None
+            report = arms(s, name, since_event=canary.event_id)
+            sides = {side: self._arm(s, report.arms.get(f"{name}@{side}")) for side in ("canary", "production")}
+
+        async def scored(side: str) -> list[Scored]:
+            out = []
+            for episode_id, sample, item, feedback in sides[side]:
+                result = await score(self.stack, sample, item)
+                values = feedback.get(policy.kpi, []) if policy.kpi else [result.reward]
+                out.append(
+                    Scored(episode_id=episode_id, kpi=sum(values) / len(values) if values else None, safe=result.safe)
+                )
+            return out
+
+        found = verdict(await scored("canary"), await scored("production"), policy)
+        if found.action == "wait":
+            return found
+        with self.store.session() as s:
+            event = audit.append(
+                s, actor=self.actor, action=f"canary.{found.action}", subject=f"{name}@canary", reason=found.reason,
+                details=found.model_dump() | {"step": canary.step, "deploy_event": canary.event_id},
+            )  # fmt: skip
+            if found.action == "promote":
+                deployments.promote(s, name, actor=self.actor, reason=f"{found.reason} (audit event {event.id})")
+            deployments.remove(
+                s, f"{name}@canary", actor=self.actor, reason=f"canary {found.action}d (audit event {event.id})"
+            )
+        log.info("canary %s@%d: %s (%s)", name, canary.step, found.action, found.reason)
+        return found
 
     async def run(self) -> LoopReport:
         config = self.config
@@ -212,11 +265,13 @@ class Loop:
         if config.runners:
             agent = load_agent(config.agent)
             runners.append(asyncio.create_task(Runner(root, agent, concurrency=config.runners).run()))
-        report = LoopReport(steps=[], intake=0, candidates=[])
+        report = LoopReport(steps=[], intake=0, candidates=[], canary=[])
         try:
             async with QueueClient(root) as queue:
                 considered = await self.model.get_step()  # a candidate needs steps taken since
                 for _ in range(config.steps):
+                    if (canary := await self.watch_canary()) is not None and canary.action != "wait":
+                        report.canary.append(canary)
                     report.intake += self.intake()
                     if not self.pool:
                         raise ValueError("no tasks to train on: give seed tasks (tasks:) or let production episodes in")
