@@ -18,14 +18,16 @@ from flywheel.backend import LocalBackend
 from flywheel.cli import app
 from flywheel.gateway.client import QueueClient
 from flywheel.gateway.runner import Runner, current_lease
-from flywheel.graders.stack import parse_stack
+from flywheel.graders.stack import load_stack, parse_stack
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.loop.alarm import AlarmPolicy, reward_hacking
 from flywheel.loop.driver import Loop, LoopConfig
 from flywheel.loop.evaluate import evaluate
 from flywheel.loop.gate import GatePolicy, HeldOutSet, decide
 from flywheel.store import audit, deployments
 from flywheel.store import episodes as db
 from flywheel.store import grades as gdb
+from flywheel.types import Trajectory, TrajectoryGroup
 
 HELDOUT = HeldOutSet(
     name="colours",
@@ -240,3 +242,52 @@ async def test_the_canary_is_promoted_or_rolled_back_by_the_episodes_it_answered
     with store.session() as s:
         assert deployments.find(s, canary) is None and deployments.get(s, prod).step == 3
         assert audit.verify(s).ok
+
+
+def steps(rewards: list[float], holdout: list[float] | None) -> list[dict[str, float]]:
+    return [{"reward": r} | ({"holdout/polite": h} if holdout else {}) for r, h in zip(rewards, holdout or rewards)]
+
+
+@pytest.mark.parametrize(
+    ("rewards", "holdout", "raised"),
+    [
+        ([0.2, 0.2, 0.3, 0.5, 0.6, 0.7], [0.5, 0.5, 0.5, 0.5, 0.5, 0.5], True),  # reward up, holdout flat
+        ([0.2, 0.2, 0.3, 0.5, 0.6, 0.7], [0.5, 0.5, 0.5, 0.4, 0.4, 0.4], True),  # holdout falling
+        ([0.2, 0.2, 0.3, 0.5, 0.6, 0.7], [0.3, 0.3, 0.3, 0.4, 0.4, 0.5], False),  # both up: learning
+        ([0.7, 0.6, 0.5, 0.3, 0.2, 0.2], [0.5, 0.5, 0.5, 0.5, 0.5, 0.5], False),  # reward down
+        ([0.2, 0.2, 0.3, 0.5, 0.6, 0.7], None, False),  # no holdout grader: nothing to compare with
+        ([0.2, 0.5, 0.7], [0.5, 0.5, 0.5], False),  # fewer steps than the window
+    ],
+)
+def test_the_reward_hacking_alarm(rewards, holdout, raised):
+    message = reward_hacking(steps(rewards, holdout), AlarmPolicy(window=6, min_rise=0.1))
+    assert (message is not None) == raised
+    if raised:
+        assert "0.233 -> 0.600" in message and "holdout/polite" in message
+
+
+async def test_an_alarm_is_audited_once_and_stops_promotions(backend: LocalBackend, tmp_path):
+    config = LoopConfig.load(write_config(tmp_path)).model_copy(update={"name": "alarm-agent"})
+    config.alarm = AlarmPolicy(window=2, min_rise=0.1)
+    loop, store = Loop(config, backend, actor="test"), backend.gateway.store
+
+    def group(reward: float, polite: float) -> TrajectoryGroup:
+        t = Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}], reward=reward, metrics={"stack/holdout/polite": polite})  # fmt: skip
+        return TrajectoryGroup([t])
+
+    assert loop.check_alarm([group(0.2, 0.5)]) is None
+    assert "0.200 -> 0.800" in loop.check_alarm([group(0.8, 0.5)])
+    assert loop.check_alarm([group(0.9, 0.5)]) is None and loop.alarm is not None  # raised once
+    with store.session() as s:
+        (event,) = [e for e in audit.events(s, subject="alarm-agent") if e.action == "loop.alarm"]
+        assert "promotions stopped" in event.reason
+        deployments.deploy(s, "alarm-agent@production", 1, actor="test")
+        deployments.deploy(s, "alarm-agent@canary", 2, actor="test", share=0.5)
+    config.canary.min_episodes = 1
+    (tmp_path / "stack.json").write_text(json.dumps(WATCH_STACK))
+    loop.stack = load_stack(tmp_path / "stack.json")
+    answered(store, "alarm-agent@canary", 2, "Your refund is on its way.")
+    held = await loop.watch_canary()  # would be promoted: the alarm holds it
+    assert held.action == "wait" and held.reason.startswith("promotion paused")
+    with store.session() as s:
+        assert deployments.get(s, "alarm-agent@production").step == 1

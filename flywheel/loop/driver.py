@@ -31,6 +31,7 @@ from flywheel.graders.rewards import sample_of
 from flywheel.graders.sample import Sample
 from flywheel.graders.stack import GraderStack, load_stack, score
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.loop.alarm import AlarmPolicy, reward_hacking
 from flywheel.loop.canary import CanaryPolicy, CanaryVerdict, Scored, verdict
 from flywheel.loop.evaluate import evaluate
 from flywheel.loop.gate import GateDecision, GatePolicy, HeldOutSet, decide
@@ -69,6 +70,7 @@ class LoopConfig(BaseModel):
     train: TrainConfig = Field(default_factory=TrainConfig)
     gate: GatePolicy = Field(default_factory=GatePolicy)
     canary: CanaryPolicy = Field(default_factory=CanaryPolicy)
+    alarm: AlarmPolicy = Field(default_factory=AlarmPolicy)  # reward rising over flat holdout graders: no promotion
     max_wait: float = Field(1800.0, gt=0)  # seconds a step's groups may take
     seed: int = 0
 
@@ -99,6 +101,7 @@ class LoopReport(BaseModel):
     intake: int  # tasks that came from production episodes
     candidates: list[Candidate]
     canary: list[CanaryVerdict]  # promotions and rollbacks of canaries, in order
+    alarm: str | None = None  # why promotions stopped, if the reward-hacking alarm was raised
 
 
 def item_id(item: dict[str, Any], fallback: str) -> str:
@@ -124,6 +127,8 @@ class Loop:
                     raise ValueError(f"{config.tasks} line {n}: a task is a JSON object, not {type(task).__name__}")
                 self.pool[item_id(task, f"seed-{n}")] = task
         self._rng = random.Random(config.seed)
+        self.step_means: list[dict[str, float]] = []  # per iteration: reward and holdout graders' means
+        self.alarm: str | None = None  # once raised, nothing is promoted
         self.model = TrainableModel(
             name=config.name,
             project=config.project,
@@ -216,6 +221,29 @@ class Loop:
         episodes = [e for e in (arm.episodes if arm else []) if e.status == "finished" and e.split == split]
         return [(e.id, last_sample(db.calls(s, e.id)), gdb.item_of(s, e.id), e.feedback) for e in episodes]
 
+    def check_alarm(self, groups: list[TrajectoryGroup]) -> str | None:
+        """Record an iteration's reward and holdout means; raise the reward-hacking alarm (once: an audit event)
+        when the reward rises over flat holdout graders. Returns the alarm when this iteration raised it."""
+        trajectories = [t for g in groups for t in g.trajectories]
+        if not trajectories:
+            return None
+        row = {"reward": sum(t.reward for t in trajectories) / len(trajectories)}
+        for key in {k for t in trajectories for k in t.metrics if k.startswith("stack/holdout/")}:
+            values = [float(t.metrics[key]) for t in trajectories if key in t.metrics]
+            row[key.removeprefix("stack/")] = sum(values) / len(values)
+        self.step_means.append(row)
+        if self.alarm is not None or (message := reward_hacking(self.step_means, self.config.alarm)) is None:
+            return None
+        self.alarm = message
+        with self.store.session() as s:
+            audit.append(
+                s, actor=self.actor, action="loop.alarm", subject=self.config.name,
+                reason=f"reward hacking suspected: {message}; promotions stopped",
+                details={"steps": self.step_means[-self.config.alarm.window :]},
+            )  # fmt: skip
+        log.warning("reward hacking suspected: %s; promotions stopped", message)
+        return message
+
     async def watch_canary(self) -> CanaryVerdict | None:
         """If ``MODEL@canary`` serves: score both arms since its deployment; promote it, roll it back, or wait
         (``canary.verdict``). A promotion or rollback is audited with its evidence. None without a canary."""
@@ -238,6 +266,8 @@ class Loop:
             return out
 
         found = verdict(await scored("canary"), await scored("production"), policy)
+        if found.action == "promote" and self.alarm is not None:
+            found = found.model_copy(update={"action": "wait", "reason": f"promotion paused: {self.alarm}"})
         if found.action == "wait":
             return found
         with self.store.session() as s:
@@ -289,7 +319,9 @@ class Loop:
                     step = await self.model.get_step()  # unchanged when every group's rewards were equal
                     report.steps.append(step)
                     log.info("step %d: reward %.3f (%.0f s)", step, _mean_reward(groups), time.monotonic() - started)
-                    if step > considered and step % config.candidate_every == 0:
+                    if (raised := self.check_alarm(groups)) is not None:
+                        report.alarm = raised
+                    if step > considered and step % config.candidate_every == 0 and self.alarm is None:
                         considered = step
                         report.candidates.append(await self.consider(queue, step))
         finally:
