@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from datetime import UTC, datetime, timedelta
 
+import httpx
 import openai
 import pytest
 
@@ -20,7 +21,7 @@ from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
 from flywheel.store import Store, audit, deployments
 from flywheel.store import episodes as db
-from flywheel.store.arms import MIXED, arms, mark_arm, shadow_episode, shadow_episode_id
+from flywheel.store.arms import ARM_KEY, MIXED, SHADOW_OF_KEY, arms, mark_arm, shadow_episode, shadow_episode_id
 from flywheel.store.deployments import NoRollbackError, UnknownDeploymentError
 from flywheel.store.feedback import add_feedback
 from flywheel.store.schema import Episode
@@ -56,7 +57,7 @@ def test_arms_group_episodes_by_the_deployment_that_answered_with_rewards_and_fe
     its reward and feedback by kind, over a window or since an audit event; another model's calls stay out (even
     one whose name differs by a LIKE wildcard)."""
     with store.session() as s:
-        prod, canary, both = (db.create_episode(s, "t1", split="production") for _ in range(3))
+        prod, canary, both = (db.create_episode(s, "t1", split="production", meta={"arm": "mine"}) for _ in range(3))
         other = db.create_episode(s, "t1", split="production")
     call = dict(
         prefix_call=None, prefix_choice=None, prefix_message=None, retokenized_turns=0, reward=None, request={},
@@ -88,9 +89,11 @@ def test_arms_group_episodes_by_the_deployment_that_answered_with_rewards_and_fe
         )  # fmt: skip
         assert report.arms[CANARY_ALIAS].rewards == [0.25] and report.arms[PRODUCTION].rewards == []
         assert [e.id for e in report.mixed] == [both.id]
-        assert [db.get_episode(s, e).meta["arm"] for e in (prod.id, canary.id, both.id)] == [
-            PRODUCTION, CANARY_ALIAS, MIXED,
-        ]  # fmt: skip
+        assert [db.get_episode(s, e).meta for e in (prod.id, canary.id, both.id)] == [
+            {"arm": "mine", ARM_KEY: PRODUCTION},
+            {"arm": "mine", ARM_KEY: CANARY_ALIAS},
+            {"arm": "mine", ARM_KEY: MIXED},
+        ]  # fmt: skip  (the creator's own "arm" is theirs: the gateway's key cannot collide with it)
         since = arms(s, MODEL, since_event=event)  # only what was answered after the canary was stopped
         assert {a: [e.id for e in arm.episodes] for a, arm in since.arms.items()} == {PRODUCTION: [both.id]}
         assert since.mixed == [] and since.since is not None
@@ -105,7 +108,8 @@ def test_a_shadow_episode_is_one_per_production_episode_and_a_removed_alias_is_a
         first = shadow_episode(s, origin.id, SHADOW_ALIAS)
         again = shadow_episode(s, origin.id, SHADOW_ALIAS)
     assert first.id == again.id == shadow_episode_id(origin.id) and first.id != origin.id
-    assert (first.split, first.task_id, first.meta) == ("shadow", "t1", {"shadow_of": origin.id, "arm": SHADOW_ALIAS})
+    assert (first.split, first.task_id) == ("shadow", "t1")
+    assert first.meta == {SHADOW_OF_KEY: origin.id, ARM_KEY: SHADOW_ALIAS}
     deploy(store, CANARY_ALIAS, 4, share=0.1)
     with store.session() as s:
         event = deployments.remove(s, CANARY_ALIAS, actor="bo", reason="regressed")
@@ -182,7 +186,7 @@ async def test_a_canary_answers_a_sticky_share_of_episodes_and_hands_them_back_w
     for e in again:
         assert await recorded(store, e) == first[e] * 3
     with store.session() as s:
-        assert {e: db.get_episode(s, e).meta["arm"] for e in episodes} == {
+        assert {e: db.get_episode(s, e).meta[ARM_KEY] for e in episodes} == {
             e: CANARY_ALIAS if e in on_canary else PRODUCTION for e in episodes
         }
         report = arms(s, MODEL, since_event=deployments.get(s, CANARY_ALIAS).event_id)
@@ -195,7 +199,7 @@ async def test_a_canary_answers_a_sticky_share_of_episodes_and_hands_them_back_w
     assert [(await recorded(store, e))[-1] for e in canaries] == [(PRODUCTION, 3)] * 3
     await traffic.drain(followed=40 + 2 * len(again) + 3)
     with store.session() as s:
-        assert {db.get_episode(s, e).meta["arm"] for e in canaries} == {MIXED}
+        assert {db.get_episode(s, e).meta[ARM_KEY] for e in canaries} == {MIXED}
 
     deploy(store, CANARY_ALIAS, 5, share=1.0)  # every episode, and every call without one
     fresh = (await new_episodes(store, 1))[0]
@@ -246,11 +250,30 @@ async def test_a_shadow_answers_the_same_calls_after_the_user_in_a_linked_episod
         assert s.get(Episode, shadow_episode_id(alone)) is None  # no shadow deployed then: none created
         shadow = db.get_episode(s, shadow_episode_id(shadowed))
         production_calls, shadow_calls = db.calls(s, shadowed), db.calls(s, shadow.id)
-    assert (shadow.split, shadow.meta["shadow_of"], shadow.task_id) == ("shadow", shadowed, "canary-task")
+    assert (shadow.split, shadow.meta[SHADOW_OF_KEY], shadow.task_id) == ("shadow", shadowed, "canary-task")
     assert [(c.deployment, c.step) for c in production_calls] == [(PRODUCTION, 3)] * 2
     assert [(c.deployment, c.step) for c in shadow_calls] == [(SHADOW_ALIAS, 5)] * 2
     assert [c.request["messages"] for c in shadow_calls] == [c.request["messages"] for c in production_calls]
     assert [c.request["messages"] for c in shadow_calls] == turns
+
+    # Its id is derived from the production episode's, which the agent knows: the agent cannot call into it.
+    with pytest.raises(openai.NotFoundError, match="No episode with id"):
+        await agent(root, shadow.id).chat.completions.create(model=PRODUCTION, **ASK)
+    plain = openai.AsyncOpenAI(base_url=f"{root}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="No episode with id"):
+        await plain.chat.completions.create(model=SHADOW_ALIAS, **ASK, extra_headers={"X-Flywheel-Episode": shadow.id})
+    assert await recorded(store, shadow.id) == [(SHADOW_ALIAS, 5)] * 2  # nothing more recorded there
+
+
+async def test_an_episode_creator_cannot_set_the_gateways_meta_keys(gateway):
+    _, root, store = gateway
+    async with httpx.AsyncClient(base_url=root) as http:
+        refused = await http.post("/episodes", json={"task_id": "t1", "metadata": {"a": 1, ARM_KEY: "calc@canary"}})
+        assert refused.status_code == 400
+        assert f"metadata key '{ARM_KEY}' is reserved" in refused.json()["error"]["message"]
+        assert refused.json()["error"]["param"] == "metadata"
+        created = await http.post("/episodes", json={"task_id": "t1", "metadata": {"arm": "mine"}})
+    assert created.status_code == 201 and created.json()["meta"] == {"arm": "mine"}
 
 
 async def test_a_failing_shadow_is_counted_never_seen_and_shadow_work_is_bounded(gateway):

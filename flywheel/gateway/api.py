@@ -36,6 +36,7 @@ from flywheel.gateway.recorder import Gateway
 from flywheel.store import EpisodeRecord, EpisodeStatus
 from flywheel.store import episodes as db
 from flywheel.store import feedback as fb
+from flywheel.store.arms import RESERVED_META_PREFIX
 
 
 class NewEpisode(BaseModel):
@@ -45,6 +46,17 @@ class NewEpisode(BaseModel):
     split: str = Field("train", min_length=1, max_length=32)
     model: str | None = Field(None, max_length=256)
     metadata: dict[str, Any] = {}
+
+    @field_validator("metadata")
+    @classmethod
+    def _not_reserved(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """The gateway's own meta keys (an episode's arm, a shadow's origin) cannot be set, nor collided with."""
+        if reserved := sorted(k for k in value if k.startswith(RESERVED_META_PREFIX)):
+            raise ValueError(
+                f"metadata key '{reserved[0]}' is reserved: keys starting with '{RESERVED_META_PREFIX}' are the "
+                "gateway's"
+            )
+        return value
 
 
 class Outcome(BaseModel):

@@ -5,13 +5,15 @@ which calls are mirrored to a shadow.
   answered by the canary's checkpoint (by production's, counted, if that one cannot be served). An episode's side
   is a hash of its id (``arm_hash``): every call of it goes to the same side, in every gateway process and after a
   restart; a call with no episode is drawn at random. The recorded call names the canary (``deployment``,
-  ``step``) and the episode's ``meta["arm"]`` the deployment that answered it (``flywheel/store/arms.py``). The
-  canary removed or its share set to 0: production answers from the next request on.
+  ``step``) and the episode's ``meta["flywheel_arm"]`` the deployment that answered it
+  (``flywheel/store/arms.py``). The canary removed or its share set to 0: production answers from the next
+  request on.
 - Shadow: while ``MODEL@shadow`` exists with a share ``s > 0``, the calls of a share ``s`` of the episodes that
   production answers (another hash) are also sent to the shadow's checkpoint, after the user's answer is sent,
-  and recorded in the production episode's shadow episode (split ``shadow``, ``meta["shadow_of"]``), so that the
-  candidate's answers can be graded on the same contexts. A shadow's failure is logged and counted, never seen by
-  the user; at most ``max_in_flight`` shadow calls run at once, and one more is dropped (and counted).
+  and recorded in the production episode's shadow episode (split ``shadow``, ``meta["flywheel_shadow_of"]``), so
+  that the candidate's answers can be graded on the same contexts (only the mirror records there: outside calls
+  into it are refused). A shadow's failure is logged and counted, never seen by the user; at most
+  ``max_in_flight`` shadow calls run at once, and one more is dropped (and counted).
 
 One store read per aliased request (the model's deployments, as resolving the alias already took); what follows
 the answer (marking the episode's arm, mirroring) runs in tasks of its own after the response is sent.

@@ -44,6 +44,7 @@ from flywheel.inference.sampling import SamplingParams
 from flywheel.server.limits import MAX_BODY_BYTES, BodyLimit
 from flywheel.server.protocol import ChatCompletionRequest, ErrorDetail, ErrorResponse, JsonSchemaFormat, TextFormat
 from flywheel.store import EpisodeConflictError, UnknownEpisodeError, deployments
+from flywheel.store.arms import is_shadow_episode_id
 from flywheel.store.deployments import UnknownDeploymentError
 from flywheel.types import set_sampled_tokens
 
@@ -249,7 +250,10 @@ def create_app(
         return await _route(await _json_body(request), episode_id)
 
     async def _route(body: Any, episode_id: str | None):
-        """The upstream's call if its model is not served here, else the engine's (the body checked as its)."""
+        """The upstream's call if its model is not served here, else the engine's (the body checked as its). A
+        shadow episode is unknown to outside calls: only the gateway's own mirror (``_after``) records there."""
+        if episode_id is not None and is_shadow_episode_id(episode_id):
+            raise UnknownEpisodeError(episode_id)
         if relay is not None and isinstance(body, dict) and not await _served_here(body.get("model")):
             if episode_id is not None and gateway is None:
                 raise UnknownEpisodeError(episode_id)  # this server records no episodes

@@ -3,10 +3,13 @@ can compare a canary with production (and grade a shadow on the same contexts) a
 
 The gateway (``flywheel/gateway/traffic.py``) records it in two places: every call names the alias that answered it
 (``calls.deployment``: ``calc@canary`` for a ``calc@production`` request the canary answered), and the episode's
-``meta["arm"]`` names the deployment that answered its calls (``"mixed"`` once two have: its canary was removed or
-its share changed mid-episode), for grouping episodes without reading their calls. A shadow episode mirrors one
-production episode: split ``shadow``, the same task, ``meta["shadow_of"]`` its production episode's id, created by
-the first call mirrored, under an id derived from that episode's (so two gateway processes create one).
+``meta["flywheel_arm"]`` names the deployment that answered its calls (``"mixed"`` once two have: its canary was
+removed or its share changed mid-episode), for grouping episodes without reading their calls. A shadow episode
+mirrors one production episode: split ``shadow``, the same task, ``meta["flywheel_shadow_of"]`` its production
+episode's id, created by the first call mirrored, under an id derived from that episode's (so two gateway processes
+create one). That id can be computed by whoever knows the production episode's: the gateway's episode-scoped routes
+refuse it (``is_shadow_episode_id``), so that only its own mirror records there. The gateway's meta keys start with
+``flywheel_`` (``RESERVED_META_PREFIX``), which an episode's creator may not use.
 
 ``arms`` reads them back per arm over a time window (or since an audit event, e.g. the canary's deploy): each
 episode's id, reward, status and outcome feedback by kind.
@@ -28,8 +31,12 @@ from sqlalchemy.orm import Session
 from flywheel.store.episodes import EpisodeRecord, EpisodeStatus, Timestamp, _episode, get_episode
 from flywheel.store.schema import AuditEvent, Call, Episode, Feedback
 
-MIXED = "mixed"  # meta["arm"] of an episode that more than one deployment answered
+RESERVED_META_PREFIX = "flywheel_"  # the gateway's meta keys: refused in a creator's metadata
+ARM_KEY = "flywheel_arm"  # meta: the deployment that answered the episode's calls
+SHADOW_OF_KEY = "flywheel_shadow_of"  # a shadow episode's meta: its production episode's id
+MIXED = "mixed"  # meta[ARM_KEY] of an episode that more than one deployment answered
 SHADOW_SPLIT = "shadow"
+SHADOW_ID_PREFIX = "sh_"  # a shadow episode's id; an episode created through the API has another ("ep_")
 CHUNK = 500  # ids per IN (...) query
 
 
@@ -38,18 +45,24 @@ def mark_arm(s: Session, episode_id: str, arm: str) -> str:
     ``arm``, or ``"mixed"`` if another had answered before. Returns what it is now; an unknown episode:
     ``UnknownEpisodeError``. Any state: the arm of a call that ran is a fact, whatever happened to its episode."""
     row = _episode(s, episode_id)
-    if row.meta.get("arm") in (arm, MIXED):
-        return row.meta["arm"]
+    if row.meta.get(ARM_KEY) in (arm, MIXED):
+        return row.meta[ARM_KEY]
     row = _episode(s, episode_id, lock=True)  # read again under the lock: another process may have marked it
-    before = row.meta.get("arm")
-    row.meta = {**row.meta, "arm": arm if before in (None, arm) else MIXED}
+    before = row.meta.get(ARM_KEY)
+    row.meta = {**row.meta, ARM_KEY: arm if before in (None, arm) else MIXED}
     s.flush()
-    return row.meta["arm"]
+    return row.meta[ARM_KEY]
 
 
 def shadow_episode_id(episode_id: str) -> str:
-    """The id of the shadow episode of ``episode_id``: derived from it (unguessable as long as it is)."""
-    return "sh_" + hashlib.sha256(f"flywheel-shadow:{episode_id}".encode()).hexdigest()[:40]
+    """The id of the shadow episode of ``episode_id``: derived from it, so anyone who knows that id can compute it
+    (which is why the gateway's episode-scoped routes refuse it: ``is_shadow_episode_id``)."""
+    return SHADOW_ID_PREFIX + hashlib.sha256(f"flywheel-shadow:{episode_id}".encode()).hexdigest()[:40]
+
+
+def is_shadow_episode_id(episode_id: str) -> bool:
+    """Whether ``episode_id`` is a shadow episode's: one only the gateway's own mirror may record in."""
+    return episode_id.startswith(SHADOW_ID_PREFIX)
 
 
 def shadow_episode(s: Session, episode_id: str, shadow: str) -> EpisodeRecord:
@@ -61,7 +74,7 @@ def shadow_episode(s: Session, episode_id: str, shadow: str) -> EpisodeRecord:
     origin = get_episode(s, episode_id)
     row = Episode(
         id=sid, task_id=origin.task_id, split=SHADOW_SPLIT, model=shadow, status=EpisodeStatus.open, reward=None,
-        metrics={}, meta={"shadow_of": episode_id, "arm": shadow}, created_at=datetime.now(UTC), finished_at=None,
+        metrics={}, meta={SHADOW_OF_KEY: episode_id, ARM_KEY: shadow}, created_at=datetime.now(UTC), finished_at=None,
     )  # fmt: skip
     try:
         with s.begin_nested():
@@ -159,7 +172,7 @@ def arms(
         episode = ArmEpisode(
             id=row.id, task_id=row.task_id, split=row.split, status=EpisodeStatus(row.status), reward=row.reward,
             feedback={k: list(v) for k, v in feedback[episode_id].items()}, steps=sorted(steps[episode_id]),
-            shadow_of=meta.get("shadow_of"), created_at=row.created_at,
+            shadow_of=meta.get(SHADOW_OF_KEY), created_at=row.created_at,
         )  # fmt: skip
         if len(answered[episode_id]) > 1:
             report.mixed.append(episode)
