@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from flywheel.store.db import write_lock
 from flywheel.store.episodes import Timestamp
 from flywheel.store.schema import AuditEvent, AuditHead
 
@@ -80,10 +81,7 @@ def lock(s: Session) -> AuditHead:
     """Take the chain's head for this unit of work (until it commits or rolls back) and return it. A unit of work
     that reads what its event will record (a deployment's current step) calls this first, so that what it read is
     still true when the event is appended."""
-    connection = s.connection()
-    if connection.dialect.name == "sqlite" and not connection.connection.dbapi_connection.in_transaction:
-        # Python's sqlite3 begins a transaction only at the first write: take the write lock before reading
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+    write_lock(s)  # on SQLite, before reading: Python's sqlite3 would begin the transaction only at the first write
     return s.scalars(select(AuditHead).where(AuditHead.id == 1).with_for_update()).one()
 
 

@@ -119,6 +119,14 @@ def _check_value(where: str, kind: String | JSON, value: Any) -> None:
             ) from None
 
 
+def write_lock(s: Session) -> None:
+    """On SQLite, take the database's write lock now, before this unit of work reads what it will change
+    (PostgreSQL locks the rows instead). Python's sqlite3 would begin the transaction only at the first write."""
+    connection = s.connection()
+    if connection.dialect.name == "sqlite" and not connection.connection.dbapi_connection.in_transaction:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
 def upgrade(engine: Engine) -> None:
     """Apply every migration the database has not seen (a new database gets the whole schema)."""
     config = Config()

@@ -26,6 +26,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from flywheel.store import episodes as db
+from flywheel.store.db import write_lock
 from flywheel.store.episodes import EpisodeRecord, EpisodeStatus, Timestamp
 from flywheel.store.schema import Attempt, Episode, Task
 
@@ -116,14 +117,6 @@ def new_attempt_id() -> str:
     return "at_" + secrets.token_urlsafe(16)
 
 
-def _write_lock(s: Session) -> None:
-    """On SQLite, take the database's write lock now, before this unit of work reads what it will change
-    (PostgreSQL locks the rows instead). Python's sqlite3 would begin the transaction only at the first write."""
-    connection = s.connection()
-    if connection.dialect.name == "sqlite" and not connection.connection.dbapi_connection.in_transaction:
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
-
-
 def _tasks_query():
     """Tasks with their attempts counted by state, and the expression of the task's status."""
 
@@ -173,7 +166,7 @@ def enqueue(
         raise ValueError(f"group_size was {group_size}; it must be from 1 to {MAX_GROUP_SIZE}")
     if max_tries < 1:
         raise ValueError(f"max_tries was {max_tries}; an attempt needs at least 1 try")
-    _write_lock(s)
+    write_lock(s)
     wanted = {"payload": payload, "group_size": group_size, "split": split, "model": model, "max_tries": max_tries}
     existing = s.get(Task, task_id)
     if existing is None:
@@ -242,7 +235,7 @@ def expire_leases(s: Session) -> None:
     now = _now()
     due = select(Attempt.id).where(Attempt.status == AttemptStatus.leased, Attempt.lease_expires_at <= now)
     if s.scalars(due.limit(1)).first() is not None:
-        _write_lock(s)
+        write_lock(s)
         _expire_due(s, now)
 
 
@@ -270,7 +263,7 @@ def claim(s: Session, runner: str, lease_seconds: float) -> Lease | None:
     if not lease_seconds > 0:
         raise ValueError(f"lease_seconds was {lease_seconds}; a lease lasts a positive number of seconds")
     now = _now()
-    _write_lock(s)
+    write_lock(s)
     _expire_due(s, now)
     oldest = (
         select(Attempt)
@@ -296,7 +289,7 @@ def claim(s: Session, runner: str, lease_seconds: float) -> Lease | None:
 
 def _attempt(s: Session, attempt_id: str) -> Attempt:
     """The attempt's row, locked for this unit of work."""
-    _write_lock(s)
+    write_lock(s)
     query = select(Attempt).where(Attempt.id == attempt_id).with_for_update()
     row = s.scalars(query.execution_options(populate_existing=True)).one_or_none()
     if row is None:
