@@ -89,7 +89,7 @@ async def regress(
     def load():
         with store.session() as s:
             for stack in (old, new):
-                gdb.register_stack(s, stack.name, stack.version, stack.model_dump(mode="json"), actor=actor)
+                stack.register(s, actor=actor)
             found = gdb.recent_finished(s, split=split, limit=limit)
             return [(e, last_sample(db.calls(s, e.id)), gdb.item_of(s, e.id)) for e in found]
 
@@ -109,12 +109,7 @@ async def regress(
         with store.session() as s:
             for (episode, _, _), pair in zip(episodes, scored, strict=True):
                 for result in pair:
-                    gdb.record_grades(
-                        s,
-                        episode.id,
-                        result.version,
-                        {k: (g.name, g.reward, g.model_dump(mode="json")) for k, g in result.grades.items()},
-                    )
+                    result.record(s, episode.id)
 
     await asyncio.to_thread(record)
     olds, news = [a for a, _ in scored], [b for _, b in scored]

@@ -20,12 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from sqlalchemy.orm import Session
 
 from flywheel.graders.model_graders import JudgeSettings
 from flywheel.graders.run import GradeResult, grade
 from flywheel.graders.sample import Sample
 from flywheel.graders.sandbox import PythonSandbox
 from flywheel.graders.spec import Grader, read_spec_file, validate_spec
+from flywheel.store import grades as gdb
 
 
 class GraderStack(BaseModel):
@@ -41,6 +43,10 @@ class GraderStack(BaseModel):
         """The names its grades go by: ``reward``, ``safety`` (if any), ``holdout/<name>``."""
         return ["reward", *(["safety"] if self.safety else []), *(f"holdout/{name}" for name in self.holdout)]
 
+    def register(self, s: Session, *, actor: str) -> None:
+        """Store this version (once: registering it again changes nothing; a new version is an audit event)."""
+        gdb.register_stack(s, self.name, self.version, self.model_dump(mode="json"), actor=actor)
+
     @property
     def version(self) -> str:
         canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -54,6 +60,11 @@ class StackScore(BaseModel):
     reward: float  # the reward grader's score, or 0 when the safety gate failed
     safe: bool
     grades: dict[str, GradeResult]  # "reward", "safety", "holdout/<name>"
+
+    def record(self, s: Session, episode_id: str) -> None:
+        """Store these grades as the episode's under this version (which must be registered)."""
+        grades = {key: (g.name, g.reward, g.model_dump(mode="json")) for key, g in self.grades.items()}
+        gdb.record_grades(s, episode_id, self.version, grades)
 
     def metrics(self) -> dict[str, float]:
         """Per-component metrics (``stack/<component>``), for a trajectory's metrics or a step's log."""

@@ -162,8 +162,7 @@ class Loop:
         def record() -> None:
             with self.store.session() as s:
                 for episode_id, result in recorded:
-                    grades = {k: (g.name, g.reward, g.model_dump(mode="json")) for k, g in result.grades.items()}
-                    gdb.record_grades(s, episode_id, self.stack.version, grades)
+                    result.record(s, episode_id)
 
         await asyncio.to_thread(record)
 
@@ -287,9 +286,7 @@ class Loop:
         config = self.config
         await self.model.register(self.backend)
         with self.store.session() as s:
-            gdb.register_stack(
-                s, self.stack.name, self.stack.version, self.stack.model_dump(mode="json"), actor=self.actor
-            )
+            self.stack.register(s, actor=self.actor)
         root = self.backend.base_url.removesuffix("/v1")
         runners = []
         if config.runners:

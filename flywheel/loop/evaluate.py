@@ -19,7 +19,6 @@ from flywheel.graders.rewards import sample_of
 from flywheel.graders.stack import GraderStack, StackScore, score
 from flywheel.loop.gate import HeldOutSet, ItemResult
 from flywheel.store import Store
-from flywheel.store import grades as gdb
 from flywheel.types import Trajectory
 
 
@@ -82,11 +81,10 @@ async def evaluate(
 
         def record() -> None:
             with store.session() as s:
-                gdb.register_stack(s, stack.name, stack.version, stack.model_dump(mode="json"), actor=actor)
+                stack.register(s, actor=actor)
                 for trajectories, scores in scored.values():
                     for t, result in zip(trajectories, scores, strict=True):
-                        grades = {k: (g.name, g.reward, g.model_dump(mode="json")) for k, g in result.grades.items()}
-                        gdb.record_grades(s, str(t.metadata["episode_id"]), stack.version, grades)
+                        result.record(s, str(t.metadata["episode_id"]))
 
         await asyncio.to_thread(record)
     return HeldOutRun(
