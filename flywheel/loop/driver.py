@@ -28,8 +28,7 @@ from flywheel.gateway.client import QueueClient, TaskSpec
 from flywheel.gateway.runner import Runner, load_agent
 from flywheel.graders.regress import last_sample
 from flywheel.graders.rewards import sample_of
-from flywheel.graders.sample import Sample
-from flywheel.graders.stack import GraderStack, load_stack, score
+from flywheel.graders.stack import GraderStack, StackScore, load_stack, score
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.loop.alarm import AlarmPolicy, reward_hacking
 from flywheel.loop.canary import CanaryPolicy, CanaryVerdict, Scored, verdict
@@ -39,7 +38,7 @@ from flywheel.model import TrainableModel
 from flywheel.store import audit, deployments
 from flywheel.store import episodes as db
 from flywheel.store import grades as gdb
-from flywheel.store.arms import Arm, arms
+from flywheel.store.arms import Arm, ArmEpisode, arms
 from flywheel.train.config import TrainConfig, TrainedWeights
 from flywheel.types import TrajectoryGroup
 
@@ -129,6 +128,7 @@ class Loop:
         self._rng = random.Random(config.seed)
         self.step_means: list[dict[str, float]] = []  # per iteration: reward and holdout graders' means
         self.alarm: str | None = None  # once raised, nothing is promoted
+        self._scores: dict[str, StackScore] = {}  # production episodes the canary watch scored, by id
         self.model = TrainableModel(
             name=config.name,
             project=config.project,
@@ -214,11 +214,10 @@ class Loop:
                 )  # fmt: skip
         return Candidate(step=step, production=production, decision=decision, event_id=event.id, deployed=deployed)
 
-    def _arm(self, s, arm: Arm | None) -> list[tuple[str, Sample, dict[str, Any], dict[str, list[float]]]]:
-        """An arm's finished production episodes with what they are scored on."""
-        split = self.config.intake_split  # not the held-out evaluations, which call the aliases too
-        episodes = [e for e in (arm.episodes if arm else []) if e.status == "finished" and e.split == split]
-        return [(e.id, last_sample(db.calls(s, e.id)), gdb.item_of(s, e.id), e.feedback) for e in episodes]
+    def _finished(self, arm: Arm | None) -> list[ArmEpisode]:
+        """An arm's finished production episodes (not the held-out evaluations, which call the aliases too)."""
+        split = self.config.intake_split
+        return [e for e in (arm.episodes if arm else []) if e.status == "finished" and e.split == split]
 
     def check_alarm(self, groups: list[TrajectoryGroup]) -> str | None:
         """Record an iteration's reward and holdout means; raise the reward-hacking alarm (once: an audit event)
@@ -226,7 +225,7 @@ class Loop:
         trajectories = [t for g in groups for t in g.trajectories]
         if not trajectories:
             return None
-        row = {"reward": sum(t.reward for t in trajectories) / len(trajectories)}
+        row = {"reward": _mean_reward(groups)}
         for key in {k for t in trajectories for k in t.metrics if k.startswith("stack/holdout/")}:
             values = [float(t.metrics[key]) for t in trajectories if key in t.metrics]
             row[key.removeprefix("stack/")] = sum(values) / len(values)
@@ -252,19 +251,22 @@ class Loop:
             if canary is None:
                 return None
             report = arms(s, name, since_event=canary.event_id)
-            sides = {side: self._arm(s, report.arms.get(f"{name}@{side}")) for side in ("canary", "production")}
+            sides = {side: self._finished(report.arms.get(f"{name}@{side}")) for side in ("canary", "production")}
+            # a finished episode's answer does not change: each is scored once (its feedback is read every time)
+            new = {e.id for side in sides.values() for e in side} - self._scores.keys()
+            inputs = {i: (last_sample(db.calls(s, i)), gdb.item_of(s, i)) for i in sorted(new)}
+        for episode_id, (sample, item) in inputs.items():
+            self._scores[episode_id] = await score(self.stack, sample, item)
 
-        async def scored(side: str) -> list[Scored]:
+        def scored(side: str) -> list[Scored]:
             out = []
-            for episode_id, sample, item, feedback in sides[side]:
-                result = await score(self.stack, sample, item)
-                values = feedback.get(policy.kpi, []) if policy.kpi else [result.reward]
-                out.append(
-                    Scored(episode_id=episode_id, kpi=sum(values) / len(values) if values else None, safe=result.safe)
-                )
+            for e in sides[side]:
+                result = self._scores[e.id]
+                values = e.feedback.get(policy.kpi, []) if policy.kpi else [result.reward]
+                out.append(Scored(episode_id=e.id, kpi=sum(values) / len(values) if values else None, safe=result.safe))
             return out
 
-        found = verdict(await scored("canary"), await scored("production"), policy)
+        found = verdict(scored("canary"), scored("production"), policy)
         if found.action == "promote" and self.alarm is not None:
             found = found.model_copy(update={"action": "wait", "reason": f"promotion paused: {self.alarm}"})
         if found.action == "wait":
