@@ -20,13 +20,16 @@ CACHED_EPISODES = 4096  # open episodes whose outputs stay in memory (others are
 WRITER_IDLE_S = 5.0  # the call writer's thread ends after this long with nothing to write
 
 
+def without_choice_fields(response: dict[str, Any], *fields: str) -> dict[str, Any]:
+    """A chat.completion (or chunk) whose choices lack ``fields``."""
+    if "choices" not in response:
+        return response
+    return response | {"choices": [{k: v for k, v in c.items() if k not in fields} for c in response["choices"] or []]}
+
+
 def without_token_ids(response: dict[str, Any]) -> dict[str, Any]:
     """A chat.completion body without what would spell out its text token by token (ids, log-probs)."""
-    choices = [
-        {k: v for k, v in choice.items() if k not in ("token_ids", "prompt_token_ids", "logprobs")}
-        for choice in response.get("choices", [])
-    ]
-    return {**response, "choices": choices}
+    return without_choice_fields(response, "token_ids", "prompt_token_ids", "logprobs")
 
 
 def outputs_of(call: CallRecord, eos_ids: set[int]) -> list[Output]:

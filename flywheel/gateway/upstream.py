@@ -33,7 +33,7 @@ import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.types.chat.chat_completion import Choice
 
-from flywheel.gateway.recorder import Gateway
+from flywheel.gateway.recorder import Gateway, without_choice_fields
 from flywheel.gateway.splice import Splice
 from flywheel.server.protocol import ErrorDetail, ErrorResponse
 from flywheel.types import set_sampled_tokens
@@ -110,8 +110,7 @@ def recorded_response(response: dict[str, Any], temperature: float) -> tuple[dic
 
 def without_logprobs(response: dict[str, Any]) -> dict[str, Any]:
     """A chat.completion (or chunk) without its choices' log-probs."""
-    choices = [{k: v for k, v in c.items() if k != "logprobs"} for c in response.get("choices") or []]
-    return response | {"choices": choices} if "choices" in response else response
+    return without_choice_fields(response, "logprobs")
 
 
 class StreamAssembly:
