@@ -13,7 +13,6 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from pydantic import BaseModel, Field
 
 from flywheel.backend import LocalBackend
@@ -29,6 +28,7 @@ from flywheel.home import default_home
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.model import Model, TrainableModel
 from flywheel.runs import RunStore, model_path
+from flywheel.stats import bootstrap_mean
 from flywheel.train.config import TrainedWeights
 from flywheel.types import Trajectory
 
@@ -62,9 +62,8 @@ def mean_interval(values: list[float], resamples: int = 4000, seed: int = 0) -> 
     if all(v in (0.0, 1.0) for v in values):
         low, high = wilson(sum(values), n)
         return Interval(mean=mean, low=low, high=high, method="wilson")
-    draws = np.random.default_rng(seed).choice(np.asarray(values), size=(resamples, n)).mean(axis=1)
-    low, high = np.quantile(draws, [0.025, 0.975])
-    return Interval(mean=mean, low=float(low), high=float(high), method="bootstrap")
+    low, high = bootstrap_mean(values, resamples, seed)
+    return Interval(mean=mean, low=low, high=high, method="bootstrap")
 
 
 def parse_model_spec(spec: str) -> tuple[str, int | None]:

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, Field, field_validator
 
+from flywheel.stats import bootstrap_mean
+
 EFFICIENCY = {"tokens", "tool_calls", "latency_ms"}  # metrics that must not grow past a limit
 
 
@@ -126,13 +128,6 @@ def _paired(candidate: list[ItemResult], production: list[ItemResult]) -> list[t
     return [(sides["candidate"][k], sides["production"][k]) for k in sorted(sides["candidate"])]
 
 
-def bootstrap_lift(differences: np.ndarray, resamples: int, seed: int) -> tuple[float, float]:
-    """Percentile bootstrap 95% interval of the mean of paired differences (resampling items)."""
-    draws = np.random.default_rng(seed).choice(differences, size=(resamples, len(differences))).mean(axis=1)
-    low, high = np.quantile(draws, [0.025, 0.975])
-    return float(low), float(high)
-
-
 def decide(candidate: list[ItemResult], production: list[ItemResult], policy: GatePolicy | None = None) -> GateDecision:
     """Compare a candidate with production on the same held-out items; promote only if every check passes."""
     policy = policy or GatePolicy()
@@ -141,7 +136,7 @@ def decide(candidate: list[ItemResult], production: list[ItemResult], policy: Ga
         raise GateInputError("no held-out results to compare")
     c = np.array([a.score for a, _ in pairs])
     p = np.array([b.score for _, b in pairs])
-    low, high = bootstrap_lift(c - p, policy.resamples, policy.seed)
+    low, high = bootstrap_mean(c - p, policy.resamples, policy.seed)  # resampling items: the pairs stay together
     lift = Lift(mean=float((c - p).mean()), low=low, high=high, candidate=float(c.mean()), production=float(p.mean()))
     checks = [
         Check(
