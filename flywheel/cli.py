@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -42,6 +43,14 @@ def _dtype(name: str):
     if name not in DTYPES:
         raise typer.BadParameter(f"dtype must be one of {', '.join(DTYPES)}")
     return getattr(torch, DTYPES[name]) if DTYPES[name] else None
+
+
+class RedactScope(StrEnum):
+    """``flywheel serve --redact``: whose calls are redacted before they are stored."""
+
+    production = "production"
+    all = "all"
+    none = "none"
 
 
 @app.command()
@@ -101,6 +110,13 @@ def serve(
         typer.Option(envvar="FLYWHEEL_UPSTREAM_API_KEY", show_default=False, help="The upstream's API key."),
     ] = None,
     upstream_timeout: Annotated[float, typer.Option(help="Seconds an upstream call may take.")] = 300.0,
+    redact: Annotated[
+        RedactScope,
+        typer.Option(
+            help="Whose calls are redacted before they are stored: production (episodes of split production or"
+            " shadow, and calls asked under a deployment's alias) | all | none."
+        ),
+    ] = RedactScope.production,
 ):
     """Serve a model over an OpenAI-compatible API (/v1/models, /v1/chat/completions), and the gateway: episodes
     (POST /episodes) whose calls, through /episodes/<id>/v1, are recorded for training."""
@@ -138,7 +154,8 @@ def serve(
         console.print(f"[red]{exc}[/]")
         raise typer.Exit(2) from None
 
-    from flywheel.gateway.recorder import Gateway
+    from flywheel.gateway.recorder import REDACTED_SPLITS, Gateway
+    from flywheel.gateway.redact import default_redactor
     from flywheel.inference.engine import InferenceEngine
     from flywheel.inference.loading import ModelNotFoundError, load_model
     from flywheel.inference.registry import ModelRegistry
@@ -165,7 +182,12 @@ def serve(
     console.print(f"API keys: {keys!r}" if keys else "No API keys: every route is open to whoever reaches the server.")
     if relay_to is not None:
         console.print(f"Other models: asked of the upstream at {relay_to.host}")
-    app = create_app(registry, Gateway(store), auth=keys, upstream=relay_to)
+    gateway = Gateway(
+        store,
+        redactor=None if redact is RedactScope.none else default_redactor,
+        redacted_splits=None if redact is RedactScope.all else REDACTED_SPLITS,
+    )
+    app = create_app(registry, gateway, auth=keys, upstream=relay_to)
     uvicorn.run(app, host=host, port=port, log_level="info")
 
 

@@ -8,7 +8,9 @@ from collections import Counter
 import httpx
 import openai
 import pytest
+from typer.testing import CliRunner
 
+from flywheel.cli import app
 from flywheel.gateway.client import EpisodeClient, GatewayError
 from flywheel.gateway.recorder import Gateway
 from flywheel.gateway.redact import default_redactor, redact_value
@@ -108,3 +110,33 @@ async def test_what_the_gateway_stores_is_redacted_and_what_it_answers_is_not(ga
     async with httpx.AsyncClient(base_url=gateway) as http:
         stats = (await http.get("/gateway/stats")).json()
     assert stats["redacted"] == {"email": 2, "card": 1, "phone": 1}
+
+
+async def test_training_episodes_are_stored_as_sampled(gateway: str):
+    """A training episode's calls keep their exact token ids even when their text looks like personal data (a
+    calculator's '555 123 4567', an e-mail in a synthetic task): redacting them would make every such episode
+    text-only and refuse its group for RL. The same call in a production episode is redacted."""
+    asked = "Compute 555 123 4567 + 1 and mail it to bob@example.com."
+    async with EpisodeClient(gateway) as client:
+        ids = {}
+        for split in ("train", "production"):
+            episode = await client.create(f"task-{split}", split=split, metadata={"to": "bob@example.com"})
+            openai_client = openai.AsyncOpenAI(base_url=episode.base_url, api_key="-", max_retries=0)
+            await openai_client.chat.completions.create(
+                model=EMBEDDED_MODEL, messages=[{"role": "user", "content": asked}], max_tokens=4, temperature=0
+            )
+            (call,) = await client.calls(episode.id)
+            await client.finish(episode.id, 1.0)
+            ids[split] = (episode, call)
+        train, train_call = ids["train"]
+        assert train.meta == {"to": "bob@example.com"}
+        assert train_call["request"]["messages"][0]["content"] == asked and not train_call["text_only"]
+        assert (await client.trajectory(train.id)).reward == 1.0  # usable for RL
+        production, production_call = ids["production"]
+        assert production.meta == {"to": "[email]"} and production_call["text_only"]
+        assert production_call["request"]["messages"][0]["content"] == "Compute [phone] + 1 and mail it to [email]."
+
+
+def test_flywheel_serve_refuses_an_unknown_redaction_scope():
+    run = CliRunner().invoke(app, ["serve", "--redact", "some"])
+    assert run.exit_code == 2 and "production" in run.output and "Traceback" not in run.output

@@ -122,7 +122,7 @@ def episode_router(gateway: Gateway) -> APIRouter:
 
     @router.post("/episodes", status_code=201)
     async def create(body: NewEpisode, request: Request):
-        meta, _ = gateway.redact(body.metadata)
+        meta, _ = gateway.redact(body.metadata, body.split)
         episode = await run(db.create_episode, body.task_id, split=body.split, model=body.model, meta=meta)
         return episode_body(episode, root_url(request))
 

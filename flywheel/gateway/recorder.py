@@ -17,6 +17,7 @@ from flywheel.store import CallRecord, EpisodeRecord, Store
 from flywheel.store import episodes as db
 
 CACHED_EPISODES = 4096  # open episodes whose outputs stay in memory (others are read back from the store)
+REDACTED_SPLITS = frozenset({"production", "shadow"})  # whose calls are redacted by default: what users sent
 WRITER_IDLE_S = 5.0  # the call writer's thread ends after this long with nothing to write
 
 
@@ -85,9 +86,20 @@ class Gateway:
     thread, which commits all those that finished together in one transaction (group commit) before any of them
     is answered: a burst of calls waits for one commit, not for one another's."""
 
-    def __init__(self, store: Store, *, redactor: Redactor | None = default_redactor):
+    def __init__(
+        self,
+        store: Store,
+        *,
+        redactor: Redactor | None = default_redactor,
+        redacted_splits: frozenset[str] | None = REDACTED_SPLITS,
+    ):
         self.store = store
         self.redactor = redactor  # runs on what is stored, never on what is answered; None: store as is
+        # The episodes it runs on: those of these splits (None: every episode), and every call asked under a
+        # deployment's alias. Training and evaluation episodes (the training side's own tasks) are stored as
+        # sampled: a redacted call loses its token ids, and an RL update on a run's own tasks needs them.
+        self.redacted_splits = redacted_splits
+        self._splits: OrderedDict[str, str] = OrderedDict()  # episode -> its split, for those this process read
         self.redactions: Counter[str] = Counter()  # what it replaced, by kind, since this gateway started
         self._outputs: OrderedDict[str, list[Output]] = OrderedDict()  # episode -> its outputs, most recent last
         self._lock = threading.Lock()
@@ -95,9 +107,16 @@ class Gateway:
         self._queued = threading.Condition()  # guards _queue and _writer
         self._writer: threading.Thread | None = None  # runs while there are calls to write
 
-    def redact(self, value: Any) -> tuple[Any, int]:
-        """``value`` as it may be stored (every string through the redactor) and how many things it replaced."""
-        if self.redactor is None:
+    def redacts(self, split: str | None) -> bool:
+        """Whether what is stored for an episode of ``split`` is redacted (an unknown split: it is)."""
+        return self.redactor is not None and (
+            self.redacted_splits is None or split is None or split in self.redacted_splits
+        )
+
+    def redact(self, value: Any, split: str | None = None) -> tuple[Any, int]:
+        """``value`` as it may be stored for an episode of ``split`` (every string through the redactor, unless
+        that split is stored as is) and how many things it replaced."""
+        if self.redactor is None or not self.redacts(split):
             return value, 0
         redacted, found = redact_value(value, self.redactor)
         if found:
@@ -105,11 +124,25 @@ class Gateway:
                 self.redactions.update(found)
         return redacted, sum(found.values())
 
-    def _redacted(self, fields: dict[str, Any]) -> dict[str, Any]:
-        """A call's columns as they may be stored: request and response redacted; a call in which something was
+    def _note_split(self, episode: EpisodeRecord) -> None:
+        with self._lock:
+            self._splits[episode.id] = episode.split
+            self._splits.move_to_end(episode.id)
+            while len(self._splits) > CACHED_EPISODES:
+                self._splits.popitem(last=False)
+
+    def _split_of(self, episode_id: str) -> str | None:
+        with self._lock:
+            return self._splits.get(episode_id)
+
+    def _redacted(self, fields: dict[str, Any], split: str | None) -> dict[str, Any]:
+        """A call's columns as they may be stored in an episode of ``split``: request and response redacted (if
+        that split's are, or the call was asked under a deployment's alias); a call in which something was
         redacted keeps no token ids or log-probs (they would spell it out) and is text-only."""
-        request, in_request = self.redact(fields["request"])
-        response, in_response = self.redact(fields["response"])
+        if fields.get("deployment") is not None:
+            split = None
+        request, in_request = self.redact(fields["request"], split)
+        response, in_response = self.redact(fields["response"], split)
         if not (in_request or in_response):
             return fields
         return fields | {"request": request, "response": without_token_ids(response), "text_only": True}
@@ -133,8 +166,9 @@ class Gateway:
     ) -> Splice:
         """``prepare`` for an episode this process does not hold: its outputs read back from the store, then held."""
         with self.store.session() as s:
-            db.check_open(s, episode_id)  # unknown: 404; finished or abandoned: 409, before any token is sampled
+            episode = db.check_open(s, episode_id)  # unknown: 404; finished or abandoned: 409, before sampling
             found = [o for call in db.calls(s, episode_id) for o in outputs_of(call, eos_ids)]
+        self._note_split(episode)
         with self._lock:
             self._outputs[episode_id] = found
             while len(self._outputs) > CACHED_EPISODES:
@@ -146,7 +180,7 @@ class Gateway:
         ``EpisodeConflictError``). An episode whose outputs this process holds is open as far as it knows (one
         closed meanwhile elsewhere is refused when its call is recorded, as ``prepare`` says)."""
         if self._cached(episode_id) is None:
-            await self.store.run(db.check_open, episode_id)
+            self._note_split(await self.store.run(db.check_open, episode_id))
 
     async def prepare(
         self,
@@ -226,8 +260,9 @@ class Gateway:
                     return
                 batch, self._queue = self._queue, []
             settled: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, CallRecord | BaseException]]] = {}
+            splits = self._splits_of(batch)
             for p in batch:  # here, not on the event loop: it reads every string of the call
-                p.fields = self._redacted(p.fields)
+                p.fields = self._redacted(p.fields, splits.get(p.episode_id))
             for p, outcome in zip(batch, self._commit(batch), strict=True):
                 settled.setdefault(p.loop, []).append((p.future, self._hold(p, outcome)))
             for loop, results in settled.items():  # one wake-up per event loop per batch
@@ -235,6 +270,19 @@ class Gateway:
                     loop.call_soon_threadsafe(_settle, results)
                 except RuntimeError:  # that loop is closed: nobody waits for these answers any more
                     pass
+
+    def _splits_of(self, batch: list[_Pending]) -> dict[str, str]:
+        """The splits of a batch's episodes: as this process read them when it prepared their calls, else (an
+        episode it forgot meanwhile) from the store; one it cannot read is left out (and its calls redacted)."""
+        splits = {p.episode_id: split for p in batch if (split := self._split_of(p.episode_id)) is not None}
+        unknown = {p.episode_id for p in batch} - splits.keys()
+        if unknown and self.redactor is not None:
+            try:
+                with self.store.session() as s:
+                    splits |= db.splits_of(s, unknown)
+            except Exception:  # the store unreachable: the commit that follows says so, call by call
+                pass
+        return splits
 
     def _hold(self, p: _Pending, outcome: CallRecord | BaseException) -> CallRecord | BaseException:
         """Add a recorded call's outputs to its episode's, if this process holds them (before the call is answered:

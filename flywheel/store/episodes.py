@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any
@@ -122,6 +122,11 @@ def _episode(s: Session, episode_id: str, *, lock: bool = False) -> Episode:
 
 def get_episode(s: Session, episode_id: str) -> EpisodeRecord:
     return EpisodeRecord.model_validate(_episode(s, episode_id))
+
+
+def splits_of(s: Session, episode_ids: Iterable[str]) -> dict[str, str]:
+    """The split of each of these episodes that exists."""
+    return dict(s.execute(select(Episode.id, Episode.split).where(Episode.id.in_(list(episode_ids)))).all())
 
 
 def list_episodes(
