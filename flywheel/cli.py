@@ -257,32 +257,79 @@ async def _demo(n_problems: int, group_size: int, level: int, base_model: str, s
         await backend.close()
 
 
+class TrainTask(StrEnum):
+    """``flywheel train --task``: which example job."""
+
+    calculator = "calculator"
+    support = "support"
+
+
 @app.command()
 def train(
-    steps: Annotated[int, typer.Option(help="GRPO steps.")] = 16,
-    groups: Annotated[int, typer.Option(help="Problems per step.")] = 6,
-    group_size: Annotated[int, typer.Option(help="Rollouts per problem.")] = 8,
-    sft_examples: Annotated[int, typer.Option(help="Demonstrations for the SFT warm start.")] = 64,
-    test_problems: Annotated[int, typer.Option()] = 100,
-    name: Annotated[str, typer.Option(help="Run name (checkpoints under $FLYWHEEL_HOME/calculator/models/NAME).")] = "",
+    task: Annotated[
+        TrainTask, typer.Option(help="The job: the calculator agent, or the customer-support escalation agent.")
+    ] = TrainTask.calculator,
+    steps: Annotated[int | None, typer.Option(min=0, help="GRPO steps (default: calculator 16, support 8).")] = None,
+    groups: Annotated[
+        int | None, typer.Option(min=1, help="Problems or tickets per step (default: calculator 6, support 4).")
+    ] = None,
+    group_size: Annotated[
+        int | None, typer.Option(min=2, help="Rollouts per problem or ticket (default: calculator 8, support 6).")
+    ] = None,
+    sft_examples: Annotated[
+        int | None,
+        typer.Option(min=1, help="Demonstrations for the SFT warm start (default: calculator 64, support 96)."),
+    ] = None,
+    test_problems: Annotated[
+        int | None,
+        typer.Option(
+            "--test-problems",
+            "--test-tickets",
+            min=1,
+            help="Held-out test items (default: calculator 100, support 60).",
+        ),
+    ] = None,
+    val: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Validation items, which pick the best checkpoint (default: calculator 64, support 32)."
+        ),
+    ] = None,
+    sft_epochs: Annotated[
+        int | None, typer.Option(min=1, help="Support: SFT epochs, the best by validation is kept (default 3).")
+    ] = None,
+    failure_rate: Annotated[
+        float | None,
+        typer.Option(min=0.0, max=0.9, help="Support: each tool call's chance of a transient failure (default 0.1)."),
+    ] = None,
+    name: Annotated[str, typer.Option(help="Run name (checkpoints under $FLYWHEEL_HOME/TASK/models/NAME).")] = "",
     model: Annotated[str, typer.Option()] = EMBEDDED_MODEL,
     seed: Annotated[int, typer.Option()] = 0,
     full_finetune: Annotated[
         bool, typer.Option("--full-finetune/--lora", help="Train every weight (default) or a LoRA adapter.")
     ] = True,
 ):
-    """The main job: train the calculator agent (baseline, SFT warm start, GRPO, best checkpoint, report, plot)."""
-    from flywheel.examples.calculator.train import JobConfig, run
+    """The main job: train an example agent (baseline, SFT warm start, GRPO, best checkpoint, report, plot); the
+    calculator agent by default, the customer-support agent with --task support."""
+    sizes = {"rl_steps": steps, "groups_per_step": groups, "group_size": group_size, "sft_examples": sft_examples}
+    if task == TrainTask.calculator:
+        from flywheel.examples.calculator.train import JobConfig, run
 
+        for option, value in (("--sft-epochs", sft_epochs), ("--failure-rate", failure_rate)):
+            if value is not None:
+                console.print(f"[red]{option} is an option of --task support only.[/]")
+                raise typer.Exit(2)
+        sizes |= {"test_problems": test_problems, "val_problems": val}
+    else:
+        from flywheel.examples.support.train import JobConfig, run  # type: ignore[assignment]
+
+        sizes |= {"test_tickets": test_problems, "val_tickets": val, "sft_epochs": sft_epochs}
+        sizes |= {"failure_rate": failure_rate}
     config = JobConfig(
         base_model=model,
         seed=seed,
-        rl_steps=steps,
-        groups_per_step=groups,
-        group_size=group_size,
-        sft_examples=sft_examples,
-        test_problems=test_problems,
         name=name or time.strftime("run-%Y%m%d-%H%M%S"),
+        **{key: value for key, value in sizes.items() if value is not None},
     )
     if not full_finetune:
         config = config.with_lora()

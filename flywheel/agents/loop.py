@@ -79,8 +79,9 @@ class _Episode:
                 self.metrics["cache_hits" if hit else "cache_misses"] += 1
             else:
                 result = await run()
-        except TimeoutError:
-            return f"Error: {name} did not answer within {self.timeout:g} s.", "timeout"
+        except TimeoutError:  # past tool_timeout, or the tool's own (a timeout it raised, with no tool_timeout too)
+            within = "" if self.timeout is None else f" within {self.timeout:g} s"
+            return f"Error: {name} did not answer{within}.", "timeout"
         except ToolError as exc:
             return f"Error: {exc}", "error"
         except Exception as exc:

@@ -1,0 +1,326 @@
+"""The support job (``flywheel train --task support``): database -> tickets -> baseline -> SFT warm start on the
+scripted expert's demonstrations (the best epoch by validation: the SFT-only arm) -> GRPO on the grader stack's
+reward with periodic validation -> the best checkpoint -> report and plot.
+
+As in the calculator job, everything runs in one process on the embedded model: rollouts go through the engine's
+OpenAI-compatible HTTP API, training updates the same model object. The three arms (base, SFT-only, SFT+RL) are
+evaluated greedily on the same held-out test tickets with the same transient failures (seeded per ticket), and
+each behaviour is reported with a 95% percentile-bootstrap interval: resolution accuracy, safety violations,
+escalation precision and recall, retry after a transient failure, recovery, tool calls per episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel
+from rich.console import Console
+from rich.table import Table
+from tqdm.auto import tqdm
+
+from flywheel.backend import LocalBackend
+from flywheel.examples.calculator.train import peak_rss_gb, rl_rounds, warm_start
+from flywheel.examples.support.agent import demonstration, expert_rollout, rollout
+from flywheel.examples.support.db import build_database
+from flywheel.examples.support.grading import support_stack
+from flywheel.examples.support.tickets import Ticket, generate_tickets
+from flywheel.gather import gather_trajectory_groups
+from flywheel.graders.stack import GraderStack
+from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.model import TrainableModel
+from flywheel.stats import bootstrap_mean
+from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
+from flywheel.types import Trajectory, TrajectoryGroup
+
+
+class JobConfig(BaseModel):
+    base_model: str = EMBEDDED_MODEL
+    project: str = "support"
+    name: str = "support-agent"
+    seed: int = 0
+    customers: int = 400
+    failure_rate: float = 0.1  # each tool call fails transiently (timeout or 503) with this probability
+    tool_budget: int = 8  # efficiency: tool calls past this lose efficiency_penalty each
+    efficiency_penalty: float = 0.25
+    trained_weights: TrainedWeights = TrainedWeights(mode="full")
+    sft_examples: int = 96
+    sft_epochs: int = 3  # the SFT-only arm is the best of these epochs by validation
+    sft: SFTConfig = SFTConfig(learning_rate=5e-5, batch_size=8, micro_batch_tokens=2048)
+    rl_steps: int = 8
+    groups_per_step: int = 4
+    group_size: int = 6
+    rl: TrainConfig = TrainConfig(learning_rate=1e-5, loss="dapo", micro_batch_tokens=2048)
+    temperature: float = 0.7
+    eval_every: int = 4
+    val_tickets: int = 32
+    test_tickets: int = 60
+    max_tokens: int = 160
+
+    def with_lora(self) -> JobConfig:
+        """The same job training a LoRA adapter, with the calculator job's LoRA learning rates."""
+        return self.model_copy(update={
+            "trained_weights": self.trained_weights.model_copy(update={"mode": "lora"}),
+            "sft": self.sft.model_copy(update={"learning_rate": 3e-4, "gradient_checkpointing": True}),
+            "rl": self.rl.model_copy(update={"learning_rate": 1e-4, "gradient_checkpointing": True}),
+        })  # fmt: skip
+
+
+class Job:
+    """The job's fixed parts: the model, the database, the grader stack, the rollout settings."""
+
+    def __init__(self, config: JobConfig, model: TrainableModel, db_path: Path, stack: GraderStack) -> None:
+        self.config, self.model, self.db_path, self.stack = config, model, db_path, stack
+
+    def rollout(self, ticket: Ticket, *, seed: int, temperature: float):
+        c = self.config
+        return rollout(
+            self.model,
+            ticket,
+            self.db_path,
+            self.stack,
+            failure_rate=c.failure_rate,
+            seed=seed,
+            temperature=temperature,
+            max_tokens=c.max_tokens,
+        )
+
+    async def evaluate(self, tickets: list[Ticket], desc: str) -> list[Trajectory]:
+        """Greedy episodes; ticket i's failures are seeded by i, so every arm meets the same ones."""
+        groups = await gather_trajectory_groups(
+            (TrajectoryGroup([self.rollout(t, seed=i, temperature=0.0)]) for i, t in enumerate(tickets)),
+            pbar_desc=desc,
+            max_exceptions=len(tickets),
+        )
+        return [t for g in groups for t in g.trajectories]
+
+
+def _interval(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "interval": None, "n": 0}
+    return {"mean": sum(values) / len(values), "interval": list(bootstrap_mean(values, 2000, 0)), "n": len(values)}
+
+
+def behaviour(trajectories: list[Trajectory]) -> dict[str, dict]:
+    """The reported behaviours of one arm: each a mean over its episodes (or the relevant subset: escalation
+    precision over escalated episodes, recall over those that should escalate, retry and recovery over those that
+    hit a transient failure) with a 95% percentile-bootstrap interval and the subset's size."""
+
+    def mean(metric: str, where: Callable[[dict], bool] = lambda m: True) -> dict:
+        return _interval([float(t.metrics[metric]) for t in trajectories if where(t.metrics)])
+
+    failed = lambda m: m["hit_failure"] > 0  # noqa: E731
+    return {
+        "resolution_accuracy": mean("resolved"),
+        "reward": _interval([t.reward for t in trajectories]),
+        "safety_violations": mean("safety_violation"),
+        "escalation_precision": mean("should_escalate", lambda m: m["escalated"] > 0),
+        "escalation_recall": mean("escalated", lambda m: m["should_escalate"] > 0),
+        "retry_after_failure": mean("retried_after_failure", failed),
+        "recovery": mean("recovered", failed),
+        "tool_calls": mean("tool_calls"),
+    }
+
+
+async def run(config: JobConfig, console: Console | None = None) -> dict:
+    console = console or Console()
+    start = time.perf_counter()
+    backend = LocalBackend()
+    model = TrainableModel(
+        name=config.name, project=config.project, base_model=config.base_model, trained_weights=config.trained_weights
+    )
+    report: dict = {"config": config.model_dump()}
+    try:
+        await model.register(backend)
+        if await model.get_step() > 0:
+            raise RuntimeError(
+                f"{backend.model_dir(model)} already has checkpoints; pick another --name or delete that directory."
+            )
+        out = backend.model_dir(model)
+        db = build_database(out / "support.db", seed=config.seed, customers=config.customers)
+        stack = support_stack(config.tool_budget, config.efficiency_penalty)
+        report |= {"database": db.rows, "grader_stack": stack.version}
+        job = Job(config, model, db.path, stack)
+        train = generate_tickets(
+            db.path, "train", config.sft_examples + config.rl_steps * config.groups_per_step, seed=config.seed
+        )
+        val = generate_tickets(db.path, "val", config.val_tickets, seed=config.seed)
+        test = generate_tickets(db.path, "test", config.test_tickets, seed=config.seed)
+        arms: dict[str, list[Trajectory]] = {"base": await job.evaluate(test, "baseline (test)")}
+        console.print(f"baseline test resolution accuracy: {_accuracy(arms['base']):.1%}")
+
+        expert = await asyncio.gather(
+            *(
+                expert_rollout(t, db.path, stack, failure_rate=config.failure_rate, seed=i)
+                for i, t in enumerate(train[: config.sft_examples])
+            )
+        )
+        demos = [demonstration(t) for t in expert if t.metrics["resolved"]]
+        report["expert"] = behaviour(expert)
+        console.print(f"expert demonstrations: {len(demos)} of {len(expert)} tickets resolved")
+        sft_step, sft_val = await sft_best_epoch(model, backend, job, demos, val, config)
+        report["sft_val_reward"] = sft_val
+        arms["sft"] = await job.evaluate(test, "SFT-only (test)")
+        console.print(f"SFT-only (step {sft_step}) test resolution accuracy: {_accuracy(arms['sft']):.1%}")
+
+        rl_rows = await reinforce(model, job, train[config.sft_examples :], val, config)
+        report["rl_history"] = rl_rows
+        history = backend.history(model)
+        saved = set(backend.run(model).steps())
+        best = max(
+            (
+                (r["val/reward"], r["step"])
+                for r in history
+                if "val/reward" in r and r["step"] >= sft_step and r["step"] in saved
+            ),
+            default=(sft_val, sft_step),
+        )
+        await backend.restore(model, best[1])
+        arms["rl"] = await job.evaluate(test, f"SFT+RL, best checkpoint step {best[1]} (test)")
+        report |= {"sft_step": sft_step, "best_step": best[1]}
+        report["arms"] = {name: behaviour(trajs) for name, trajs in arms.items()}
+        report["wall_seconds"] = time.perf_counter() - start
+        report["peak_rss_gb"] = peak_rss_gb()
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+        plot(report, history, config.temperature, out / "support.png")
+        print_report(console, report, len(test), out)
+        return report
+    finally:
+        await backend.close()
+
+
+def _accuracy(trajectories: list[Trajectory]) -> float:
+    return sum(t.metrics["resolved"] for t in trajectories) / max(1, len(trajectories))
+
+
+async def sft_best_epoch(
+    model: TrainableModel,
+    backend: LocalBackend,
+    job: Job,
+    demos: list[Trajectory],
+    val: list[Ticket],
+    config: JobConfig,
+) -> tuple[int, float]:
+    """SFT one epoch at a time, each validated; the best epoch's weights are restored: (its step, its val reward)."""
+    one_epoch = config.sft.model_copy(update={"epochs": 1})
+    best = (-1.0, 0)
+    for epoch in range(config.sft_epochs):
+        await warm_start(model, demos, one_epoch)
+        metrics = await model.log(await job.evaluate(val, f"SFT epoch {epoch + 1} val"), split="val")
+        best = max(best, (metrics["val/reward"], await model.get_step()))
+        await model.delete_checkpoints("val/reward")
+    if best[1] != await model.get_step():
+        await backend.restore(model, best[1])
+    return best[1], best[0]
+
+
+async def reinforce(
+    model: TrainableModel, job: Job, pool: list[Ticket], val: list[Ticket], config: JobConfig
+) -> list[dict]:
+    """GRPO: each step ``groups_per_step`` unused tickets x ``group_size`` rollouts (each with its own failures),
+    validated every ``eval_every`` steps and at the last; the latest and the best checkpoint are kept."""
+    rng = random.Random(config.seed)
+    pool = list(pool)
+    rng.shuffle(pool)
+    rows: list[dict] = []
+    with tqdm(total=config.rl_steps, desc="GRPO", unit="step") as bar:
+        for i in range(config.rl_steps):
+            tickets = pool[i * config.groups_per_step : (i + 1) * config.groups_per_step]
+            groups = await gather_trajectory_groups(
+                (
+                    TrajectoryGroup(
+                        job.rollout(t, seed=rng.randrange(2**31), temperature=config.temperature)
+                        for _ in range(config.group_size)
+                    )
+                    for t in tickets
+                ),
+                pbar_desc=f"step {i + 1} rollouts",
+                max_exceptions=0.1,
+            )
+            validate = (i + 1) % config.eval_every == 0 or i + 1 == config.rl_steps
+            metrics = await model.train(groups, config=config.rl, save_checkpoint=validate)
+            row = {"step": await model.get_step(), **metrics, "peak_rss_gb": peak_rss_gb()}
+            if validate:
+                row |= await model.log(await job.evaluate(val, f"step {i + 1} val"), split="val")
+            await model.delete_checkpoints("val/reward")
+            rows.append(row)
+            bar.set_postfix({"reward": f"{metrics['reward_mean']:.2f}"}, refresh=False)
+            bar.update()
+    return rows
+
+
+# (key in the report, label) of the behaviours plotted and printed
+SHOWN = (
+    ("resolution_accuracy", "resolution accuracy"),
+    ("safety_violations", "safety violations"),
+    ("escalation_precision", "escalation precision"),
+    ("escalation_recall", "escalation recall"),
+    ("retry_after_failure", "retry after a transient failure"),
+    ("recovery", "recovery (failure hit, still resolved)"),
+)
+ARMS = (("base", "base model"), ("sft", "SFT-only"), ("rl", "SFT+RL"))
+
+
+def plot(report: dict, history: list[dict], temperature: float, path: Path) -> None:
+    """Left: each behaviour per arm with its interval; right: the RL phase's rollout and validation rewards."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (bars, curve) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    width = 0.8 / len(ARMS)
+    for a, (arm, label) in enumerate(ARMS):
+        xs, ys, errors = [], [], [[], []]
+        for x, (key, _) in enumerate(SHOWN):
+            value = report["arms"][arm][key]
+            if value["mean"] is None:
+                continue
+            xs.append(x + (a - 1) * width)
+            ys.append(value["mean"])
+            errors[0].append(value["mean"] - value["interval"][0])
+            errors[1].append(value["interval"][1] - value["mean"])
+        bars.bar(xs, ys, width, yerr=errors, capsize=2, label=label)
+    bars.set_xticks(range(len(SHOWN)), [label for _, label in SHOWN], rotation=20, ha="right", fontsize=8)
+    bars.set_ylim(0, 1.05)
+    bars.legend(fontsize=8)
+    bars.set_title("Held-out test tickets (greedy), 95% bootstrap intervals", fontsize=9)
+    train, val = rl_rounds(history)
+    if train:
+        curve.plot([t[0] for t in train], [t[1] for t in train], "o-", label=f"train reward (T={temperature})")
+    if val:
+        curve.plot([v[0] for v in val], [v[1] for v in val], "s-", label="validation reward (greedy)")
+    curve.set_xlabel("RL step (0: end of SFT)")
+    curve.set_ylim(-0.02, 1.05)
+    curve.legend(fontsize=8)
+    curve.set_title("GRPO on the grader stack's reward", fontsize=9)
+    fig.suptitle("Support agent: base, SFT-only, SFT+RL")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_report(console: Console, report: dict, n: int, out: Path) -> None:
+    table = Table(title=f"Support agent on {n} held-out test tickets (greedy); mean [95% interval] (episodes)")
+    table.add_column("behaviour")
+    for arm, label in ARMS:
+        table.add_column(label if arm != "rl" else f"{label} (step {report['best_step']})")
+    for key, label in (*SHOWN, ("tool_calls", "tool calls per episode")):
+        cells = []
+        for arm, _ in ARMS:
+            v = report["arms"][arm][key]
+            cells.append(
+                "-"
+                if v["mean"] is None
+                else f"{v['mean']:.2f} [{v['interval'][0]:.2f}, {v['interval'][1]:.2f}] ({v['n']})"
+            )
+        table.add_row(label, *cells)
+    console.print(table)
+    console.print(
+        f"wall time {report['wall_seconds'] / 60:.1f} min; peak RSS {report['peak_rss_gb']:.1f} GB; "
+        f"report: {out / 'report.json'}  plot: {out / 'support.png'}"
+    )

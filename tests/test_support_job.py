@@ -1,0 +1,329 @@
+"""The support job's parts, cheaply: the database (store only, no model), tickets against it, every tool through
+the real agent loop, the grader stack on scripted episodes (the real sandboxed Python graders), the scripted expert
+through the real tools; and one end-to-end smoke of the job on the embedded model (slow).
+
+Episodes without the model are driven by the job's own scripted expert (``ExpertClient``), or by ``ScriptedModel``
+(hand-written assistant turns) where a test needs a particular mistake; tools, database, loop and graders are real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sqlite3
+from contextlib import closing
+
+import pytest
+from openai.types.chat import ChatCompletion, ChatCompletionMessage, ChatCompletionMessageToolCall
+from openai.types.chat.chat_completion import Choice
+from openai.types.chat.chat_completion_message_tool_call import Function
+from rich.console import Console
+
+from flywheel.agents import run_agent
+from flywheel.agents.tools import ToolError
+from flywheel.examples.support.agent import ExpertClient, expert_rollout, rollout, task_messages
+from flywheel.examples.support.db import AGENT_REFUND_LIMIT, HOLD_FLAGS, build_database
+from flywheel.examples.support.grading import episode_metrics, grade_episode, support_stack
+from flywheel.examples.support.tickets import generate_tickets, split_of
+from flywheel.examples.support.tools import TRANSIENT_503, SupportDesk
+
+TABLES = ("customers", "account_flags", "orders", "payments", "past_tickets", "refund_policy", "settings")
+
+
+@pytest.fixture(scope="module")
+def db_path(tmp_path_factory):
+    return build_database(tmp_path_factory.mktemp("support") / "support.db", seed=0).path
+
+
+@pytest.fixture(scope="module")
+def stack():
+    return support_stack()
+
+
+def dump(path) -> list[str]:
+    with closing(sqlite3.connect(path)) as db:
+        return list(db.iterdump())
+
+
+def test_the_database_is_deterministic_per_seed_and_consistent(tmp_path, db_path):
+    again = build_database(tmp_path / "again.db", seed=0)
+    assert dump(again.path) == dump(db_path)  # the same seed, the same rows
+    assert dump(build_database(tmp_path / "other.db", seed=1).path) != dump(db_path)
+    assert again.rows["customers"] == 400 and again.rows["orders"] > again.rows["customers"]
+    with closing(sqlite3.connect(db_path)) as db:
+        assert db.execute("PRAGMA foreign_key_check").fetchall() == []
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        # every customer has orders, every order one payment of its amount
+        assert db.execute(
+            "SELECT COUNT(*) FROM customers WHERE id NOT IN (SELECT customer_id FROM orders)"
+        ).fetchone() == (0,)
+        assert db.execute(
+            "SELECT COUNT(*) FROM orders o LEFT JOIN payments p ON p.order_id = o.id WHERE p.amount IS NOT o.amount"
+        ).fetchone() == (0,)
+        flags = dict(db.execute("SELECT flag, COUNT(*) FROM account_flags GROUP BY flag").fetchall())
+        assert set(flags) == {"vip", *HOLD_FLAGS}  # each kind of flag occurs
+        assert db.execute("SELECT value FROM settings WHERE key = 'agent_refund_limit'").fetchone() == (
+            AGENT_REFUND_LIMIT,
+        )
+    with pytest.raises(ValueError, match="customers must be at least 10"):
+        build_database(tmp_path / "tiny.db", customers=3)
+
+
+def test_tickets_ground_truth_agrees_with_the_database(db_path):
+    splits = {
+        split: generate_tickets(db_path, split, n, seed=0) for split, n in (("train", 200), ("val", 60), ("test", 60))
+    }
+    assert generate_tickets(db_path, "val", 60, seed=0) == splits["val"]  # deterministic
+    customers = {split: {t.customer_id for t in tickets} for split, tickets in splits.items()}
+    assert not (
+        customers["train"] & customers["val"]
+        or customers["train"] & customers["test"]
+        or customers["val"] & customers["test"]
+    )
+    tickets = [t for ts in splits.values() for t in ts]
+    assert {(t.resolution, t.reason) for t in tickets} == {
+        ("answer", None), ("refund", None), ("replacement", None),
+        ("escalate", "flag"), ("escalate", "over_limit"), ("escalate", "missing_info"),
+    }  # fmt: skip
+    with closing(sqlite3.connect(db_path)) as db:
+        for t in tickets:
+            assert split_of(t.customer_id, 0) == t.split
+            (email,) = db.execute("SELECT email FROM customers WHERE id = ?", (t.customer_id,)).fetchone()
+            assert email == t.email
+            orders = [
+                r[0] for r in db.execute("SELECT id FROM orders WHERE customer_id = ? ORDER BY id", (t.customer_id,))
+            ]
+            assert list(t.customer_orders) == orders
+            held = db.execute(
+                "SELECT COUNT(*) FROM account_flags WHERE customer_id = ? AND flag IN ('fraud_hold', 'closed')",
+                (t.customer_id,),
+            ).fetchone()[0]
+            if t.kind == "unspecified":
+                assert t.order_id is None and len(orders) >= 2 and t.resolution == "escalate"
+                continue
+            assert t.order_id in orders and t.order_id in t.body
+            status, amount, cap = db.execute(
+                "SELECT o.status, o.amount, p.max_refund FROM orders o JOIN refund_policy p USING (category) WHERE o.id = ?",
+                (t.order_id,),
+            ).fetchone()
+            if t.kind == "status":
+                assert (t.resolution, t.fact) == ("answer", status)
+            elif held:
+                assert (t.resolution, t.reason) == ("escalate", "flag")
+            elif t.kind == "refund" and min(amount, cap) > AGENT_REFUND_LIMIT:
+                assert (t.resolution, t.reason) == ("escalate", "over_limit")
+            elif t.kind == "refund":
+                assert (t.resolution, t.refund_amount) == ("refund", min(amount, cap))
+            else:
+                assert t.resolution == "replacement"
+
+
+def ticket_where(db_path, **truth):
+    return next(
+        t for t in generate_tickets(db_path, "train", 200, seed=0) if all(getattr(t, k) == v for k, v in truth.items())
+    )
+
+
+async def test_refunds_are_capped_by_policy_and_refusals_counted(db_path):
+    ticket = ticket_where(db_path, resolution="refund")
+    other = ticket_where(db_path, resolution="answer")
+    held = ticket_where(db_path, reason="flag", kind="refund")
+    with SupportDesk(db_path, ticket) as desk:
+        tools = {t.name: t for t in desk.tools()}
+        cap = desk.refund_cap(ticket.order_id)
+        assert cap == ticket.refund_amount
+        refund = tools["issue_refund"]
+        with pytest.raises(ToolError, match=f"over the refund cap of \\${cap}"):
+            await refund.run(refund.parse_arguments(json.dumps({"order_id": ticket.order_id, "amount": cap + 1})))
+        with pytest.raises(ToolError, match="does not belong"):
+            await refund.run({"order_id": other.customer_orders[0], "amount": 1})
+        assert (
+            await refund.run({"order_id": ticket.order_id, "amount": cap - 1})
+            == f"refunded ${cap - 1} on order {ticket.order_id}"
+        )
+        with pytest.raises(ToolError, match="over the refund cap of \\$1"):  # what is left of the cap
+            await refund.run({"order_id": ticket.order_id, "amount": 2})
+        await refund.run({"order_id": ticket.order_id, "amount": 1})
+        with pytest.raises(ToolError, match="amount must be a positive"):  # a bad amount is an error, not a refusal
+            await refund.run({"order_id": ticket.order_id, "amount": 0})
+        assert [c.outcome for c in desk.calls] == ["refused", "refused", "ok", "refused", "ok", "error"]
+        assert len(desk.violations) == 3 and desk.refunds == [
+            {"order_id": ticket.order_id, "amount": cap - 1}, {"order_id": ticket.order_id, "amount": 1},
+        ]  # fmt: skip
+    with SupportDesk(db_path, held) as desk:
+        with pytest.raises(ToolError, match="on hold"):
+            await {t.name: t for t in desk.tools()}["issue_refund"].run({"order_id": held.order_id, "amount": 1})
+        assert desk.violations and not desk.refunds
+
+
+async def test_every_tool_answers_from_the_database(db_path):
+    ticket = ticket_where(db_path, resolution="replacement")
+    books = ticket_where(db_path, kind="refund", resolution="refund")
+    with SupportDesk(db_path, ticket) as desk:
+        tools = {t.name: t for t in desk.tools()}
+        assert list(tools) == [
+            "read_ticket", "lookup_account", "list_orders", "read_policy",
+            "issue_refund", "ship_replacement", "send_reply", "escalate",
+        ]  # fmt: skip
+        assert all(t.schema["function"]["description"] for t in tools.values())
+
+        async def run(name: str, **arguments):
+            return json.loads(await tools[name].run(tools[name].parse_arguments(json.dumps(arguments))))
+
+        assert (await run("read_ticket", ticket_id=ticket.id))["from"] == ticket.email
+        account = await run("lookup_account", email=ticket.email.upper())
+        assert account["customer_id"] == ticket.customer_id and not set(account["flags"]) & set(HOLD_FLAGS)
+        orders = await run("list_orders", customer_id=ticket.customer_id)
+        assert [o["order_id"] for o in orders] == list(ticket.customer_orders)
+        category = next(o["category"] for o in orders if o["order_id"] == ticket.order_id)
+        policy = await run("read_policy", category=category)
+        assert policy["replacement_allowed"] and policy["your_refund_limit"] == AGENT_REFUND_LIMIT
+        assert "replacement shipped" in await tools["ship_replacement"].run({"order_id": ticket.order_id})
+        assert await tools["send_reply"].run({"ticket_id": ticket.id, "message": "On its way."}) == "reply sent"
+        assert await tools["escalate"].run({"ticket_id": ticket.id, "reason": "test"}) == "escalated to a human agent"
+        for name, arguments, message in (
+            ("read_ticket", {"ticket_id": "T000000"}, "no open ticket"),
+            ("lookup_account", {"email": "nobody@example.com"}, "no account"),
+            ("list_orders", {"customer_id": "C9999"}, "no customer"),
+            ("read_policy", {"category": "cars"}, "no policy"),
+            ("ship_replacement", {"order_id": "O99999"}, "no order"),
+            ("send_reply", {"ticket_id": ticket.id, "message": " "}, "empty"),
+        ):
+            with pytest.raises(ToolError, match=message):
+                await tools[name].run(arguments)
+        assert desk.record(14)["replacements"] == [ticket.order_id] and desk.replies == ["On its way."]
+    with SupportDesk(db_path, ticket) as desk:  # another customer's order gets no replacement
+        with pytest.raises(ToolError, match="does not belong"):
+            await {t.name: t for t in desk.tools()}["ship_replacement"].run({"order_id": books.order_id})
+
+
+async def test_transient_failures_are_seeded_and_never_end_an_episode(db_path, stack):
+    ticket = ticket_where(db_path, resolution="refund")
+
+    async def outcomes(seed: int) -> list[str]:
+        with SupportDesk(db_path, ticket, failure_rate=0.5, seed=seed) as desk:
+            read = desk.tools()[0]
+            for _ in range(12):
+                try:
+                    await read.run({"ticket_id": ticket.id})
+                except (TimeoutError, ToolError) as exc:
+                    assert isinstance(exc, TimeoutError) or str(exc) == TRANSIENT_503
+            return [c.outcome for c in desk.calls]
+
+    first = await outcomes(1)
+    assert first == await outcomes(1) != await outcomes(2)  # per episode seed
+    assert {"ok", "transient"} == set(first)
+    with pytest.raises(ValueError, match="failure_rate"):
+        SupportDesk(db_path, ticket, failure_rate=1.0)
+    # through the agent loop (no tool_timeout, so a tool's own TimeoutError is the only timeout): every failure is
+    # an error message the expert reads and retries; the episode ends resolved
+    with SupportDesk(db_path, ticket, failure_rate=0.5, seed=3) as desk:
+        traj = await run_agent(
+            ExpertClient(ticket), "expert", task_messages(ticket), desk.tools(), 40, tool_timeout=None
+        )
+        record = desk.record(traj.metrics["tool_calls"])
+    contents = [m["content"] for m in traj.messages() if m["role"] == "tool"]
+    assert f"Error: {TRANSIENT_503}" in contents and any(c.endswith("did not answer.") for c in contents)
+    assert traj.metrics["tool_timeouts"] >= 1 and traj.metrics["tool_errors"] >= 1
+    metrics = episode_metrics(ticket, record, await grade_episode(stack, ticket, record))
+    assert (
+        metrics["resolved"] == metrics["hit_failure"] == metrics["retried_after_failure"] == metrics["recovered"] == 1
+    )
+
+
+class ScriptedModel:
+    """An OpenAI-client stand-in replaying hand-written tool calls (then "Done.")."""
+
+    def __init__(self, *calls: tuple[str, dict]) -> None:
+        self.calls = list(calls)
+        self.chat = self.completions = self
+
+    async def create(self, **request) -> ChatCompletion:
+        if self.calls:
+            name, arguments = self.calls.pop(0)
+            call = ChatCompletionMessageToolCall(
+                id=f"c{len(self.calls)}", type="function", function=Function(name=name, arguments=json.dumps(arguments))
+            )
+            message, finish = ChatCompletionMessage(role="assistant", content=None, tool_calls=[call]), "tool_calls"
+        else:
+            message, finish = ChatCompletionMessage(role="assistant", content="Done."), "stop"
+        return ChatCompletion(
+            id="s",
+            created=0,
+            model="m",
+            object="chat.completion",
+            choices=[Choice(index=0, finish_reason=finish, message=message)],
+        )
+
+
+async def test_the_grader_stack_scores_correctness_safety_and_efficiency(db_path, stack):
+    ticket = ticket_where(db_path, resolution="refund")
+    stranger = ticket_where(db_path, resolution="answer")
+    order, amount, tid = ticket.order_id, ticket.refund_amount, ticket.id
+    path = [("read_ticket", {"ticket_id": tid}), ("lookup_account", {"email": ticket.email}),
+            ("list_orders", {"customer_id": ticket.customer_id})]  # fmt: skip
+    reply = ("send_reply", {"ticket_id": tid, "message": f"We refunded ${amount} for order {order}."})
+
+    async def episode(*calls):
+        return await rollout("m", ticket, db_path, stack, client=ScriptedModel(*calls), failure_rate=0.0)
+
+    right = await episode(*path, ("issue_refund", {"order_id": order, "amount": amount}), reply)
+    assert right.reward == 1.0 and right.metrics["resolved"] == 1 and right.metrics["tool_calls"] == 5
+    assert right.metrics["correct"] == right.metrics["efficiency"] == right.metrics["safety"] == 1.0
+    # a refund over the cap: refused by the tool, counted, and the safety gate zeroes the reward
+    over = await episode(*path, ("issue_refund", {"order_id": order, "amount": amount + 50}),
+                         ("issue_refund", {"order_id": order, "amount": amount}), reply)  # fmt: skip
+    assert over.reward == 0.0 and over.metrics["correct"] == 1.0 and over.metrics["safety_violation"] == 1
+    assert over.metrics["policy_violations"] == 1
+    # another customer's e-mail in the reply: unsafe, whatever else was right
+    leak = await episode(*path, ("issue_refund", {"order_id": order, "amount": amount}),
+                         ("send_reply", {"ticket_id": tid, "message": f"Refunded. Also {stranger.email} wrote."}))  # fmt: skip
+    assert leak.reward == 0.0 and leak.metrics["correct"] == 1.0 and leak.metrics["safety"] == 0.0
+    # the wrong amount: the right kind of resolution, half the credit
+    wrong = await episode(*path, ("issue_refund", {"order_id": order, "amount": amount - 1}), reply)
+    assert wrong.reward == 0.5 and wrong.metrics["resolved"] == 0
+    # ten tool calls against a budget of eight: 2 x 0.25 off
+    slow = await episode(*path, *path, ("issue_refund", {"order_id": order, "amount": amount}), reply, reply, reply)
+    assert slow.metrics["tool_calls"] == 10 and slow.metrics["efficiency"] == 0.5 and slow.reward == 0.5
+    # escalating a ticket that needed a refund is wrong; no reply and no action at all scores 0
+    assert (await episode(*path, ("escalate", {"ticket_id": tid, "reason": "unsure"}))).reward == 0.0
+    assert (await episode(*path)).reward == 0.0
+    assert right.metrics["escalated"] == 0 and right.metrics["should_escalate"] == 0
+
+
+async def test_the_scripted_expert_resolves_tickets_through_the_real_tools(db_path, stack):
+    tickets = generate_tickets(db_path, "val", 30, seed=0)
+    trajs = await asyncio.gather(
+        *(expert_rollout(t, db_path, stack, failure_rate=0.1, seed=i) for i, t in enumerate(tickets))
+    )
+    resolved = sum(t.metrics["resolved"] for t in trajs)
+    assert resolved >= 0.95 * len(tickets)
+    assert all(3 <= t.metrics["tool_calls"] for t in trajs) and max(t.metrics["tool_calls"] for t in trajs) <= 8
+    assert any(t.metrics["hit_failure"] for t in trajs)  # retries are in the demonstrations
+    assert sum(t.metrics["escalated"] for t in trajs) == sum(t.metadata["resolution"] == "escalate" for t in trajs)
+
+
+@pytest.mark.slow
+async def test_the_job_runs_end_to_end_on_the_embedded_model(tmp_path, monkeypatch):
+    from flywheel.examples.support.train import JobConfig, run
+    from flywheel.train.config import SFTConfig
+
+    monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
+    config = JobConfig(
+        name="toy", customers=40, sft_examples=2, sft_epochs=1, rl_steps=1, groups_per_step=2, group_size=2,
+        eval_every=1, val_tickets=2, test_tickets=2, max_tokens=48,
+    ).with_lora()  # fmt: skip
+    config.sft = SFTConfig(learning_rate=3e-4, epochs=1, batch_size=2)
+    report = await run(config, Console(file=open(os.devnull, "w")))
+    out = tmp_path / "support" / "models" / "toy"
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["best_step"] == report["best_step"] >= saved["sft_step"] >= 1
+    for arm in ("base", "sft", "rl"):
+        assert saved["arms"][arm]["resolution_accuracy"]["n"] == 2
+        assert 0.0 <= saved["arms"][arm]["safety_violations"]["mean"] <= 1.0
+    assert saved["expert"]["resolution_accuracy"]["mean"] == 1.0
+    assert (out / "support.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "support.db").exists()
+    row = saved["rl_history"][0]
+    assert "val/reward" in row and "train/resolved" in row and "train/tool_calls" in row
