@@ -1,16 +1,21 @@
-"""``flywheel loop CONFIG``: run the flywheel loop on a local backend and print what it decided."""
+"""``flywheel loop CONFIG``: run the flywheel loop on a local backend and print what it decided; ``--clear-alarm``
+clears its reward-hacking alarm instead (audited, with ``--why``)."""
 
 from __future__ import annotations
 
 import asyncio
 import getpass
+import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from flywheel.loop.driver import LoopConfig
 
 console = Console()
 
@@ -24,15 +29,23 @@ def loop_command(
     config: Annotated[Path, typer.Argument(help="The loop's configuration (YAML or JSON).")],
     home: Annotated[Path | None, typer.Option(help="Projects directory (default $FLYWHEEL_HOME).")] = None,
     actor: Annotated[str | None, typer.Option(help="Who runs it, for the audit trail (default: $USER).")] = None,
+    clear_alarm: Annotated[
+        bool, typer.Option("--clear-alarm", help="Clear the loop's reward-hacking alarm (with --why) and exit.")
+    ] = False,
+    why: Annotated[str | None, typer.Option(help="Why the alarm is cleared (the audit event's reason).")] = None,
 ) -> None:
     """Run the flywheel loop: production episodes become training tasks, the model trains through the gateway's
-    runners, and every few steps a candidate meets the promotion gate (a passing one goes to MODEL@canary)."""
+    runners, and every few steps a candidate meets the promotion gate (a passing one goes to MODEL@canary). Killed
+    and started again, it takes up where it stopped (docs/user-guide.md, "Restarting the loop")."""
     from flywheel.backend import LocalBackend
     from flywheel.graders.spec import GraderSpecError
     from flywheel.loop.driver import Loop, LoopConfig
 
     try:
         loop_config = LoopConfig.load(config)
+        if clear_alarm:
+            _clear_alarm(loop_config, config, home, actor or getpass.getuser(), why)
+            return
         # the stack, the held-out set and the seed tasks are read before any model loads
         loop = Loop(loop_config, LocalBackend(path=home), actor=actor or getpass.getuser())
     except ValidationError as exc:
@@ -62,3 +75,37 @@ def loop_command(
             "promote" if c.decision.promote else f"hold ({failed})", c.deployed or "-",
         )  # fmt: skip
     console.print(table)
+    if report.alarm is not None:
+        console.print(f"promotions stopped by the reward-hacking alarm: {report.alarm}; once looked into: "
+                      f"flywheel loop {config} --clear-alarm --why ...", highlight=False)  # fmt: skip
+
+
+def _clear_alarm(loop_config: LoopConfig, source: Path, home: Path | None, actor: str, why: str | None) -> None:
+    """``--clear-alarm``: a ``loop.alarm.clear`` event naming the model's latest checkpoint (no model loads)."""
+    from flywheel.home import default_home
+    from flywheel.loop.alarm import NoAlarmError, clear
+    from flywheel.runs import RunStore, model_path
+    from flywheel.store import Store
+    from flywheel.store.db import StoreUnavailableError
+
+    if not why:
+        typer.echo(f"{source}: --clear-alarm needs --why: the reason goes into the audit trail", err=True)
+        raise typer.Exit(2)
+    root = home or default_home()
+    models = model_path(root, loop_config.project, loop_config.name)
+    step = (RunStore(models).latest() if models.exists() else None) or 0
+    try:
+        store = Store(os.environ.get("FLYWHEEL_DB") or f"sqlite:///{root / 'flywheel.db'}")
+    except StoreUnavailableError as exc:
+        typer.echo(f"{source}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        with store.session() as s:
+            event = clear(s, loop_config.name, step=step, actor=actor, reason=why)
+    except NoAlarmError as exc:
+        typer.echo(f"{source}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    finally:
+        store.close()
+    console.print(f"the alarm of loop {loop_config.name} is cleared (audit event {event.id}): promotions resume; "
+                  f"its baseline starts after step {step}", highlight=False)  # fmt: skip

@@ -9,6 +9,14 @@ event linking its evidence, and a candidate that passes is deployed as ``MODEL@c
 
 Runners are in-process (``runners`` > 0: the configured agent, run by ``Runner`` against this backend's gateway) or
 anywhere else that claims from the same gateway (``runners: 0``).
+
+A loop may be killed at any moment and started again (``run`` resumes): nothing it decides lives only in memory.
+The model resumes at its latest checkpoint, which also keeps the alarm's baseline (the last ``alarm.window`` steps'
+means, written with the step, so never one step apart from it); the alarm is the audit trail's (``alarm.state``);
+a checkpoint is due at the gate while no ``gate.*`` event names it, so a candidate the killed run trained but did
+not decide is decided first, and none twice; the pool is rebuilt (seed tasks, production episodes) and the canary's
+scores recomputed. The tasks an earlier run queued (ids ``train:<name>:...``, ``eval:<name>:...``) and did not use
+are cancelled (``tasks.cancel``, one ``loop.cancel`` event): a runner's late result for one of them changes nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import asyncio
 import json
 import logging
 import random
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -30,12 +39,13 @@ from flywheel.graders.regress import last_sample
 from flywheel.graders.rewards import sample_of
 from flywheel.graders.stack import GraderStack, StackScore, load_stack, score
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.loop import alarm as alarms
 from flywheel.loop.alarm import AlarmPolicy, reward_hacking
 from flywheel.loop.canary import CanaryPolicy, CanaryVerdict, Scored, verdict
 from flywheel.loop.evaluate import evaluate
 from flywheel.loop.gate import GateDecision, GatePolicy, HeldOutSet, decide
 from flywheel.model import TrainableModel
-from flywheel.store import audit, deployments
+from flywheel.store import audit, deployments, tasks
 from flywheel.store import episodes as db
 from flywheel.store import grades as gdb
 from flywheel.store.arms import Arm, ArmEpisode, arms
@@ -43,6 +53,7 @@ from flywheel.train.config import TrainConfig, TrainedWeights
 from flywheel.types import TrajectoryGroup
 
 log = logging.getLogger("flywheel.loop")
+GATE_ACTIONS = ("gate.pass", "gate.hold")  # a checkpoint's decision: one per step
 
 
 class LoopConfig(BaseModel):
@@ -50,7 +61,7 @@ class LoopConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str
+    name: str = Field(pattern=r"^[^\s:/@]+$", max_length=200)  # the model's: no spaces, ':', '/' nor '@'
     project: str = "flywheel"
     base_model: str = EMBEDDED_MODEL
     trained_weights: TrainedWeights = Field(default_factory=TrainedWeights)
@@ -100,7 +111,7 @@ class LoopReport(BaseModel):
     intake: int  # tasks that came from production episodes
     candidates: list[Candidate]
     canary: list[CanaryVerdict]  # promotions and rollbacks of canaries, in order
-    alarm: str | None = None  # why promotions stopped, if the reward-hacking alarm was raised
+    alarm: str | None = None  # why promotions are stopped, if the reward-hacking alarm is raised (at the end)
 
 
 def item_id(item: dict[str, Any], fallback: str) -> str:
@@ -126,8 +137,8 @@ class Loop:
                     raise ValueError(f"{config.tasks} line {n}: a task is a JSON object, not {type(task).__name__}")
                 self.pool[item_id(task, f"seed-{n}")] = task
         self._rng = random.Random(config.seed)
-        self.step_means: list[dict[str, float]] = []  # per iteration: reward and holdout graders' means
-        self.alarm: str | None = None  # once raised, nothing is promoted
+        self.step_means: list[dict[str, float]] = []  # per training step: its step, reward and holdout graders' means
+        self.alarm: str | None = None  # while raised (audit events: alarm.state), nothing is promoted
         self._scores: dict[str, StackScore] = {}  # production episodes the canary watch scored, by id
         self.model = TrainableModel(
             name=config.name,
@@ -181,7 +192,8 @@ class Loop:
         name = self.model.get_inference_name(step)
         runs = [
             await evaluate(queue, self.heldout, model, self.stack, samples=self.config.eval_samples,
-                           max_wait=self.config.max_wait, store=self.store, actor=self.actor)
+                           max_wait=self.config.max_wait, store=self.store, actor=self.actor,
+                           prefix=f"eval:{self.config.name}")
             for model in (name, production)
         ]  # fmt: skip
         decision = decide(runs[0].results, runs[1].results, self.config.gate)
@@ -219,28 +231,77 @@ class Loop:
         split = self.config.intake_split
         return [e for e in (arm.episodes if arm else []) if e.status == "finished" and e.split == split]
 
-    def check_alarm(self, groups: list[TrajectoryGroup]) -> str | None:
-        """Record an iteration's reward and holdout means; raise the reward-hacking alarm (once: an audit event)
-        when the reward rises over flat holdout graders. Returns the alarm when this iteration raised it."""
-        trajectories = [t for g in groups for t in g.trajectories]
-        if not trajectories:
+    @property
+    def task_prefixes(self) -> tuple[str, str]:
+        """What the ids of the tasks this loop queues start with: its training groups', its held-out evaluations'."""
+        return f"train:{self.config.name}:", f"eval:{self.config.name}:"
+
+    def read_alarm(self) -> None:
+        """The alarm as the audit trail has it (raised, or cleared: ``alarm.state``); the baseline drops the steps
+        up to the latest clearing's."""
+        with self.store.session() as s:
+            found = alarms.state(s, self.config.name)
+        self.alarm = found.raised
+        if found.cleared_at_step is not None:
+            self.step_means = [row for row in self.step_means if row["step"] > found.cleared_at_step]
+
+    def check_alarm(self, groups: list[TrajectoryGroup], step: int = 0) -> str | None:
+        """Record training step ``step``'s reward and holdout means; raise the reward-hacking alarm. Returns the
+        alarm when this call raised it."""
+        if (row := _means(groups, step)) is None:
             return None
-        row = {"reward": _mean_reward(groups)}
-        for key in {k for t in trajectories for k in t.metrics if k.startswith("stack/holdout/")}:
-            values = [float(t.metrics[key]) for t in trajectories if key in t.metrics]
-            row[key.removeprefix("stack/")] = sum(values) / len(values)
         self.step_means.append(row)
+        return self._raise_alarm()
+
+    def _raise_alarm(self) -> str | None:
+        """Raise the alarm (once: an audit event) when the recorded steps' reward rises over flat holdout graders."""
         if self.alarm is not None or (message := reward_hacking(self.step_means, self.config.alarm)) is None:
             return None
         self.alarm = message
+        window = self.step_means[-self.config.alarm.window :]
         with self.store.session() as s:
             audit.append(
-                s, actor=self.actor, action="loop.alarm", subject=self.config.name,
+                s, actor=self.actor, action=alarms.RAISED, subject=self.config.name,
                 reason=f"reward hacking suspected: {message}; promotions stopped",
-                details={"steps": self.step_means[-self.config.alarm.window :]},
+                details={"message": message, "step": int(window[-1]["step"]), "steps": window},
             )  # fmt: skip
         log.warning("reward hacking suspected: %s; promotions stopped", message)
         return message
+
+    async def resume(self) -> None:
+        """Take up the state an earlier run of this loop (its name) left: the alarm's baseline from the latest
+        checkpoint, the alarm from the audit trail (raised now if the baseline raises it: that run was killed
+        before it recorded it), and its tasks that are still open cancelled (one ``loop.cancel`` event)."""
+        name = self.config.name
+        self.step_means = list(((await self.model.checkpoint_extra()).get("loop") or {}).get("means", []))
+        self.read_alarm()
+        self._raise_alarm()
+        reason = f"cancelled: an earlier run of the loop {name} queued it and stopped before it used its group"
+        with self.store.session() as s:
+            cancelled = [task for prefix in self.task_prefixes for task in tasks.cancel(s, prefix, reason)]
+            if cancelled:
+                audit.append(
+                    s, actor=self.actor, action="loop.cancel", subject=name,
+                    reason=f"{len(cancelled)} task(s) an earlier run left open cancelled",
+                    details={"tasks": cancelled[:100], "count": len(cancelled)},
+                )  # fmt: skip
+        if cancelled:
+            log.info("cancelled %d task(s) an earlier run of %s left open", len(cancelled), name)
+
+    async def consider_due(self, queue: QueueClient) -> Candidate | None:
+        """The latest checkpoint through the gate (``consider``) if it is due: a step this loop trained (its
+        checkpoint keeps the loop's state), every ``candidate_every``-th, with no gate decision yet (a ``gate.*``
+        event names it) and no alarm raised. So a restarted loop decides what its predecessor trained and did not
+        get to decide, and no checkpoint is decided twice."""
+        step = await self.model.get_step()
+        if step == 0 or step % self.config.candidate_every or self.alarm is not None:
+            return None
+        if "loop" not in await self.model.checkpoint_extra():
+            return None
+        with self.store.session() as s:
+            if audit.events(s, subject=self.model.get_inference_name(step), actions=GATE_ACTIONS, limit=1):
+                return None
+        return await self.consider(queue, step)
 
     async def watch_canary(self) -> CanaryVerdict | None:
         """If ``MODEL@canary`` serves: score both arms since its deployment; promote it, roll it back, or wait
@@ -284,11 +345,24 @@ class Loop:
         log.info("canary %s@%d: %s (%s)", name, canary.step, found.action, found.reason)
         return found
 
+    def specs(self, step: int) -> list[TaskSpec]:
+        """The groups of the iteration that trains step ``step`` + 1: ``groups_per_step`` pool items (the seed's
+        draw). Their ids carry a random part of their own: no run queues a task id an earlier run did."""
+        config = self.config
+        chosen = self._rng.sample(sorted(self.pool), min(config.groups_per_step, len(self.pool)))
+        return [
+            TaskSpec(task_id=f"train:{config.name}:{step + 1}:{k}:{secrets.token_hex(4)}", payload=self.pool[k],
+                     group_size=config.group_size, split="train", model=config.name)
+            for k in chosen
+        ]  # fmt: skip
+
     async def run(self) -> LoopReport:
+        """``steps`` iterations; a run after an earlier one of the same loop (killed or not) first ``resume``s."""
         config = self.config
         await self.model.register(self.backend)
         with self.store.session() as s:
             self.stack.register(s, actor=self.actor)
+        await self.resume()
         root = self.backend.base_url.removesuffix("/v1")
         runners = []
         if config.runners:
@@ -297,36 +371,51 @@ class Loop:
         report = LoopReport(steps=[], intake=0, candidates=[], canary=[])
         try:
             async with QueueClient(root) as queue:
-                considered = await self.model.get_step()  # a candidate needs steps taken since
                 for _ in range(config.steps):
+                    self.read_alarm()  # a clearing (flywheel loop --clear-alarm) counts from the next iteration
+                    # first the checkpoint a killed run trained and did not decide: it would have been, before this
+                    if (candidate := await self.consider_due(queue)) is not None:
+                        report.candidates.append(candidate)
                     if (canary := await self.watch_canary()) is not None and canary.action != "wait":
                         report.canary.append(canary)
                     report.intake += self.intake()
                     if not self.pool:
                         raise ValueError("no tasks to train on: give seed tasks (tasks:) or let production episodes in")
                     step = await self.model.get_step()
-                    chosen = self._rng.sample(sorted(self.pool), min(config.groups_per_step, len(self.pool)))
-                    specs = [
-                        TaskSpec(task_id=f"train:{config.name}:{step + 1}:{k}:{self._rng.getrandbits(32):08x}",
-                                 payload=self.pool[k], group_size=config.group_size, split="train", model=config.name)
-                        for k in chosen
-                    ]  # fmt: skip
+                    specs = self.specs(step)
                     started = time.monotonic()
                     groups = await queue.gather_groups(specs, max_wait=config.max_wait, allow_failed=True)
-                    await self.score_groups(groups, [self.pool[k] for k in chosen])
-                    await self.model.train([g for g in groups if g.trajectories], config=config.train)
-                    step = await self.model.get_step()  # unchanged when every group's rewards were equal
-                    report.steps.append(step)
-                    log.info("step %d: reward %.3f (%.0f s)", step, _mean_reward(groups), time.monotonic() - started)
-                    if (raised := self.check_alarm(groups)) is not None:
-                        report.alarm = raised
-                    if step > considered and step % config.candidate_every == 0 and self.alarm is None:
-                        considered = step
-                        report.candidates.append(await self.consider(queue, step))
+                    await self.score_groups(groups, [spec.payload for spec in specs])
+                    # the alarm's baseline goes with the checkpoint: a restart resumes both at the same step
+                    row = _means(groups, step + 1)
+                    kept = ([*self.step_means, row] if row else self.step_means)[-config.alarm.window :]
+                    trainable = [g for g in groups if g.trajectories]
+                    await self.model.train(trainable, config=config.train, extra={"loop": {"means": kept}})
+                    trained = await self.model.get_step()  # unchanged when every group's rewards were equal
+                    report.steps.append(trained)
+                    log.info("step %d: reward %.3f (%.0f s)", trained, _mean_reward(groups), time.monotonic() - started)
+                    if trained > step:
+                        self.check_alarm(groups, trained)
+                    if (candidate := await self.consider_due(queue)) is not None:
+                        report.candidates.append(candidate)
         finally:
             for task in runners:
                 task.cancel()
+        report.alarm = self.alarm
         return report
+
+
+def _means(groups: list[TrajectoryGroup], step: int) -> dict[str, float] | None:
+    """A training step's row for the alarm: its step, the reward's mean and each holdout grader's; None without
+    trajectories."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    if not trajectories:
+        return None
+    row = {"step": float(step), "reward": _mean_reward(groups)}
+    for key in {k for t in trajectories for k in t.metrics if k.startswith("stack/holdout/")}:
+        values = [float(t.metrics[key]) for t in trajectories if key in t.metrics]
+        row[key.removeprefix("stack/")] = sum(values) / len(values)
+    return row
 
 
 def _mean_reward(groups: list[TrajectoryGroup]) -> float:

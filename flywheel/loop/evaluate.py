@@ -62,10 +62,12 @@ async def evaluate(
     max_wait: float = 1800.0,
     store: Store | None = None,
     actor: str = "loop",
+    prefix: str = "eval",
 ) -> HeldOutRun:
-    """Run ``model`` on every held-out item through the queue's runners; score and (with ``store``) record."""
+    """Run ``model`` on every held-out item through the queue's runners; score and (with ``store``) record. The
+    tasks' ids are ``<prefix>:<held-out name>:<version>:<run id>:<item id>`` (a loop's prefix names it)."""
     run_id = secrets.token_hex(6)
-    task_of = {item_id: f"eval:{heldout.name}:{heldout.version}:{run_id}:{item_id}" for item_id in heldout.items}
+    task_of = {i: f"{prefix}:{heldout.name}:{heldout.version}:{run_id}:{i}" for i in heldout.items}
     specs = [
         TaskSpec(task_id=task_of[i], payload=item, group_size=samples, split="eval", model=model)
         for i, item in heldout.items.items()

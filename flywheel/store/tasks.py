@@ -2,11 +2,11 @@
 
 A task (its id is the group key: the episodes it produces carry it) has ``group_size`` attempts. An attempt is
 ``queued``; ``leased`` to a runner, with the episode created for it when it was claimed and a lease expiry;
-``finished`` (its episode finished with a reward); or ``failed`` (its tries ran out). A lease *is* its episode:
-heartbeats, results and failures name the episode, and one for an episode the attempt no longer runs in is a
-``LeaseLostError`` that changes nothing. A lease past its expiry is over: its episode is abandoned and the attempt
-requeued with one more try counted, or failed at ``max_tries``. So a task never has more than ``group_size``
-finished episodes, whatever runners die, stall or answer late.
+``finished`` (its episode finished with a reward); or ``failed`` (its tries ran out, or ``cancel`` ended its task).
+A lease *is* its episode: heartbeats, results and failures name the episode, and one for an episode the attempt no
+longer runs in is a ``LeaseLostError`` that changes nothing. A lease past its expiry is over: its episode is
+abandoned and the attempt requeued with one more try counted, or failed at ``max_tries``. So a task never has more
+than ``group_size`` finished episodes, whatever runners die, stall or answer late.
 
 Atomicity: on PostgreSQL the rows a unit of work changes are locked (``FOR UPDATE``; a claim skips the rows other
 claims hold). SQLite has one writer: a unit of work that changes the queue takes the write lock before it reads
@@ -222,6 +222,39 @@ def _end_try(s: Session, row: Attempt, reason: str, now: datetime) -> None:
         row.status = AttemptStatus.queued
 
 
+def cancel(s: Session, prefix: str, reason: str) -> list[str]:
+    """Cancel the open tasks whose id starts with ``prefix`` (a training side that will not read their groups: a
+    restarted loop): their queued and leased attempts fail with ``reason``, a leased one's episode is abandoned (one
+    its runner finished already is the attempt's result). A runner's late heartbeat or result for one of them is a
+    ``LeaseLostError`` that changes nothing. Returns the tasks' ids, oldest first."""
+    if not prefix:
+        raise ValueError("cancel needs a task id prefix: an empty one would name every task")
+    now = _now()
+    write_lock(s)
+    _expire_due(s, now)
+    query = (
+        select(Attempt)
+        .where(Attempt.status.in_([AttemptStatus.queued, AttemptStatus.leased]))
+        .where(Attempt.task_id.startswith(prefix, autoescape=True))
+        .order_by(Attempt.created_at, Attempt.task_id, Attempt.index)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    )
+    cancelled: dict[str, None] = {}
+    for row in s.scalars(query).all():
+        cancelled[row.task_id] = None
+        episode = db.get_episode(s, row.episode_id) if row.status == AttemptStatus.leased and row.episode_id else None
+        row.lease_expires_at, row.finished_at = None, now
+        if episode is not None and episode.status == EpisodeStatus.finished:
+            row.status = AttemptStatus.finished
+            continue
+        if episode is not None:
+            db.abandon(s, episode.id, reason)
+        row.status, row.error, row.runner = AttemptStatus.failed, reason[:2000], None
+    s.flush()
+    return list(cancelled)
+
+
 def _expire_due(s: Session, now: datetime, attempt_id: str | None = None) -> None:
     query = select(Attempt).where(Attempt.status == AttemptStatus.leased, Attempt.lease_expires_at <= now)
     if attempt_id is not None:
@@ -305,6 +338,8 @@ def _check_lease(s: Session, row: Attempt, episode_id: str, now: datetime) -> No
     ended = (
         f" after {row.tries} {'try' if row.tries == 1 else 'tries'} that ended without a result (the last: {row.error})"
         if row.tries
+        else f" ({row.error})"
+        if row.error
         else ""
     )
     raise LeaseLostError(

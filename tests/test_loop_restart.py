@@ -1,0 +1,264 @@
+"""The loop killed and started again comes back to the same decisions (flywheel/loop/driver.py, ``Loop.resume``): the
+tasks an earlier run left open are cancelled (``store.tasks.cancel``) and runners' late results for them change
+nothing; the reward-hacking alarm is the audit trail's, raised until an audited clearing (``flywheel loop CONFIG
+--clear-alarm``); and a real ``flywheel loop`` process SIGKILLed at random moments and restarted (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from test_loop import NOISY, write_config
+from typer.testing import CliRunner
+
+from flywheel.backend import LocalBackend
+from flywheel.cli import app
+from flywheel.loop import alarm as alarms
+from flywheel.loop.driver import GATE_ACTIONS, Loop, LoopConfig
+from flywheel.model import TrainableModel
+from flywheel.runs import RunStore
+from flywheel.store import Store, audit, deployments
+from flywheel.store import episodes as db
+from flywheel.store import tasks as queue
+from flywheel.store.tasks import LeaseLostError, TaskStatus
+
+REASON = "cancelled: its loop restarted"
+
+
+def test_cancel_ends_the_open_tasks_of_a_prefix_and_late_results_change_nothing(db_url):
+    store = Store(db_url)
+    try:
+        with store.session() as s:
+            queue.enqueue(s, "train:a_b:0:z:04", {"q": 4}, group_size=1)
+            queue.complete(s, *_ids(queue.claim(s, "runner", 60)), reward=0.0)  # z: complete, left as it is
+            queue.enqueue(s, "train:a_b:1:x:01", {"q": 1}, group_size=3)
+            queue.enqueue(s, "train:a_b:1:y:02", {"q": 2}, group_size=1)
+            queue.enqueue(s, "train:axb:1:x:03", {"q": 3}, group_size=1)  # another loop ('_' is no wildcard)
+            done, running, finished_unreported, _ = [queue.claim(s, "runner", 60) for _ in range(4)]  # x's, y's
+        with store.session() as s:
+            queue.complete(s, *_ids(done), reward=1.0)
+            # finished through the episode API, its result not posted yet: it is the attempt's result all the same
+            db.set_outcome(s, finished_unreported.episode.id, reward=0.5, finish=True)
+        with store.session() as s:
+            assert queue.cancel(s, "train:a_b:", REASON) == ["train:a_b:1:x:01", "train:a_b:1:y:02"]
+        with store.session() as s:
+            x, attempts = queue.get_task(s, "train:a_b:1:x:01")
+            assert x.status == TaskStatus.failed and [a.status for a in attempts] == ["finished", "failed", "finished"]
+            assert db.get_episode(s, running.episode.id).status == "abandoned"
+            assert db.get_episode(s, running.episode.id).meta["abandoned_because"] == REASON
+            assert queue.get_task(s, "train:a_b:1:y:02")[0].status == TaskStatus.failed
+            assert queue.get_task(s, "train:a_b:0:z:04")[0].status == TaskStatus.complete
+            assert queue.get_task(s, "train:axb:1:x:03")[0].status == TaskStatus.open
+        for late in (
+            lambda s: queue.complete(s, running.attempt.id, running.episode.id, reward=1.0),
+            lambda s: queue.heartbeat(s, running.attempt.id, running.episode.id),
+        ):
+            with pytest.raises(LeaseLostError, match="cancelled: its loop restarted"), store.session() as s:
+                late(s)
+        with store.session() as s:
+            assert queue.get_task(s, "train:a_b:1:x:01")[0].counts[queue.AttemptStatus.finished] == 2
+            assert queue.cancel(s, "train:a_b:", REASON) == []  # nothing open is left
+            assert queue.claim(s, "runner", 60).attempt.task_id == "train:axb:1:x:03"  # the other loop's only
+            with pytest.raises(ValueError, match="empty one would name every task"):
+                queue.cancel(s, "", REASON)
+    finally:
+        store.close()
+
+
+def _ids(lease: queue.Lease | None) -> tuple[str, str]:
+    assert lease is not None
+    return lease.attempt.id, lease.episode.id
+
+
+def _raise(store: Store, loop: str, message: str = "the training reward rose 0.2 -> 0.8") -> None:
+    with store.session() as s:
+        audit.append(s, actor="test", action=alarms.RAISED, subject=loop, details={"message": message, "step": 4})
+
+
+def test_an_alarm_stays_raised_until_an_audited_clearing_from_the_command_line(tmp_path):
+    path = write_config(tmp_path)
+    home = tmp_path / "home"
+    home.mkdir()
+    store = Store(f"sqlite:///{home / 'flywheel.db'}")
+    try:
+        cli = ["loop", str(path), "--home", str(home), "--actor", "alice"]
+        nothing = CliRunner().invoke(app, [*cli, "--clear-alarm", "--why", "looked"])
+        assert nothing.exit_code == 2 and "has no reward-hacking alarm raised" in nothing.output, nothing.output
+        _raise(store, "loop-agent")
+        _raise(store, "other-agent")
+        with store.session() as s:
+            assert alarms.state(s, "loop-agent").raised == "the training reward rose 0.2 -> 0.8"
+        unsaid = CliRunner().invoke(app, [*cli, "--clear-alarm"])
+        assert unsaid.exit_code == 2 and "--clear-alarm needs --why" in unsaid.output, unsaid.output
+        cleared = CliRunner().invoke(app, [*cli, "--clear-alarm", "--why", "holdout grader was broken"])
+        assert cleared.exit_code == 0 and "is cleared" in cleared.output, cleared.output
+        assert "Traceback" not in nothing.output + unsaid.output + cleared.output
+        with store.session() as s:
+            assert alarms.state(s, "loop-agent") == alarms.AlarmState(raised=None, cleared_at_step=0)
+            assert alarms.state(s, "other-agent").raised is not None  # another loop's alarm stays
+            (event,) = audit.events(s, subject="loop-agent", actions=(alarms.CLEARED,))
+            assert (event.actor, event.reason) == ("alice", "holdout grader was broken")
+            with pytest.raises(alarms.NoAlarmError):
+                alarms.clear(s, "loop-agent", step=0, actor="alice", reason="again")
+            assert audit.verify(s).ok
+    finally:
+        store.close()
+
+
+async def test_a_restarted_loop_keeps_the_alarm_and_cancels_what_its_predecessor_left_open(
+    backend: LocalBackend, model: TrainableModel, tmp_path
+):
+    """On the session's model (its name: registering it again loads nothing); no step is trained."""
+    config = LoopConfig.load(write_config(tmp_path)).model_copy(update={"name": model.name, "project": model.project})
+    store = backend.gateway.store
+    stale = [f"train:{model.name}:3:q0:aa", f"eval:{model.name}:colours:v1:run:q1"]
+    with store.session() as s:
+        for task_id in [*stale, f"train:{model.name}-2:3:q0:bb"]:  # the last: another loop's
+            queue.enqueue(s, task_id, {"question": "?", "fail": False}, group_size=2, model=model.name)
+    _raise(store, model.name)
+    loop = Loop(config, backend, actor="test")
+    await loop.model.register(backend)
+    try:
+        await loop.resume()
+        assert loop.alarm == "the training reward rose 0.2 -> 0.8"
+        with store.session() as s:
+            assert [queue.get_task(s, t)[0].status for t in stale] == [TaskStatus.failed] * 2
+            assert queue.get_task(s, f"train:{model.name}-2:3:q0:bb")[0].status == TaskStatus.open
+            (event,) = audit.events(s, subject=model.name, actions=("loop.cancel",))
+            assert event.details == {"tasks": stale, "count": 2}
+        await loop.resume()  # again: nothing is left to cancel, and no second event says so
+        step = await model.get_step()
+        with store.session() as s:
+            assert len(audit.events(s, subject=model.name, actions=("loop.cancel",))) == 1
+            alarms.clear(s, model.name, step=step, actor="test", reason="checked")
+        loop.read_alarm()  # what each iteration does first: a clearing counts while the loop runs
+        assert loop.alarm is None
+    finally:
+        with store.session() as s:
+            queue.cancel(s, f"train:{model.name}-2:", "test over")
+            if alarms.state(s, model.name).raised is not None:
+                alarms.clear(s, model.name, step=0, actor="test", reason="test over")
+
+
+def test_a_restarted_run_never_reuses_an_earlier_run_s_task_ids(backend: LocalBackend, tmp_path):
+    """The same seed and pool at the same step once gave the same ids: a second restart at one step got the first's
+    cancelled task back (the same task again is accepted) and trained on its partial group."""
+    config = LoopConfig.load(write_config(tmp_path))
+    config.tasks = tmp_path / "tasks.jsonl"
+    config.tasks.write_text('{"id": "t1", "question": "Name a colour.", "fail": false}\n')
+    first, second = (Loop(config, backend).specs(7) for _ in range(2))
+    assert [s.payload for s in first] == [s.payload for s in second]  # the same choice: the seed's
+    assert not {s.task_id for s in first} & {s.task_id for s in second}
+    assert all(s.task_id.startswith(f"train:{config.name}:8:t1:") for s in first)
+
+
+@pytest.mark.parametrize("name", ["a:b", "a/b", "calc@production", "two words", ""])
+def test_a_loop_name_that_its_task_ids_or_aliases_could_not_carry_is_refused(tmp_path, name):
+    data = yaml.safe_load(write_config(tmp_path).read_text()) | {"name": name}
+    with pytest.raises(ValidationError, match="name"):
+        LoopConfig.model_validate(data)
+
+
+KILLS = 4
+
+
+def _spawn(path: Path, home: Path, log: Path) -> subprocess.Popen:
+    tests = str(Path(__file__).parent)  # the agent, test_loop:agent
+    env = {**os.environ, "PYTHONPATH": tests, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}  # one thread: see test_crash
+    flywheel = str(Path(sys.executable).parent / "flywheel")
+    return subprocess.Popen(
+        [flywheel, "loop", str(path), "--home", str(home), "--actor", "kill-test"],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
+    )  # fmt: skip
+
+
+def _wait_for(condition, timeout: float, proc: subprocess.Popen) -> bool:
+    """Until ``condition()``; False if the process ended first or the time ran out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_loop_killed_at_random_moments_comes_back_to_the_same_decisions(tmp_path):
+    """``flywheel loop`` SIGKILLed while it starts, collects groups, trains or evaluates a candidate, and started
+    again each time; then one run to its end. The audit chain verifies, no checkpoint is decided twice and every
+    due one is decided, deployments point at checkpoints, the step never goes back, no task is left open, and a
+    raised alarm holds every candidate after it (runs differ: the reward is a coin)."""
+    seed = int(os.environ.get("FLYWHEEL_CRASH_SEED", time.time_ns() % 2**32))
+    rng = random.Random(seed)
+    path = write_config(tmp_path)
+    stack = NOISY | {"holdout": {"flat": {"type": "string_check", "name": "flat", "input": "{{sample.output_text}}",
+                                          "reference": "never said", "operation": "eq"}}}  # fmt: skip
+    (tmp_path / "stack.json").write_text(json.dumps(stack))
+    (tmp_path / "tasks.jsonl").write_text('{"id": "t1", "question": "Name a colour.", "fail": false}\n')
+    config = yaml.safe_load(path.read_text()) | {
+        "name": "restart-agent", "runners": 2, "steps": 3, "candidate_every": 2, "group_size": 2,
+        "groups_per_step": 1, "tasks": "tasks.jsonl", "alarm": {"window": 2, "min_rise": 0.25},
+    }  # fmt: skip
+    path.write_text(yaml.safe_dump(config))
+    home = tmp_path / "home"
+    run = RunStore(home / "tests" / "models" / "restart-agent")
+    started, kills, latest = time.monotonic(), [], [0]
+    for n in range(2 * KILLS):
+        if len(kills) == KILLS:
+            break
+        proc = _spawn(path, home, tmp_path / f"run-{n}.log")
+        before = run.latest() or 0
+        if rng.random() < 0.25:  # while it starts: imports, the model, resuming
+            where, ready = "start", True
+            time.sleep(rng.uniform(1, 15))
+        else:  # once it has trained a step: collecting the next groups, training, or deciding a candidate
+            where, ready = "after a step", _wait_for(lambda b=before: (run.latest() or 0) > b, 300, proc)
+            time.sleep(rng.uniform(0, 8))
+        if ready and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills.append((where, run.latest() or 0))
+        assert proc.wait(timeout=300) in (0, -signal.SIGKILL), (tmp_path / f"run-{n}.log").read_text()[-3000:]
+        latest.append(run.latest() or 0)
+    final = _spawn(path, home, tmp_path / "final.log")
+    assert final.wait(timeout=400) == 0, (tmp_path / "final.log").read_text()[-3000:]
+    latest.append(run.latest() or 0)
+    seconds = time.monotonic() - started
+
+    assert latest == sorted(latest) and latest[-1] > 0, latest  # the step only grows
+    store = Store(f"sqlite:///{home / 'flywheel.db'}")
+    try:
+        with store.session() as s:
+            assert audit.verify(s).ok
+            gate = [e for e in audit.events(s, actions=GATE_ACTIONS) if e.subject.startswith("restart-agent@")]
+            decided = Counter(int(e.subject.rpartition("@")[2]) for e in gate)
+            assert all(n == 1 for n in decided.values()), decided  # none decided twice
+            raised = audit.events(s, subject="restart-agent", actions=(alarms.RAISED,))
+            due = set(range(2, latest[-1] + 1, 2))
+            if raised:  # it held every candidate after it (nothing cleared it), across the restarts
+                assert len(raised) == 1 and all(e.id < raised[0].id for e in gate)
+                assert set(decided) <= due and "promotions stopped" in (tmp_path / "final.log").read_text()
+            else:  # every due checkpoint was decided: those a kill left undecided, after the restart
+                assert set(decided) == due, (decided, latest)
+            steps = set(run.steps())
+            for deployment in deployments.list_deployments(s, "restart-agent"):
+                assert deployment.step in steps, deployment
+            left = [t.id for t in queue.list_tasks(s, status=TaskStatus.open, limit=1000) if "restart-agent" in t.id]
+            assert left == []
+            cancelled = [t for e in audit.events(s, subject="restart-agent", actions=("loop.cancel",))
+                         for t in e.details["tasks"]]  # fmt: skip
+            assert all(queue.get_task(s, t)[0].status != TaskStatus.open for t in cancelled)
+    finally:
+        store.close()
+    print(json.dumps({"seed": seed, "kills": kills, "latest": latest, "decided": sorted(decided),
+                      "alarm": bool(raised), "cancelled": len(cancelled), "seconds": round(seconds)}))  # fmt: skip
