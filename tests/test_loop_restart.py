@@ -129,14 +129,14 @@ async def test_a_restarted_loop_keeps_the_alarm_and_cancels_what_its_predecessor
     loop = Loop(config, backend, actor="test")
     await loop.model.register(backend)
     try:
-        await loop.resume()
+        assert await loop.resume() == stale
         assert loop.alarm == "the training reward rose 0.2 -> 0.8"
         with store.session() as s:
             assert [queue.get_task(s, t)[0].status for t in stale] == [TaskStatus.failed] * 2
             assert queue.get_task(s, f"train:{model.name}-2:3:q0:bb")[0].status == TaskStatus.open
             (event,) = audit.events(s, subject=model.name, actions=("loop.cancel",))
             assert event.details == {"tasks": stale, "count": 2}
-        await loop.resume()  # again: nothing is left to cancel, and no second event says so
+        assert await loop.resume() == []  # again: nothing is left to cancel, and no second event says so
         step = await model.get_step()
         with store.session() as s:
             assert len(audit.events(s, subject=model.name, actions=("loop.cancel",))) == 1

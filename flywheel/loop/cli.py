@@ -64,6 +64,8 @@ def loop_command(
     report = asyncio.run(run())
     console.print(f"{len(report.steps)} iterations, step {report.steps[-1] if report.steps else 0}; "
                   f"{report.intake} tasks from production episodes", highlight=False)  # fmt: skip
+    if report.cancelled:
+        console.print(f"{report.cancelled} task(s) an earlier run left open were cancelled", highlight=False)
     table = Table(title="Candidates")
     for column in ("step", "against", "lift [95% interval]", "decision", "deployed"):
         table.add_column(column)

@@ -112,6 +112,7 @@ class LoopReport(BaseModel):
     candidates: list[Candidate]
     canary: list[CanaryVerdict]  # promotions and rollbacks of canaries, in order
     alarm: str | None = None  # why promotions are stopped, if the reward-hacking alarm is raised (at the end)
+    cancelled: int = 0  # tasks an earlier run of the loop had left open, cancelled at the start
 
 
 def item_id(item: dict[str, Any], fallback: str) -> str:
@@ -268,10 +269,11 @@ class Loop:
         log.warning("reward hacking suspected: %s; promotions stopped", message)
         return message
 
-    async def resume(self) -> None:
+    async def resume(self) -> list[str]:
         """Take up the state an earlier run of this loop (its name) left: the alarm's baseline from the latest
         checkpoint, the alarm from the audit trail (raised now if the baseline raises it: that run was killed
-        before it recorded it), and its tasks that are still open cancelled (one ``loop.cancel`` event)."""
+        before it recorded it), and its tasks that are still open cancelled (one ``loop.cancel`` event). Returns
+        the cancelled tasks' ids."""
         name = self.config.name
         self.step_means = list(((await self.model.checkpoint_extra()).get("loop") or {}).get("means", []))
         self.read_alarm()
@@ -287,6 +289,7 @@ class Loop:
                 )  # fmt: skip
         if cancelled:
             log.info("cancelled %d task(s) an earlier run of %s left open", len(cancelled), name)
+        return cancelled
 
     async def consider_due(self, queue: QueueClient) -> Candidate | None:
         """The latest checkpoint through the gate (``consider``) if it is due: a step this loop trained (its
@@ -362,13 +365,13 @@ class Loop:
         await self.model.register(self.backend)
         with self.store.session() as s:
             self.stack.register(s, actor=self.actor)
-        await self.resume()
+        cancelled = await self.resume()
         root = self.backend.base_url.removesuffix("/v1")
         runners = []
         if config.runners:
             agent = load_agent(config.agent)
             runners.append(asyncio.create_task(Runner(root, agent, concurrency=config.runners).run()))
-        report = LoopReport(steps=[], intake=0, candidates=[], canary=[])
+        report = LoopReport(steps=[], intake=0, candidates=[], canary=[], cancelled=len(cancelled))
         try:
             async with QueueClient(root) as queue:
                 for _ in range(config.steps):
