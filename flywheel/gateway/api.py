@@ -17,7 +17,9 @@ An episode with a text-only call (an upstream returned no token ids) is refused 
 passes ``?text_only=allow``: for SFT, graders and evaluation, not RL.
 
 An unknown id is a 404; an outcome that contradicts a closed episode's, or a call in one, a 409; a malformed body
-a 400. Posting the same outcome twice is accepted and changes nothing.
+a 400. Posting the same outcome twice is accepted and changes nothing. An episode's outcome, its calls and its
+exports wait for its calls that the gateway answered and has not written yet (``Gateway.settled``); an episode that
+lost one (answered, never written) is abandoned, and its outcome is a 409 that says which call.
 """
 
 from __future__ import annotations
@@ -144,9 +146,12 @@ def episode_router(gateway: Gateway) -> APIRouter:
 
     @router.get("/episodes/{episode_id}/calls")
     async def calls(episode_id: str):
+        await gateway.settled(episode_id)
         return {"object": "list", "data": [c.model_dump(mode="json") for c in await run(db.calls, episode_id)]}
 
     async def outcome(episode_id: str, body: Outcome, request: Request, finish: bool):
+        await gateway.settled(episode_id)
+        gateway.refuse_lost(episode_id)
         episode = await run(
             db.set_outcome,
             episode_id,
@@ -169,6 +174,7 @@ def episode_router(gateway: Gateway) -> APIRouter:
 
     @router.post("/episodes/{episode_id}/abandon")
     async def abandon(episode_id: str, body: Abandon, request: Request):
+        await gateway.settled(episode_id)
         episode = await run(db.abandon, episode_id, body.reason)
         gateway.forget(episode)
         return episode_body(episode, root_url(request))
@@ -189,12 +195,14 @@ def episode_router(gateway: Gateway) -> APIRouter:
 
     @router.get("/episodes/{episode_id}/trajectory")
     async def trajectory(episode_id: str, text_only: TextOnly = "refuse"):
+        await gateway.settled(episode_id)
         return JSONResponse((await run(trajectory_of, episode_id, text_only)).model_dump(mode="json"))
 
     @router.get("/episodes/{episode_id}/transitions")
     async def transitions(
         episode_id: str, gamma: Annotated[float, Query(ge=0, le=1)] = 1.0, text_only: TextOnly = "refuse"
     ):
+        await gateway.settled(episode_id)
         rows = to_transitions(await run(trajectory_of, episode_id, text_only), gamma=gamma)
         lines = "".join(row.model_dump_json(by_alias=True) + "\n" for row in rows)
         return Response(lines, media_type="application/x-ndjson")
@@ -205,15 +213,17 @@ def episode_router(gateway: Gateway) -> APIRouter:
 
     @router.get("/gateway/stats")
     async def stats(request: Request):
-        """What the gateway did since it started: redactions by kind, canary and shadow traffic."""
+        """What the gateway did since it started: redactions by kind, canary and shadow traffic, lost calls."""
         traffic = getattr(request.app.state, "traffic", None)
         return {
             "redacted": dict(gateway.redactions),
+            "lost_calls": gateway.lost_calls,
             "traffic": dataclasses.asdict(traffic.counts) if traffic is not None else {},
         }
 
     @router.get("/groups")
     async def group(task_id: str, split: str | None = None, text_only: TextOnly = "refuse"):
+        await gateway.settled()  # every episode's queued calls: the task's are among them
         return JSONResponse((await run(group_of, task_id, split, text_only)).model_dump(mode="json"))
 
     return router

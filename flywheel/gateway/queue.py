@@ -152,6 +152,7 @@ def queue_router(gateway: Gateway) -> APIRouter:
 
     @router.post("/tasks/claim")
     async def claim(body: ClaimRequest, request: Request):
+        await gateway.settled()  # a lease it expires abandons an episode: its answered calls are written first
         lease = await run(queue.claim, body.runner, body.lease_seconds)
         if lease is None:
             return Response(status_code=204)
@@ -161,12 +162,15 @@ def queue_router(gateway: Gateway) -> APIRouter:
     @router.post("/attempts/{attempt_id}/heartbeat")
     @_refusals
     async def heartbeat(attempt_id: str, body: Heartbeat, request: Request):
+        await gateway.settled(body.episode_id)
         attempt = await run(queue.heartbeat, attempt_id, body.episode_id, body.lease_seconds)
         return attempt_body(attempt, root_url(request))
 
     @router.post("/attempts/{attempt_id}/complete")
     @_refusals
     async def complete(attempt_id: str, body: Result, request: Request):
+        await gateway.settled(body.episode_id)
+        gateway.refuse_lost(body.episode_id)
         attempt, episode = await run(
             queue.complete,
             attempt_id,
@@ -181,6 +185,7 @@ def queue_router(gateway: Gateway) -> APIRouter:
     @router.post("/attempts/{attempt_id}/fail")
     @_refusals
     async def fail(attempt_id: str, body: Failure, request: Request):
+        await gateway.settled(body.episode_id)
         attempt, episode = await run(queue.fail, attempt_id, body.episode_id, body.reason)
         gateway.forget(episode)
         return attempt_body(attempt, root_url(request))

@@ -1,24 +1,39 @@
 """The gateway's side of a chat completion made in an episode: the prompt to feed (``prepare``) and the record of
-what happened (``record``), written through the store."""
+what happened (``record``), written through the store behind the answer (write-behind).
+
+A call is answered once it is queued for the writer thread, which commits queued calls in batches. What reads or
+changes an episode waits for its queued calls first (``settled``): its next call's prompt is spliced onto its
+outputs in memory (named by a provisional id that the writer turns into the committed one), its outcome and its
+exports wait, and so does the server's shutdown (``drain``). An episode's first call is answered only once it is
+committed, so that the store always knows an episode has begun. A call that cannot be written after its answer
+left is a lost call: its episode is abandoned with the reason (``store.episodes.lose_call``: it never trains, its
+finish is a 409 naming the call) and counted. A gateway killed between an answer and its commit loses the calls
+answered in that window; the agent's next call re-sends a reply that no recorded call returned, which a gateway
+that reads the episode back from the store sees (``unrecorded_turn``): that episode is abandoned the same way.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_all
+from dataclasses import dataclass, replace
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from flywheel.gateway.redact import Redactor, default_redactor, redact_value
-from flywheel.gateway.splice import Output, Splice, output_key, splice_prompt
-from flywheel.store import CallRecord, EpisodeRecord, Store
+from flywheel.gateway.splice import Output, Splice, message_key, output_key, splice_prompt
+from flywheel.store import CallRecord, EpisodeConflictError, EpisodeRecord, Store
 from flywheel.store import episodes as db
 
 CACHED_EPISODES = 4096  # open episodes whose outputs stay in memory (others are read back from the store)
 REDACTED_SPLITS = frozenset({"production", "shadow"})  # whose calls are redacted by default: what users sent
 WRITER_IDLE_S = 5.0  # the call writer's thread ends after this long with nothing to write
+COMMITTED_IDS = 65536  # provisional -> committed ids kept, for splices prepared before their prefix's commit
 
 
 def without_choice_fields(response: dict[str, Any], *fields: str) -> dict[str, Any]:
@@ -33,58 +48,80 @@ def without_token_ids(response: dict[str, Any]) -> dict[str, Any]:
     return without_choice_fields(response, "token_ids", "prompt_token_ids", "logprobs")
 
 
-def outputs_of(call: CallRecord, eos_ids: set[int]) -> list[Output]:
-    """The outputs a recorded call returned, one per choice with token ids (none for an upstream's call: its ids
-    are another tokenizer's, as far as the gateway knows)."""
-    if call.upstream is not None:
+def _reply(choice: dict[str, Any]) -> dict[str, Any]:
+    """A choice's message as the agent re-sends it: an assistant message with its content and tool calls."""
+    return {"role": "assistant", **{k: v for k, v in choice["message"].items() if k in ("content", "tool_calls")}}
+
+
+def _outputs(
+    call_id: int, request: dict[str, Any], response: dict[str, Any], upstream: str | None, eos_ids: set[int]
+) -> list[Output]:
+    if upstream is not None:
         return []
-    messages, tools = call.request.get("messages", []), call.request.get("tools")
+    messages, tools = request.get("messages", []), request.get("tools")
     found = []
-    for choice in call.response.get("choices", []):
+    for choice in response.get("choices", []):
         prompt, completion = choice.get("prompt_token_ids"), choice.get("token_ids")
         if prompt is None or not completion:
             continue
-        reply = {"role": "assistant", **{k: v for k, v in choice["message"].items() if k in ("content", "tool_calls")}}
-        found.append(
-            Output(
-                call.id,
-                choice["index"],
-                output_key(messages, tools, reply),
-                prompt + completion,
-                completion[-1] in eos_ids,
-            )
-        )
+        key = output_key(messages, tools, _reply(choice))
+        found.append(Output(call_id, choice["index"], key, prompt + completion, completion[-1] in eos_ids))
     return found
+
+
+def outputs_of(call: CallRecord, eos_ids: set[int]) -> list[Output]:
+    """The outputs a recorded call returned, one per choice with token ids (none for an upstream's call: its ids
+    are another tokenizer's, as far as the gateway knows)."""
+    return _outputs(call.id, call.request, call.response, call.upstream, eos_ids)
+
+
+def unrecorded_turn(messages: list[dict], calls: list[CallRecord]) -> int | None:
+    """The index of the first assistant message of ``messages`` that none of an episode's recorded ``calls``
+    returned or was sent (up to re-serialisation), if any: the reply of a call its agent was answered that is not
+    in the store. None if a call is text-only (what was stored is not what the agent saw)."""
+    if any(c.text_only for c in calls):
+        return None
+    known = set()
+    for call in calls:
+        known.update(message_key(m) for m in call.request.get("messages", []) if m.get("role") == "assistant")
+        known.update(message_key(_reply(c)) for c in call.response.get("choices", []) if "message" in c)
+    turns = (k for k, m in enumerate(messages) if m.get("role") == "assistant" and message_key(m) not in known)
+    return next(turns, None)
 
 
 @dataclass
 class _Pending:
-    """A finished call waiting for the writer: what to store, and whom to answer once it is committed."""
+    """A call queued for the writer: what to store, and its outcome once committed (or refused)."""
 
     episode_id: str
+    ticket: int  # its provisional id is -ticket: what a splice on its outputs names it by until it is committed
     fields: dict[str, Any]
     eos_ids: set[int]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[CallRecord]
+    held: bool  # its outputs joined its episode's when it was queued (else, redacted maybe: once committed)
+    answered: bool  # its agent is answered before its commit (else: after it, with its error if it fails)
+    done: Future[CallRecord | BaseException]
 
 
-def _settle(results: list[tuple[asyncio.Future, CallRecord | BaseException]]) -> None:
-    """On the waiting calls' event loop: each call's record or error (a call cancelled meanwhile is recorded all
-    the same, and told nothing)."""
-    for future, outcome in results:
-        if future.done():
-            continue
-        if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)
+def _parts(batch: list[_Pending]) -> list[list[_Pending]]:
+    """A batch cut before each call that continues an output of a call before it in the same part (its prefix's
+    id is known only once that part is inserted)."""
+    parts: list[list[_Pending]] = [[]]
+    tickets: set[int] = set()
+    for p in batch:
+        prefix = p.fields["prefix_call"]
+        if prefix is not None and -prefix in tickets:
+            parts.append([])
+            tickets = set()
+        parts[-1].append(p)
+        tickets.add(p.ticket)
+    return parts
 
 
 class Gateway:
     """Episodes in front of the engine: prepares each call's prompt from the episode's earlier outputs and
     records the call. Thread-safe; its store calls run off the event loop. Calls are recorded by one writer
-    thread, which commits all those that finished together in one transaction (group commit) before any of them
-    is answered: a burst of calls waits for one commit, not for one another's."""
+    thread, which commits all those queued together in one transaction (group commit), behind their answers (see
+    the module doc): what reads or changes an episode awaits ``settled`` first."""
 
     def __init__(
         self,
@@ -104,8 +141,14 @@ class Gateway:
         self._outputs: OrderedDict[str, list[Output]] = OrderedDict()  # episode -> its outputs, most recent last
         self._lock = threading.Lock()
         self._queue: list[_Pending] = []  # calls to record, in the order they finished
-        self._queued = threading.Condition()  # guards _queue and _writer
+        self._queued = threading.Condition()  # guards _queue, _unsettled and _writer
+        self._unsettled: dict[str, list[_Pending]] = {}  # episode -> its queued calls, until committed or lost
         self._writer: threading.Thread | None = None  # runs while there are calls to write
+        self._tickets = itertools.count(1)
+        self._committed: OrderedDict[int, int] = OrderedDict()  # ticket -> the call's id, for splices on it
+        self._started: OrderedDict[str, None] = OrderedDict()  # episodes with a committed call (as far as known)
+        self._lost: OrderedDict[str, str] = OrderedDict()  # episode -> why it lost a call, for those lost here
+        self.lost_calls = 0  # calls answered and never recorded, since this gateway started
 
     def redacts(self, split: str | None) -> bool:
         """Whether what is stored for an episode of ``split`` is redacted (an unknown split: it is)."""
@@ -126,10 +169,15 @@ class Gateway:
 
     def _note_split(self, episode: EpisodeRecord) -> None:
         with self._lock:
-            self._splits[episode.id] = episode.split
-            self._splits.move_to_end(episode.id)
-            while len(self._splits) > CACHED_EPISODES:
-                self._splits.popitem(last=False)
+            _remember(self._splits, episode.id, episode.split)
+
+    def _note_started(self, episode_id: str) -> None:
+        with self._lock:
+            _remember(self._started, episode_id, None)
+
+    def _is_started(self, episode_id: str) -> bool:
+        with self._lock:
+            return episode_id in self._started
 
     def _split_of(self, episode_id: str) -> str | None:
         with self._lock:
@@ -164,21 +212,35 @@ class Gateway:
         tokenizer: PreTrainedTokenizerBase,
         eos_ids: set[int],
     ) -> Splice:
-        """``prepare`` for an episode this process does not hold: its outputs read back from the store, then held."""
+        """``prepare`` for an episode this process does not hold: its outputs read back from the store, then held.
+        A request that re-sends a reply no recorded call returned (the answer of a call its gateway never wrote)
+        abandons the episode and is refused (``EpisodeConflictError``)."""
         with self.store.session() as s:
             episode = db.check_open(s, episode_id)  # unknown: 404; finished or abandoned: 409, before sampling
-            found = [o for call in db.calls(s, episode_id) for o in outputs_of(call, eos_ids)]
+            calls = db.calls(s, episode_id)
         self._note_split(episode)
+        if calls and (k := unrecorded_turn(messages, calls)) is not None:
+            reason = (
+                f"its call re-sent a reply (messages[{k}]) that no recorded call returned: a call was answered and"
+                " never recorded (its gateway stopped first)"
+            )
+            self._lose(episode_id, reason)
+            raise EpisodeConflictError(f"Episode {episode_id!r} lost a call: {reason}. It is abandoned.")
+        if calls:
+            self._note_started(episode_id)
+        found = [o for call in calls for o in outputs_of(call, eos_ids)]
         with self._lock:
-            self._outputs[episode_id] = found
+            found = self._outputs.setdefault(episode_id, found)  # or what a call prepared meanwhile put there
             while len(self._outputs) > CACHED_EPISODES:
                 self._outputs.popitem(last=False)
-        return splice_prompt(tokenizer, messages, tools, list(found))
+            found = list(found)
+        return splice_prompt(tokenizer, messages, tools, found)
 
     async def check_open(self, episode_id: str) -> None:
         """Raise unless calls may be recorded in the episode (unknown: ``UnknownEpisodeError``; closed:
         ``EpisodeConflictError``). An episode whose outputs this process holds is open as far as it knows (one
         closed meanwhile elsewhere is refused when its call is recorded, as ``prepare`` says)."""
+        self.refuse_lost(episode_id)
         if self._cached(episode_id) is None:
             self._note_split(await self.store.run(db.check_open, episode_id))
 
@@ -194,11 +256,40 @@ class Gateway:
         ``EpisodeConflictError``, before any token is sampled). An episode whose outputs this process holds (open,
         recorded here, not finished or abandoned here) is prepared on the event loop, with no thread hop and no
         query, so that its request reaches the engine as soon as a plain one would (a few milliseconds later, it
-        would often miss the engine's next batch and wait a decode step). One closed meanwhile by another process
-        (or by a lease's expiry) is refused when its call is recorded, after it ran."""
+        would often miss the engine's next batch and wait a decode step); its calls still queued are in it (those
+        of an episode whose calls may be redacted join it once committed: it waits for them). One closed meanwhile
+        by another process (or by a lease's expiry) loses its call when the call is written, after it ran."""
+        self.refuse_lost(episode_id)
+        with self._queued:
+            redacting = any(not p.held for p in self._unsettled.get(episode_id, ()))
+        if redacting:
+            await self.settled(episode_id)
         if (cached := self._cached(episode_id)) is not None:
             return splice_prompt(tokenizer, messages, tools, cached)
+        await self.settled(episode_id)  # forgotten meanwhile (LRU): its queued calls first, then the store
         return await asyncio.to_thread(self._prepare, episode_id, messages, tools, tokenizer, eos_ids)
+
+    async def settled(self, episode_id: str | None = None) -> None:
+        """Wait until the calls queued so far in an episode (None: in any) are committed or lost."""
+        with self._queued:
+            queued = self._unsettled.values() if episode_id is None else [self._unsettled.get(episode_id, [])]
+            waiting = [p.done for pending in queued for p in pending]
+        if waiting:
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in waiting))  # each holds its outcome, never raises
+
+    def drain(self) -> None:
+        """Wait until every call queued so far is committed or lost (before the server exits)."""
+        with self._queued:
+            waiting = [p.done for pending in self._unsettled.values() for p in pending]
+        wait_all(waiting)
+
+    def refuse_lost(self, episode_id: str) -> None:
+        """Raise ``EpisodeConflictError`` if the episode lost a call in this process (the store is told too, when
+        it can be: then it refuses the episode's outcome itself)."""
+        with self._lock:
+            reason = self._lost.get(episode_id)
+        if reason is not None:
+            raise EpisodeConflictError(f"Episode {episode_id!r} lost a call: {reason}. It is abandoned.")
 
     async def record(
         self,
@@ -215,11 +306,13 @@ class Gateway:
         upstream: str | None = None,
         deployment: str | None = None,  # the alias it was asked as (calc@production), if any
     ) -> CallRecord:
-        """Store a finished call. ``response``: the chat.completion body with every choice's token ids and
-        log-probs (whatever the client asked to see); ``text_only``: it has no token ids (an upstream returned
-        none); ``upstream``: where the call was answered, if not by the local engine. Returns once the call is
-        committed (with those that finished with it), so that whoever is answered then finds it recorded; its
-        episode unknown or closed meanwhile: ``UnknownEpisodeError`` or ``EpisodeConflictError`` for it alone."""
+        """Queue a finished call for the writer. ``response``: the chat.completion body with every choice's token
+        ids and log-probs (whatever the client asked to see); ``text_only``: it has no token ids (an upstream
+        returned none); ``upstream``: where the call was answered, if not by the local engine. Returns once it is
+        queued, its outputs in its episode's for the next call's prompt, and its agent may be answered: the writer
+        commits it behind the answer (one that fails then is a lost call, see the module doc). An episode's first
+        call (none of its calls committed yet, as far as this process knows) returns once committed: its episode
+        unknown or closed meanwhile: ``UnknownEpisodeError`` or ``EpisodeConflictError``."""
         usage = response.get("usage") or {}
         fields = dict(
             prefix_call=splice.prefix_call,
@@ -238,15 +331,27 @@ class Gateway:
             upstream=upstream,
             deployment=deployment,
         )
-        loop = asyncio.get_running_loop()
-        pending = _Pending(episode_id, fields, eos_ids, loop, loop.create_future())
+        ticket = next(self._tickets)
+        outputs = _outputs(-ticket, request, response, upstream, eos_ids)  # a body it cannot read: nothing queued
+        held = not self.redacts(None if deployment is not None else self._split_of(episode_id))  # stored as is
+        answered = self._is_started(episode_id)
+        pending = _Pending(episode_id, ticket, fields, eos_ids, held, answered, Future())
         with self._queued:
             self._queue.append(pending)
+            self._unsettled.setdefault(episode_id, []).append(pending)
             if self._writer is None:
                 self._writer = threading.Thread(target=self._write, name="flywheel-call-writer", daemon=True)
                 self._writer.start()
             self._queued.notify()
-        return await pending.future
+        if held:
+            with self._lock:
+                if episode_id in self._outputs:
+                    self._outputs[episode_id] += outputs
+        if answered:
+            return
+        outcome = await asyncio.wrap_future(pending.done)
+        if isinstance(outcome, BaseException):
+            raise outcome
 
     def _write(self) -> None:
         """The writer thread: commits what is queued, one transaction per batch, until nothing came for
@@ -259,17 +364,50 @@ class Gateway:
                     self._writer = None  # the next call starts another
                     return
                 batch, self._queue = self._queue, []
-            settled: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, CallRecord | BaseException]]] = {}
-            splits = self._splits_of(batch)
-            for p in batch:  # here, not on the event loop: it reads every string of the call
-                p.fields = self._redacted(p.fields, splits.get(p.episode_id))
-            for p, outcome in zip(batch, self._commit(batch), strict=True):
-                settled.setdefault(p.loop, []).append((p.future, self._hold(p, outcome)))
-            for loop, results in settled.items():  # one wake-up per event loop per batch
-                try:
-                    loop.call_soon_threadsafe(_settle, results)
-                except RuntimeError:  # that loop is closed: nobody waits for these answers any more
-                    pass
+            try:
+                splits = self._splits_of(batch)
+                for p in batch:  # here, not on the event loop: it reads every string of the call
+                    p.fields = self._redacted(p.fields, splits.get(p.episode_id))
+                outcomes = self._commit(batch)
+            except Exception as exc:  # a bug (the store's errors are each call's outcome): lost, not quietly
+                outcomes = [exc] * len(batch)
+            for p, outcome in zip(batch, outcomes, strict=True):
+                self._settle(p, outcome)
+
+    def _settle(self, p: _Pending, outcome: CallRecord | BaseException) -> None:
+        """A call's outcome: its outputs given their committed id (or, not held yet, added); if it failed after
+        its answer, its episode loses it. Then whoever waits for it is told."""
+        if isinstance(outcome, CallRecord):
+            self._note_started(p.episode_id)
+            with self._lock:
+                held = self._outputs.get(p.episode_id)
+                if held is not None and p.held:
+                    self._outputs[p.episode_id] = [
+                        replace(o, call_id=outcome.id) if o.call_id == -p.ticket else o for o in held
+                    ]
+                elif held is not None:
+                    held += outputs_of(outcome, p.eos_ids)
+        elif p.answered:
+            call = p.fields["response"].get("id", f"#{p.ticket}")
+            self._lose(p.episode_id, f"call {call} was answered, then could not be recorded ({outcome})")
+        with self._queued:
+            pending = self._unsettled.get(p.episode_id, [])
+            pending.remove(p)
+            if not pending:
+                self._unsettled.pop(p.episode_id, None)
+        p.done.set_result(outcome)
+
+    def _lose(self, episode_id: str, reason: str) -> None:
+        """An episode lost a call (answered, not in the store): counted, refused here, abandoned in the store."""
+        with self._lock:
+            self.lost_calls += 1
+            _remember(self._lost, episode_id, reason)
+            self._outputs.pop(episode_id, None)
+        try:
+            with self.store.session() as s:
+                db.lose_call(s, episode_id, reason)
+        except Exception:  # the store unreachable (or the episode gone): this process refuses it, as refuse_lost says
+            pass
 
     def _splits_of(self, batch: list[_Pending]) -> dict[str, str]:
         """The splits of a batch's episodes: as this process read them when it prepared their calls, else (an
@@ -284,32 +422,50 @@ class Gateway:
                 pass
         return splits
 
-    def _hold(self, p: _Pending, outcome: CallRecord | BaseException) -> CallRecord | BaseException:
-        """Add a recorded call's outputs to its episode's, if this process holds them (before the call is answered:
-        the episode's next call is spliced onto them)."""
-        if not isinstance(outcome, CallRecord):
-            return outcome
-        try:
-            outputs = outputs_of(outcome, p.eos_ids)
-        except Exception as exc:  # a body with no readable choices: recorded, but its answer says so
-            return exc
+    def _resolved(self, fields: dict[str, Any], ids: dict[int, int]) -> dict[str, Any]:
+        """A call's columns with its prefix's committed id (``ids``: those of this transaction): a provisional one
+        (negative) names a call queued before it; one that was lost (or committed too long ago) is no prefix."""
+        prefix = fields["prefix_call"]
+        if prefix is None or prefix >= 0:
+            return fields
         with self._lock:
-            if p.episode_id in self._outputs:
-                self._outputs[p.episode_id] += outputs
-        return outcome
+            found = ids.get(-prefix, self._committed.get(-prefix))
+        if found is None:
+            return fields | {"prefix_call": None, "prefix_choice": None, "prefix_message": None}
+        return fields | {"prefix_call": found}
 
     def _commit(self, batch: list[_Pending]) -> list[CallRecord | BaseException]:
         """Write a batch of calls in one transaction; if it fails as a whole, each call alone (so that one call's
         failure is that call's only)."""
+        ids: dict[int, int] = {}
         try:
             with self.store.session() as s:
-                return list(db.add_calls(s, [(p.episode_id, p.fields) for p in batch]))
+                outcomes: list[CallRecord | BaseException] = []
+                for part in _parts(batch):
+                    rows = [(p.episode_id, self._resolved(p.fields, ids)) for p in part]
+                    for p, outcome in zip(part, db.add_calls(s, rows), strict=True):
+                        if isinstance(outcome, CallRecord):
+                            ids[p.ticket] = outcome.id
+                        outcomes.append(outcome)
         except Exception as exc:
             if len(batch) == 1:
                 return [exc]
             return [outcome for p in batch for outcome in self._commit([p])]
+        with self._lock:
+            for ticket, call_id in ids.items():
+                _remember(self._committed, ticket, call_id, COMMITTED_IDS)
+        return outcomes
 
     def forget(self, episode: EpisodeRecord) -> None:
         """Drop a closed episode's outputs from memory."""
         with self._lock:
             self._outputs.pop(episode.id, None)
+            self._started.pop(episode.id, None)
+
+
+def _remember(cache: OrderedDict, key: Any, value: Any, size: int = CACHED_EPISODES) -> None:
+    """Put ``key`` in a bounded cache, most recent last (the oldest go first)."""
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > size:
+        cache.popitem(last=False)

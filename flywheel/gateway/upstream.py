@@ -272,7 +272,7 @@ class Relay:
             full = json.loads(raw)
         except ValueError:
             return _error(502, f"The upstream at {self.upstream.host} answered with no JSON body.", "upstream_error")
-        await call.record(full)  # durable before the agent sees the answer
+        await call.record(full)  # queued for the writer before the agent sees the answer
         return JSONResponse(full if body.get("logprobs") else without_logprobs(full))
 
     async def _stream(

@@ -13,6 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Header, Request
@@ -171,8 +172,15 @@ def create_app(
     without any, every route is open. With an ``upstream``, a model the registry does not serve is asked of it
     (``flywheel.gateway.upstream``: relayed, and recorded in an episode). A gateway's deployments are served by
     its traffic policy (``flywheel.gateway.traffic``: canary, shadow; at most ``shadow_in_flight`` shadow calls at
-    once), which is ``app.state.traffic``."""
-    app = FastAPI(title="Flywheel OpenAI-compatible API")
+    once), which is ``app.state.traffic``. At shutdown, the gateway's calls still queued are written first."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if gateway is not None:  # every call answered is in the store before the server exits
+            await asyncio.to_thread(gateway.drain)
+
+    app = FastAPI(title="Flywheel OpenAI-compatible API", lifespan=lifespan)
     relay = Relay(upstream, gateway) if upstream is not None else None
     traffic = app.state.traffic = TrafficPolicy(gateway.store, shadow_in_flight) if gateway is not None else None
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
@@ -351,7 +359,7 @@ def create_app(
             return StreamingResponse(events, media_type="text/event-stream", background=_after(req, episode_id, route))
         full = body(await engine.generate(prompt, params))
         if splice is not None:
-            await record(full)  # durable before the agent sees the answer (and posts a reward for it)
+            await record(full)  # queued for the writer (its episode's outcome and reads wait for it)
         answer = full if req.logprobs else without_logprobs(full)  # else computed for the record only
         return JSONResponse(answer, background=_after(req, episode_id, route))
 

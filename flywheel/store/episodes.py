@@ -22,6 +22,7 @@ from flywheel.store.db import storable
 from flywheel.store.schema import Call, Episode
 
 CALLS = Call.__table__
+LOST_CALLS = "flywheel_lost_calls"  # meta: how many calls it lost (answered, never recorded)
 
 
 class EpisodeStatus(StrEnum):
@@ -231,6 +232,7 @@ def set_outcome(
             raise EpisodeConflictError(
                 f"Episode {episode_id!r} is already {row.status}"
                 + (f" with reward {row.reward}" if row.status == EpisodeStatus.finished else "")
+                + (f" ({row.meta['abandoned_because']})" if row.meta.get("abandoned_because") else "")
                 + ": its outcome cannot change."
             )
         return EpisodeRecord.model_validate(row)
@@ -257,5 +259,20 @@ def abandon(s: Session, episode_id: str, reason: str | None = None) -> EpisodeRe
         row.status, row.finished_at = EpisodeStatus.abandoned, _now()
         if reason:
             row.meta = {**row.meta, "abandoned_because": reason}
+    s.flush()
+    return EpisodeRecord.model_validate(row)
+
+
+def lose_call(s: Session, episode_id: str, reason: str) -> EpisodeRecord:
+    """Note that an episode lost a call: one its agent was answered, that is not in the store (its write failed
+    after the answer, or its gateway stopped before writing it). The episode is abandoned with ``reason``, even a
+    finished one, so that it never trains with a call missing (its finish is then a conflict that names
+    ``reason``); ``meta[LOST_CALLS]`` counts its lost calls."""
+    row = _episode(s, episode_id, lock=True)
+    meta = {**row.meta, LOST_CALLS: int(row.meta.get(LOST_CALLS, 0)) + 1}
+    if row.status != EpisodeStatus.abandoned:
+        row.status, row.finished_at = EpisodeStatus.abandoned, row.finished_at or _now()
+        meta["abandoned_because"] = reason
+    row.meta = meta
     s.flush()
     return EpisodeRecord.model_validate(row)
