@@ -4,6 +4,8 @@ tests/postgres.py), through its repository functions only. No model, no HTTP."""
 from __future__ import annotations
 
 import contextlib
+import sqlite3
+import threading
 from datetime import UTC, timedelta
 
 import pytest
@@ -135,3 +137,23 @@ def test_processes_opening_a_new_database_at_once_migrate_it_once(db_url: str, m
     _, errors = at_once(4, lambda _: Store(db_url).close())
     assert errors == []
     test_migrations_build_the_whole_schema_from_empty(db_url)
+
+
+def test_a_store_opened_while_another_process_switches_the_new_database_to_wal_waits_for_it(tmp_path):
+    """Processes opening one new SQLite database at once sometimes failed with "database is locked": switching a
+    database into WAL mode takes its write lock, and while another connection holds that lock on a database not yet
+    in WAL mode, SQLite answers SQLITE_BUSY at once, without waiting its busy_timeout. Now the switch waits. The
+    other process switching it is stood for by a connection holding the write lock of a new database still in
+    rollback-journal mode, released a moment later."""
+    path = tmp_path / "flywheel.db"
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")
+    release = threading.Timer(0.3, other.execute, ["ROLLBACK"])
+    release.start()
+    try:
+        Store(f"sqlite:///{path}").close()
+    finally:
+        release.join()
+        other.close()
+    with contextlib.closing(sqlite3.connect(path)) as check:
+        assert check.execute("PRAGMA journal_mode").fetchone() == ("wal",)

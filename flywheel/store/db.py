@@ -6,7 +6,9 @@ import asyncio
 import json
 import math
 import os
+import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,11 +35,30 @@ def default_url() -> str:
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")  # readers (a dashboard, an export) never block the writer
+    _switch_to_wal(cursor)  # readers (a dashboard, an export) never block the writer
     cursor.execute("PRAGMA synchronous=NORMAL")  # durable at each WAL checkpoint; a crash loses no committed row
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA busy_timeout=30000")  # another process writing: wait for it rather than fail
     cursor.close()
+
+
+def _switch_to_wal(cursor: sqlite3.Cursor, wait_s: float = 30.0) -> None:
+    """``PRAGMA journal_mode=WAL``, waiting up to ``wait_s`` (as long as busy_timeout) for the database's write lock.
+    A database not yet in WAL mode (a new one) is switched under that lock, and while another connection holds it
+    (another process switching it too), SQLite answers SQLITE_BUSY at once instead of calling its busy handler: a
+    process opening a new store together with others failed with "database is locked". Once the database is in WAL
+    mode (it stays so), the pragma takes no lock."""
+    deadline = time.monotonic() + wait_s
+    pause = 0.005
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
 
 
 def _engine(url: str) -> Engine:
