@@ -47,8 +47,10 @@ episode=$(get .episode_id <<<"$lease")
 base_url=$(get .base_url <<<"$lease")
 echo "attempt $attempt of task $(get .task_id <<<"$lease"): episode $episode"
 
-# 2. heartbeat every 20 s while the agent runs (a lease lasts 60 s unrenewed); a refusal means the lease is lost
-(while sleep 20; do post "$URL/attempts/$attempt/heartbeat" "$(json episode_id "$episode")" >/dev/null || exit; done) &
+# 2. heartbeat every 20 s while the agent runs (a lease lasts 60 s unrenewed); a refusal means the lease is lost.
+# The sleep writes nowhere: it outlives the runner (only the loop is killed), and holding the runner's stdout it kept
+# a caller that reads it ($(runner.sh), runner.sh | tee log, a supervisor's pipe) waiting up to 20 s more.
+(while sleep 20 >/dev/null 2>&1; do post "$URL/attempts/$attempt/heartbeat" "$(json episode_id "$episode")" >/dev/null || exit; done) &
 heartbeat=$!
 trap 'kill $heartbeat 2>/dev/null || true' EXIT
 
