@@ -17,7 +17,7 @@ from flywheel.auto_trajectory import auto_trajectory, capture_auto_trajectory
 from flywheel.gather import gather_trajectories, gather_trajectory_groups
 from flywheel.model import Backend, Model, TrainableModel
 from flywheel.train.config import TrainConfig
-from flywheel.types import History, TrainResult, Trajectory, TrajectoryGroup
+from flywheel.types import History, Messages, MessagesAndChoices, Tools, TrainResult, Trajectory, TrajectoryGroup
 from flywheel.utils import retry
 
 if TYPE_CHECKING:
@@ -41,7 +41,10 @@ __all__ = [
     "Backend",
     "History",
     "LocalBackend",
+    "Messages",
+    "MessagesAndChoices",
     "Model",
+    "Tools",
     "TrainConfig",
     "TrainResult",
     "TrainableModel",

@@ -95,11 +95,12 @@ def pull(
 ) -> list[str]:
     """Copies the model directory at ``url`` here: all of it, or with ``only_step`` one checkpoint (a step, or
     ``"latest"``) and the files outside ``checkpoints/``. ``delete`` (without ``only_step``): remove local files the
-    remote does not have. Returns the files copied."""
+    remote does not have. Nothing at ``url`` yet (a first run) copies nothing, as ART's ``aws s3 sync`` does.
+    Returns the files copied."""
     fs, root = _filesystem(url)
     remote = _remote_files(fs, root)
-    if not remote:
-        raise FileNotFoundError(f"nothing to pull: {url} has no model directory")
+    if not remote and verbose:
+        print(f"nothing to pull yet: {url} has no model directory")
     steps = sorted({int(n.split("/")[1]) for n in remote if n.startswith("checkpoints/") and n.split("/")[1].isdigit()})
     if only_step is not None:
         step = steps[-1] if only_step == "latest" and steps else only_step

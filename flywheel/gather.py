@@ -24,6 +24,16 @@ RolloutResult = Trajectory | list[Trajectory]
 MAX_METRICS_SHOWN = 4  # the progress bar has one line; a few metric means fit on it next to the reward
 
 
+def _where(exception: Exception) -> str:
+    """`` calling <url>`` for an error of a request (the openai SDK's and httpx's errors keep it): a connection error
+    then names the service it could not reach."""
+    with contextlib.suppress(RuntimeError):  # httpx's .request raises when the error has none
+        request = getattr(exception, "request", None)
+        if request is not None and getattr(request, "url", None):
+            return f" calling {request.method} {request.url}"
+    return ""
+
+
 class _Gathering:
     """The state of one gather call: every task it started, the progress bar and the exception budget."""
 
@@ -157,7 +167,9 @@ class _Gathering:
         allowed = self.max_exceptions * self.total if 0 < self.max_exceptions < 1 else self.max_exceptions
         if self.exceptions > allowed:
             raise exception
-        logger.warning("rollout failed (%d exceptions, %g allowed): %r", self.exceptions, allowed, exception)
+        logger.warning(
+            "rollout failed (%d exceptions, %g allowed): %r%s", self.exceptions, allowed, exception, _where(exception)
+        )
         self.advance()
 
     def count_trajectory(self, trajectory: Trajectory) -> None:

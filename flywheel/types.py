@@ -54,6 +54,12 @@ MessageOrChoice = Annotated[
 ``prompt_token_ids`` and ``temperature`` to it as extra fields, which the OpenAI SDK's models keep (in memory and
 through JSON). Read and write them with the accessors below, never by string name."""
 
+Messages = list[Message]
+MessagesAndChoices = list[MessageOrChoice]
+Tools = list[dict[str, Any]]
+"""ART's type names (``art.Messages``, ``art.MessagesAndChoices``, ``art.Tools``): a conversation's messages, a
+history's turns, its tool definitions (OpenAI ``{"type": "function", "function": {...}}`` dicts)."""
+
 TOKEN_IDS, PROMPT_TOKEN_IDS, TEMPERATURE = "token_ids", "prompt_token_ids", "temperature"
 INTERMEDIATE_REWARD = "intermediate_reward"
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import logging
 import random
+import socket
 import warnings
 from pathlib import Path
 
+import openai
 import pytest
 from pydantic import BaseModel
 
@@ -169,6 +172,31 @@ async def test_trajectories_groups_and_gather_take_arts_arguments(capsys: pytest
         await art.gather_trajectories([fails()], pbar_desc=None)
 
 
+async def test_a_hosted_model_out_of_reach_fails_in_place_naming_the_service(caplog: pytest.LogCaptureFixture):
+    """ART's scripts benchmark hosted models (OpenAI, OpenRouter) next to the trained one, with max_exceptions: with
+    no network each rollout fails in place, and the warning says which service was called, not just "Connection
+    error." (here a closed port on 127.0.0.1 stands for a host that cannot be reached)."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    hosted = art.Model(
+        name="gpt-4.1", project="art-compat", inference_base_url=f"http://127.0.0.1:{port}/v1", inference_api_key="k"
+    )
+
+    async def rollout(model: art.Model) -> art.Trajectory:
+        messages: art.Messages = [{"role": "user", "content": "What is 1 + 2?"}]
+        client = model.openai_client().with_options(max_retries=0)
+        response = await client.chat.completions.create(model=model.get_inference_name(), messages=messages)
+        turns: art.MessagesAndChoices = [*messages, response.choices[0]]
+        return art.Trajectory(messages_and_choices=turns, reward=1.0)
+
+    with caplog.at_level(logging.WARNING, logger="flywheel.gather"):
+        (failed,) = await art.gather_trajectories([rollout(hosted)], pbar_desc=None, max_exceptions=1)
+    assert isinstance(failed, openai.APIConnectionError)
+    assert f"calling POST http://127.0.0.1:{port}/v1/chat/completions" in caplog.text
+    assert {"Messages", "MessagesAndChoices", "Tools"} <= set(dir(art))  # ART's type names, at the top level
+
+
 def test_trainable_model_takes_a_config_of_the_scripts_own_and_arts_private_settings():
     class AgentConfig(BaseModel):
         max_turns: int = 3
@@ -262,7 +290,9 @@ async def test_local_backend_takes_arts_arguments(tmp_path: Path):
     await local.close()
 
 
-async def test_checkpoint_sync_says_what_it_needs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+async def test_checkpoint_sync_says_what_it_needs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
     local = ARTLocalBackend(path=tmp_path)
     never_trained = art.Model(name="nothing-yet", project="art-compat")
     monkeypatch.delenv("BACKUP_BUCKET", raising=False)
@@ -270,8 +300,12 @@ async def test_checkpoint_sync_says_what_it_needs(tmp_path: Path, monkeypatch: p
         await local._experimental_push_to_s3(never_trained)
     with pytest.raises(FileNotFoundError, match="nothing to push"):
         await local._experimental_push_to_s3(never_trained, s3_bucket=f"file://{tmp_path / 'bucket'}")
-    with pytest.raises(FileNotFoundError, match="nothing to pull"):
-        await local._experimental_pull_from_s3(never_trained, s3_bucket=f"file://{tmp_path / 'bucket'}")
+    # ART's scripts pull before register on every start, the first one too: an empty bucket is not an error
+    monkeypatch.setenv("BACKUP_BUCKET", f"file://{tmp_path / 'bucket'}")
+    await local._experimental_pull_from_s3(never_trained, verbose=True)
+    assert "nothing to pull yet" in capsys.readouterr().out
+    with pytest.raises(FileNotFoundError, match="has no checkpoint 'latest'"):  # a checkpoint asked for by name
+        await local._experimental_pull_from_s3(never_trained, only_step="latest")
     if importlib.util.find_spec("s3fs") is None:  # a bucket name is S3's: without s3fs, an error that names it
         with pytest.raises(ImportError, match="s3fs"):
             await local._experimental_pull_from_s3(never_trained, s3_bucket="my-bucket")
