@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
-from flywheel.store.db import storable
+from flywheel.store.db import storable, write_lock
 from flywheel.store.schema import Call, Episode
 
 CALLS = Call.__table__
@@ -170,9 +170,11 @@ def add_calls(
 ) -> list[CallRecord | UnknownEpisodeError | EpisodeConflictError | ValueError]:
     """Record calls (each an episode id and ``add_call``'s fields) in one insert, ids in the order given; for each,
     its record, or the error that refused it (its episode unknown or closed, or a value no database can hold:
-    the others are recorded all the same). The episodes' rows are locked until the unit of work ends (on a server;
-    SQLite has one writer anyway), so an episode finished meanwhile either waits for these calls or refuses them.
-    One bulk insert, not the ORM's unit of work, which takes several times as long per row."""
+    the others are recorded all the same). The episodes' rows are locked until the unit of work ends (on SQLite,
+    the database's write lock, taken before their status is read), so an episode finished meanwhile (by another
+    process too) either waits for these calls or refuses them. One bulk insert, not the ORM's unit of work, which
+    takes several times as long per row."""
+    write_lock(s)
     wanted = sorted({episode_id for episode_id, _ in calls})  # one order: writers lock rows without a deadlock
     query = select(Episode.id, Episode.status).where(Episode.id.in_(wanted)).order_by(Episode.id).with_for_update()
     status = dict(s.execute(query).all())
@@ -268,6 +270,7 @@ def lose_call(s: Session, episode_id: str, reason: str) -> EpisodeRecord:
     after the answer, or its gateway stopped before writing it). The episode is abandoned with ``reason``, even a
     finished one, so that it never trains with a call missing (its finish is then a conflict that names
     ``reason``); ``meta[LOST_CALLS]`` counts its lost calls."""
+    write_lock(s)
     row = _episode(s, episode_id, lock=True)
     meta = {**row.meta, LOST_CALLS: int(row.meta.get(LOST_CALLS, 0)) + 1}
     if row.status != EpisodeStatus.abandoned:

@@ -1,0 +1,240 @@
+"""The gateway writes calls behind their answers (write-behind) without losing correctness: a call is answered
+once queued; the episode's next call is spliced onto it in memory and linked to its committed id; the episode's
+outcome, its reads and the server's shutdown wait for its queued calls; a call that cannot be written after it was
+answered abandons its episode (a 409 naming it, counted in /gateway/stats); a request that re-sends a reply no
+recorded call returned (its gateway was killed before the commit) abandons the episode. The writer is held back by
+another connection's write lock (a real SQLite lock, as another process would hold it). No model is loaded: the
+prompts are the embedded model's tokenizer's, the replies written here."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from flywheel.gateway.recorder import Gateway, unrecorded_turn
+from flywheel.gateway.splice import Splice
+from flywheel.inference.loading import EMBEDDED_MODEL, resolve_model
+from flywheel.inference.registry import ModelRegistry
+from flywheel.server.app import create_app
+from flywheel.server.background import BackgroundServer
+from flywheel.store import EpisodeConflictError, EpisodeStatus, Store
+from flywheel.store import episodes as db
+
+USER = {"role": "user", "content": "Name a colour."}
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(resolve_model(EMBEDDED_MODEL).path)
+
+
+@pytest.fixture
+def store(tmp_path) -> Iterator[Store]:
+    store = Store(f"sqlite:///{tmp_path / 'flywheel.db'}")
+    yield store
+    store.close()
+
+
+class Lock:
+    """Another connection's write lock on the store's SQLite file: the gateway's writer waits for it."""
+
+    def __init__(self, store: Store):
+        self.connection = sqlite3.connect(store.url.split("///", 1)[1], isolation_level=None)
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.connection.execute("BEGIN IMMEDIATE")
+        return self.connection
+
+    def __exit__(self, *exc: object) -> None:
+        self.connection.execute("COMMIT")
+        self.connection.close()
+
+
+class Agent:
+    """One episode's conversation: each turn is prepared and recorded as the chat route does it."""
+
+    def __init__(self, gateway: Gateway, tokenizer: PreTrainedTokenizerBase, episode_id: str):
+        self.gateway, self.tokenizer, self.episode_id = gateway, tokenizer, episode_id
+        self.eos = {tokenizer.convert_tokens_to_ids("<|im_end|>")}
+        self.messages: list[dict] = [USER]
+        self.turns = 0
+
+    async def turn(self) -> Splice:
+        splice = await self.gateway.prepare(self.episode_id, self.messages, None, self.tokenizer, self.eos)
+        self.turns += 1
+        reply = f"Colour {self.turns}."
+        completion = [*self.tokenizer.encode(reply, add_special_tokens=False), *self.eos]
+        choice = {
+            "index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop",
+            "prompt_token_ids": splice.prompt, "token_ids": completion,
+        }  # fmt: skip
+        response = {"id": f"chatcmpl-{self.episode_id}-{self.turns}", "choices": [choice], "usage": {}}
+        request = {"messages": list(self.messages)}
+        await self.gateway.record(
+            self.episode_id, splice, self.eos, model="m", step=None, request=request, response=response, latency_ms=1
+        )
+        self.messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Another."}]
+        return splice
+
+
+def new_episode(store: Store) -> str:
+    with store.session() as s:
+        return db.create_episode(s, "t").id
+
+
+def calls(store: Store, episode_id: str) -> list[db.CallRecord]:
+    with store.session() as s:
+        return db.calls(s, episode_id)
+
+
+async def test_a_call_is_answered_before_its_commit_and_the_next_is_spliced_onto_it(store, tokenizer):
+    gateway = Gateway(store, redactor=None)
+    agent = Agent(gateway, tokenizer, new_episode(store))
+    await agent.turn()  # an episode's first call is answered once committed
+    assert len(calls(store, agent.episode_id)) == 1
+    with Lock(store):  # the writer cannot commit: both calls are answered all the same, queued in one batch
+        second = await asyncio.wait_for(agent.turn(), 20)
+        third = await asyncio.wait_for(agent.turn(), 20)  # spliced onto the second's output, not committed yet
+        assert third.prefix_call is not None and third.prefix_call < 0  # its provisional id
+        settled = asyncio.ensure_future(gateway.settled(agent.episode_id))
+        await asyncio.sleep(0.2)
+        assert not settled.done()  # what reads the episode waits for its queued calls
+        assert len(calls(store, agent.episode_id)) == 1
+    await asyncio.wait_for(settled, 20)
+    first, second_call, third_call = calls(store, agent.episode_id)
+    assert second.prefix_call == first.id and second_call.prefix_call == first.id
+    assert third_call.prefix_call == second_call.id  # the provisional id, resolved in the batch that wrote both
+    assert third_call.prefix_message == 3 and third_call.retokenized_turns == 0
+    assert third_call.request["messages"][3]["content"] == "Colour 2."
+
+
+async def test_outcome_and_exports_wait_for_queued_calls_and_shutdown_drains_them(store, tokenizer):
+    gateway = Gateway(store, redactor=None)
+    server = BackgroundServer(create_app(ModelRegistry(), gateway)).start()
+    root = server.base_url.removesuffix("/v1")
+    agent = Agent(gateway, tokenizer, new_episode(store))
+    other = Agent(gateway, tokenizer, new_episode(store))
+    await agent.turn()
+    await other.turn()
+    try:
+        async with httpx.AsyncClient(base_url=root, timeout=60) as http:
+            with Lock(store) as lock:
+                await agent.turn()
+                listed = asyncio.ensure_future(http.get(f"/episodes/{agent.episode_id}/calls"))
+                finished = asyncio.ensure_future(http.post(f"/episodes/{agent.episode_id}/finish", json={"reward": 1}))
+                await asyncio.sleep(0.3)
+                assert not listed.done() and not finished.done()  # both wait for the queued call
+                await other.turn()  # queued behind the lock: the server's shutdown must write it
+                lock.execute("COMMIT")  # let the first reads through, then hold the writer back again
+                assert len((await listed).json()["data"]) == 2
+                assert (await finished).status_code == 200
+                trajectory = await http.get(f"/episodes/{agent.episode_id}/trajectory")
+                assert trajectory.status_code == 200 and trajectory.json()["metrics"]["calls"] == 2
+                lock.execute("BEGIN IMMEDIATE")
+                await other.turn()
+                stopping = threading.Thread(target=server.stop)
+                stopping.start()
+                await asyncio.sleep(0.3)
+            stopping.join(30)  # the lock is released: the server drains its queue, then exits
+            assert not stopping.is_alive()
+        assert len(calls(store, other.episode_id)) == 3  # written before the server's stop returned
+    finally:
+        server.stop()
+
+
+async def test_a_call_that_cannot_be_written_after_its_answer_abandons_its_episode(store, tokenizer):
+    """Another process finishes the episode while its call is queued: the call was answered, and cannot be
+    written. The episode must not stay finished without it: it is abandoned, its finish is a 409 naming the call,
+    its next call is refused, and the lost call is counted."""
+    gateway = Gateway(store, redactor=None)
+    server = BackgroundServer(create_app(ModelRegistry(), gateway)).start()
+    root = server.base_url.removesuffix("/v1")
+    agent = Agent(gateway, tokenizer, new_episode(store))
+    await agent.turn()
+    try:
+        with Lock(store) as other_process:
+            await agent.turn()  # answered; queued behind the other process's transaction, which finishes it
+            other_process.execute(
+                "UPDATE episodes SET status = 'finished', reward = 1 WHERE id = ?", (agent.episode_id,)
+            )
+        await gateway.settled(agent.episode_id)
+        with store.session() as s:
+            episode = db.get_episode(s, agent.episode_id)
+        lost = f"chatcmpl-{agent.episode_id}-2"
+        assert episode.status == EpisodeStatus.abandoned and episode.meta[db.LOST_CALLS] == 1
+        assert lost in episode.meta["abandoned_because"]
+        async with httpx.AsyncClient(base_url=root, timeout=60) as http:
+            refused = await http.post(f"/episodes/{agent.episode_id}/finish", json={"reward": 1})
+            assert refused.status_code == 409 and lost in refused.json()["error"]["message"]
+            assert (await http.get("/gateway/stats")).json()["lost_calls"] == 1
+            groups = await http.get("/groups", params={"task_id": "t"})
+            assert groups.status_code == 200 and groups.json()["trajectories"] == []  # it never trains
+        with pytest.raises(EpisodeConflictError, match="lost a call"):
+            await agent.turn()
+    finally:
+        server.stop()
+
+
+async def test_with_the_database_gone_a_lost_call_is_refused_in_memory(store, tokenizer):
+    """The store loses its tables while a call is queued: neither the call nor the episode's abandonment can be
+    written; this gateway still refuses the episode's outcome and its next call, and counts the lost call."""
+    gateway = Gateway(store, redactor=None)
+    agent = Agent(gateway, tokenizer, new_episode(store))
+    await agent.turn()
+    with Lock(store) as other:
+        await agent.turn()
+        other.execute("DROP TABLE calls")
+        other.execute("DROP TABLE episodes")
+    await gateway.settled(agent.episode_id)
+    assert gateway.lost_calls == 1
+    with pytest.raises(EpisodeConflictError, match=f"chatcmpl-{agent.episode_id}-2.*could not be recorded"):
+        gateway.refuse_lost(agent.episode_id)
+    with pytest.raises(EpisodeConflictError, match="lost a call"):
+        await agent.turn()
+
+
+async def test_a_reply_lost_with_its_gateway_makes_the_restarted_gateway_abandon_the_episode(store, tokenizer):
+    """A gateway answered a call and was killed before writing it (here: its episode's calls stay as the store
+    has them, and a new Gateway on the same store is the restarted one). The agent's next call re-sends that
+    reply: the restarted gateway must not splice around it and record an episode that trains without it."""
+    episode_id = new_episode(store)
+    before = Agent(Gateway(store, redactor=None), tokenizer, episode_id)
+    await before.turn()  # committed (an episode's first call)
+    before.turns += 1  # the second call's reply, answered and never written
+    before.messages += [{"role": "assistant", "content": "Colour 2."}, {"role": "user", "content": "Another."}]
+    restarted = Gateway(store, redactor=None)
+    after = Agent(restarted, tokenizer, episode_id)
+    after.messages = before.messages
+    with pytest.raises(EpisodeConflictError, match=r"re-sent a reply \(messages\[3\]\) that no recorded call"):
+        await after.turn()
+    with store.session() as s:
+        episode = db.get_episode(s, episode_id)
+    assert (
+        episode.status == EpisodeStatus.abandoned and "no recorded call returned" in episode.meta["abandoned_because"]
+    )
+    assert restarted.lost_calls == 1 and len(calls(store, episode_id)) == 1
+
+
+async def test_a_restarted_gateway_continues_an_episode_whose_replies_are_all_recorded(store, tokenizer):
+    """The same restart with nothing lost: history re-serialised (whitespace) and a few-shot example sent with the
+    first call are recorded turns, not lost ones."""
+    episode_id = new_episode(store)
+    shot = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]
+    before = Agent(Gateway(store, redactor=None), tokenizer, episode_id)
+    before.messages = [*shot, USER]
+    await before.turn()
+    after = Agent(Gateway(store, redactor=None), tokenizer, episode_id)
+    after.messages = [m | {"content": m["content"] + "  "} for m in before.messages]
+    await after.turn()
+    await after.gateway.settled(episode_id)
+    recorded = calls(store, episode_id)
+    assert len(recorded) == 2 and recorded[1].retokenized_turns == 0  # spliced onto the first call's output
+    assert unrecorded_turn(after.messages, recorded) is None
+    unknown = {"role": "assistant", "content": "Colour 9."}
+    assert unrecorded_turn([*after.messages, unknown], recorded) == len(after.messages)
