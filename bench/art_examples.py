@@ -226,7 +226,7 @@ def run(example: Example, art_dir: Path, commit: str, args: argparse.Namespace, 
         return Result(example.name, commit, [], "not run", error, 0.0, "", example.needs)
     overrides = prepare(example, root, args.base_model)
     script = root / example.script
-    python_path = [str(root / p) for p in example.python_path] + ([str(args.deps)] if args.deps else [])
+    python_path = [str(root / p) for p in example.python_path] + [str(d) for d in args.deps]
     env = {
         **os.environ,
         "BACKUP_BUCKET": f"file://{work / 'bucket'}",
@@ -274,7 +274,13 @@ def main() -> None:
     parser.add_argument("--commit", default="HEAD")
     parser.add_argument("--only", nargs="+", choices=[e.name for e in EXAMPLES], help="these examples, in order")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per script")
-    parser.add_argument("--deps", type=Path, help="a directory of the scripts' own imports (pip install --target)")
+    parser.add_argument(
+        "--deps",
+        type=Path,
+        action="append",
+        default=[],
+        help="a directory of the scripts' own imports (pip install --target); repeat for several, first wins",
+    )
     parser.add_argument("--base-model", default=EMBEDDED_MODEL)
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (the copies, logs)")
     args = parser.parse_args()

@@ -197,6 +197,30 @@ async def test_a_hosted_model_out_of_reach_fails_in_place_naming_the_service(cap
     assert {"Messages", "MessagesAndChoices", "Tools"} <= set(dir(art))  # ART's type names, at the top level
 
 
+def test_a_rollout_sampling_through_litellm_keeps_its_choices_with_arts_helper(monkeypatch: pytest.MonkeyPatch):
+    """ART's email agent samples with ``litellm.acompletion`` and appends
+    ``art.utils.litellm.convert_litellm_choice_to_openai(response.choices[0])`` to its trajectory (here LiteLLM's
+    own answer types, as acompletion returns them, without a model)."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of LiteLLM's price list
+    from litellm.types.utils import ChatCompletionMessageToolCall, Choices, Function, Message
+
+    from flywheel.utils.litellm import convert_litellm_choice_to_openai
+
+    messages: art.Messages = [{"role": "user", "content": "Find the e-mail about the budget."}]
+    call = ChatCompletionMessageToolCall(id="c1", type="function", function=Function(name="search", arguments="{}"))
+    trajectory = art.Trajectory(messages_and_choices=messages, reward=1.0)
+    for choice in (
+        Choices(finish_reason="tool_calls", index=0, message=Message(role="assistant", tool_calls=[call])),
+        Choices(finish_reason="stop", index=0, message=Message(role="assistant", content="It is from Ken.")),
+    ):
+        trajectory.messages_and_choices.append(convert_litellm_choice_to_openai(choice))
+    tool_turn, answer = trajectory.messages()[1:]
+    assert tool_turn["tool_calls"][0]["function"] == {"name": "search", "arguments": "{}"}
+    assert answer == {"role": "assistant", "content": "It is from Ken."}
+    with pytest.raises(ValueError, match="assistant turn"):
+        convert_litellm_choice_to_openai(Choices(message=Message(role="user", content="hi")))
+
+
 def test_trainable_model_takes_a_config_of_the_scripts_own_and_arts_private_settings():
     class AgentConfig(BaseModel):
         max_turns: int = 3

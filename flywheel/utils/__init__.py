@@ -1,4 +1,5 @@
-"""ART's ``art.utils`` helpers that training scripts import: ``iterate_dataset``, ``retry``, ``limit_concurrency``.
+"""ART's ``art.utils`` helpers that training scripts import: ``iterate_dataset``, ``retry``, ``limit_concurrency``
+(and ``flywheel.utils.litellm``, ART's ``art.utils.litellm``).
 
 Same signatures, defaults and results as ART's: ``iterate_dataset`` shuffles each epoch with that epoch's number as
 the seed (the same order as ART, without reseeding the global ``random``), ``retry`` retries with exponential
