@@ -278,7 +278,7 @@ def train(
     ] = None,
     sft_examples: Annotated[
         int | None,
-        typer.Option(min=1, help="Demonstrations for the SFT warm start (default: calculator 64, support 96)."),
+        typer.Option(min=1, help="Demonstrations for the SFT warm start (default: calculator 64, support 64)."),
     ] = None,
     test_problems: Annotated[
         int | None,
@@ -286,17 +286,17 @@ def train(
             "--test-problems",
             "--test-tickets",
             min=1,
-            help="Held-out test items (default: calculator 100, support 60).",
+            help="Held-out test items (default: calculator 100, support 50).",
         ),
     ] = None,
     val: Annotated[
         int | None,
         typer.Option(
-            min=1, help="Validation items, which pick the best checkpoint (default: calculator 64, support 32)."
+            min=1, help="Validation items, which pick the best checkpoint (default: calculator 64, support 24)."
         ),
     ] = None,
     sft_epochs: Annotated[
-        int | None, typer.Option(min=1, help="Support: SFT epochs, the best by validation is kept (default 3).")
+        int | None, typer.Option(min=1, help="Support: SFT epochs, the best by validation is kept (default 2).")
     ] = None,
     failure_rate: Annotated[
         float | None,

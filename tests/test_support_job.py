@@ -312,7 +312,7 @@ async def test_the_job_runs_end_to_end_on_the_embedded_model(tmp_path, monkeypat
     monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
     config = JobConfig(
         name="toy", customers=40, sft_examples=2, sft_epochs=1, rl_steps=1, groups_per_step=2, group_size=2,
-        eval_every=1, val_tickets=2, test_tickets=2, max_tokens=48,
+        eval_every=1, val_tickets=2, test_tickets=2, max_turns=4, max_tokens=48,
     ).with_lora()  # fmt: skip
     config.sft = SFTConfig(learning_rate=3e-4, epochs=1, batch_size=2)
     report = await run(config, Console(file=open(os.devnull, "w")))

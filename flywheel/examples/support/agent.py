@@ -31,11 +31,11 @@ from flywheel.model import Model
 from flywheel.types import Trajectory
 
 SYSTEM_PROMPT = (
-    "You are a customer support agent. Resolve the ticket with the tools: read it, look up the account and the "
-    "orders, read the policy, then refund, ship a replacement or answer, and send the customer a reply. Escalate to "
-    "a human when the account has a fraud_hold or closed flag, when the refund would be over your refund limit, or "
-    "when the ticket does not say which order. If a tool fails with a timeout or a 503 error, call it again. Never "
-    "put another customer's data in a reply. When the ticket is resolved, answer: Done."
+    "You are a customer support agent. Read the ticket, look up the account and orders, read the policy, then "
+    "refund, ship a replacement or answer, and reply to the customer. Escalate to a human if the account has a "
+    "fraud_hold or closed flag, if the refund is over your refund limit, or if the ticket does not say which "
+    "order. If a tool times out or fails with 503, call it again. Never reply with another customer's data. "
+    "When done, answer: Done."
 )
 MAX_TURNS = 10
 

@@ -12,6 +12,7 @@ sometimes the right move. Failures reach the model as ``Error: ...`` tool messag
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from collections.abc import Awaitable, Callable
@@ -58,6 +59,14 @@ def _desk_tool(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any
     return wrapper
 
 
+def _compact(tool: Tool) -> Tool:
+    """The tool with its arguments' names and types only: every prompt token counts for a small model (the
+    system prompt lists all eight tools in every turn), and the arguments are still checked as before."""
+    properties = {name: {"type": spec["type"]} for name, spec in tool.parameters["properties"].items()}
+    parameters = {"type": "object", "properties": properties, "required": tool.parameters["required"]}
+    return dataclasses.replace(tool, parameters=parameters)
+
+
 @dataclass
 class SupportDesk:
     """One episode's desk. ``close()`` (or ``with``) releases the database connection."""
@@ -100,7 +109,7 @@ class SupportDesk:
             self.send_reply,
             self.escalate,
         )
-        return [Tool.from_function(m, cacheable=False) for m in methods]
+        return [_compact(Tool.from_function(m, cacheable=False)) for m in methods]
 
     def _check_ticket(self, ticket_id: str) -> None:
         if ticket_id.strip() != self.ticket.id:

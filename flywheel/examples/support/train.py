@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from flywheel.backend import LocalBackend
 from flywheel.examples.calculator.train import peak_rss_gb, rl_rounds, warm_start
-from flywheel.examples.support.agent import demonstration, expert_rollout, rollout
+from flywheel.examples.support.agent import MAX_TURNS, demonstration, expert_rollout, rollout
 from flywheel.examples.support.db import build_database
 from flywheel.examples.support.grading import support_stack
 from flywheel.examples.support.tickets import Ticket, generate_tickets
@@ -48,8 +48,8 @@ class JobConfig(BaseModel):
     tool_budget: int = 8  # efficiency: tool calls past this lose efficiency_penalty each
     efficiency_penalty: float = 0.25
     trained_weights: TrainedWeights = TrainedWeights(mode="full")
-    sft_examples: int = 96
-    sft_epochs: int = 3  # the SFT-only arm is the best of these epochs by validation
+    sft_examples: int = 64
+    sft_epochs: int = 2  # the SFT-only arm is the best of these epochs by validation
     sft: SFTConfig = SFTConfig(learning_rate=5e-5, batch_size=8, micro_batch_tokens=2048)
     rl_steps: int = 8
     groups_per_step: int = 4
@@ -57,8 +57,9 @@ class JobConfig(BaseModel):
     rl: TrainConfig = TrainConfig(learning_rate=1e-5, loss="dapo", micro_batch_tokens=2048)
     temperature: float = 0.7
     eval_every: int = 4
-    val_tickets: int = 32
-    test_tickets: int = 60
+    val_tickets: int = 24
+    test_tickets: int = 50
+    max_turns: int = MAX_TURNS
     max_tokens: int = 160
 
     def with_lora(self) -> JobConfig:
@@ -86,6 +87,7 @@ class Job:
             failure_rate=c.failure_rate,
             seed=seed,
             temperature=temperature,
+            max_turns=c.max_turns,
             max_tokens=c.max_tokens,
         )
 
