@@ -9,10 +9,12 @@ import json
 import os
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
 from collections import Counter
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -182,6 +184,18 @@ def _spawn(path: Path, home: Path, log: Path) -> subprocess.Popen:
     )  # fmt: skip
 
 
+def _collecting(database: Path) -> set[str]:
+    """The training tasks with attempts queued or running (read-only: the loop's process is the writer)."""
+    if not database.exists():
+        return set()
+    with closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=5)) as connection:
+        try:
+            query = "SELECT task_id FROM attempts WHERE status IN ('queued', 'leased') AND task_id LIKE 'train:%'"
+            return {row[0] for row in connection.execute(query)}
+        except sqlite3.OperationalError:  # not migrated yet
+            return set()
+
+
 def _wait_for(condition, timeout: float, proc: subprocess.Popen) -> bool:
     """Until ``condition()``; False if the process ended first or the time ran out."""
     deadline = time.monotonic() + timeout
@@ -219,11 +233,16 @@ def test_the_loop_killed_at_random_moments_comes_back_to_the_same_decisions(tmp_
             break
         proc = _spawn(path, home, tmp_path / f"run-{n}.log")
         before = run.latest() or 0
-        if rng.random() < 0.25:  # while it starts: imports, the model, resuming
-            where, ready = "start", True
+        where = rng.choice(["start", "collecting", "after a step", "after a step"])
+        if where == "start":  # imports, the model, resuming
+            ready = True
             time.sleep(rng.uniform(1, 15))
+        elif where == "collecting":  # while runners run the groups it queued (not those a killed run left)
+            left = _collecting(home / "flywheel.db")
+            ready = _wait_for(lambda: bool(_collecting(home / "flywheel.db") - left), 300, proc)
+            time.sleep(rng.uniform(0, 1.5))
         else:  # once it has trained a step: collecting the next groups, training, or deciding a candidate
-            where, ready = "after a step", _wait_for(lambda b=before: (run.latest() or 0) > b, 300, proc)
+            ready = _wait_for(lambda b=before: (run.latest() or 0) > b, 300, proc)
             time.sleep(rng.uniform(0, 8))
         if ready and proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
@@ -236,6 +255,9 @@ def test_the_loop_killed_at_random_moments_comes_back_to_the_same_decisions(tmp_
     seconds = time.monotonic() - started
 
     assert latest == sorted(latest) and latest[-1] > 0, latest  # the step only grows
+    assert [r["step"] for r in run.history()] == list(range(1, latest[-1] + 1))  # each step recorded once
+    trained = [json.loads(line)["metadata"]["task_id"] for p in (run.path / "trajectories" / "train").iterdir()
+               for line in p.read_text().splitlines()]  # fmt: skip
     store = Store(f"sqlite:///{home / 'flywheel.db'}")
     try:
         with store.session() as s:
@@ -258,6 +280,7 @@ def test_the_loop_killed_at_random_moments_comes_back_to_the_same_decisions(tmp_
             cancelled = [t for e in audit.events(s, subject="restart-agent", actions=("loop.cancel",))
                          for t in e.details["tasks"]]  # fmt: skip
             assert all(queue.get_task(s, t)[0].status != TaskStatus.open for t in cancelled)
+            assert not set(cancelled) & set(trained)  # what a killed run's runners did later trained nothing
     finally:
         store.close()
     print(json.dumps({"seed": seed, "kills": kills, "latest": latest, "decided": sorted(decided),
