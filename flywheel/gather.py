@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import dataclasses
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from typing import Any
 
 from openai.types.chat.chat_completion import Choice
@@ -265,6 +267,83 @@ async def gather_trajectories(
         if not all(isinstance(item, Trajectory | BaseException) for item in made):
             raise TypeError(f"a rollout returned {type(result).__name__}, expected a Trajectory or a list of them")
     return results
+
+
+@dataclasses.dataclass
+class GatherContext:
+    """ART's ``art.gather`` internals, for scripts that write a gather of their own (ART's self-play example
+    gathers rollouts that each return a tuple of trajectories, then groups them by position): inside
+    ``set_gather_context(context)``, each ``wrap_group_awaitable(rollout)`` counts its trajectories' rewards and
+    metrics on ``pbar`` (set it before awaiting, as ART's scripts do) and its failure against ``max_exceptions``."""
+
+    pbar: Any = None  # a tqdm bar, or None
+    pbar_total_completion_tokens: bool = False
+    max_exceptions: int | float = 0
+    max_metrics: int | None = None
+    increment_pbar: bool = True
+    metric_sums: dict[str, float] = dataclasses.field(default_factory=dict)
+    metric_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    exceptions: int = 0
+
+    def record(self, trajectory: Trajectory) -> None:
+        values = {"reward": trajectory.reward, **trajectory.metrics}
+        if self.pbar_total_completion_tokens:
+            values["completion_tokens"] = sum(
+                completion_token_count(c) for c in trajectory.messages_and_choices if isinstance(c, Choice)
+            )
+        for key, value in values.items():
+            self.metric_sums[key] = self.metric_sums.get(key, 0.0) + value
+            self.metric_counts[key] = self.metric_counts.get(key, 0) + 1
+
+    def update_pbar(self, n: int) -> None:
+        if self.pbar is None:
+            return
+        if self.increment_pbar:
+            self.pbar.update(n)
+        keys = list(self.metric_sums)[: self.max_metrics]
+        postfix: dict[str, float] = {key: self.metric_sums[key] / self.metric_counts[key] for key in keys}
+        self.pbar.set_postfix({**postfix, "exceptions": self.exceptions})
+
+    def too_many_exceptions(self) -> bool:
+        """Over the budget: a count, or below 1 a fraction of the bar's total."""
+        if 0 < self.max_exceptions < 1 and self.pbar is not None and self.pbar.total:
+            return self.exceptions / self.pbar.total > self.max_exceptions
+        return self.exceptions > self.max_exceptions
+
+
+_gather_context: contextvars.ContextVar[GatherContext | None] = contextvars.ContextVar("gather_context", default=None)
+
+
+@contextlib.contextmanager
+def set_gather_context(context: GatherContext) -> Iterator[None]:
+    """``context`` is the one ``wrap_group_awaitable`` counts on, inside the block (and the tasks it starts)."""
+    token = _gather_context.set(context)
+    try:
+        yield
+    finally:
+        _gather_context.reset(token)
+
+
+async def wrap_group_awaitable(awaitable: Awaitable[Iterable[Trajectory]]) -> Any:
+    """Awaits a rollout that returns trajectories (a group, a list or a tuple of them) and counts them on the
+    current ``GatherContext``; a failure is counted too, and returns None while its budget allows (else raised)."""
+    context = _gather_context.get()
+    if context is None:
+        raise RuntimeError("wrap_group_awaitable is used inside `with set_gather_context(GatherContext(...)):`")
+    try:
+        result = await awaitable
+    except Exception as exc:
+        context.exceptions += 1
+        context.update_pbar(0)
+        if context.too_many_exceptions():
+            raise
+        logger.warning("rollout failed (%d exceptions): %r%s", context.exceptions, exc, _where(exc))
+        return None
+    trajectories = list(result)
+    for trajectory in trajectories:
+        context.record(trajectory)
+    context.update_pbar(len(trajectories))
+    return result
 
 
 def phase_seconds(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:

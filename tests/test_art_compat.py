@@ -221,6 +221,35 @@ def test_a_rollout_sampling_through_litellm_keeps_its_choices_with_arts_helper(m
         convert_litellm_choice_to_openai(Choices(message=Message(role="user", content="hi")))
 
 
+async def test_a_gather_of_the_scripts_own_counts_on_arts_gather_context(capsys: pytest.CaptureFixture[str]):
+    """A two-player game's rollout returns both players' trajectories; the script gathers them itself and groups
+    them by position, through ``flywheel.gather``'s GatherContext (ART: ``from art.gather import ...``)."""
+    from tqdm import tqdm
+
+    from flywheel.gather import GatherContext, set_gather_context, wrap_group_awaitable
+
+    async def game(i: int) -> tuple[art.Trajectory, art.Trajectory]:
+        if i == 3:
+            raise ConnectionError("the opponent's service is down")
+        x = art.Trajectory(messages_and_choices=[], reward=i % 2, metrics={"win": i % 2})
+        return x, art.Trajectory(messages_and_choices=[], reward=1 - i % 2, metrics={"win": 1 - i % 2})
+
+    context = GatherContext(max_exceptions=1, max_metrics=1)
+    with set_gather_context(context):
+        future = asyncio.gather(*(wrap_group_awaitable(game(i)) for i in range(4)))
+        context.pbar = tqdm(desc="by index", total=8)  # set before awaiting, as ART's scripts do
+        pairs = await future
+    context.pbar.close()
+    assert pairs[3] is None and context.exceptions == 1
+    x_group, o_group = (art.TrajectoryGroup(p[k] for p in pairs if p is not None) for k in (0, 1))
+    assert [t.reward for t in x_group] == [0, 1, 0] and [t.reward for t in o_group] == [1, 0, 1]
+    bar = capsys.readouterr().err.split("\r")[-1]
+    assert "6/8" in bar and "reward=0.5" in bar and "win=" not in bar and "exceptions=1" in bar
+    context.max_exceptions = 0
+    with set_gather_context(context), pytest.raises(ConnectionError):
+        await wrap_group_awaitable(game(3))
+
+
 def test_trainable_model_takes_a_config_of_the_scripts_own_and_arts_private_settings():
     class AgentConfig(BaseModel):
         max_turns: int = 3
