@@ -152,6 +152,19 @@ async def test_a_restarted_loop_keeps_the_alarm_and_cancels_what_its_predecessor
                 alarms.clear(s, model.name, step=0, actor="test", reason="test over")
 
 
+def test_a_second_flywheel_loop_of_the_same_name_is_refused_while_one_runs(tmp_path):
+    """What keeps two runs of a loop from cancelling each other's tasks: the model's lock, taken before anything."""
+    path = write_config(tmp_path)
+    running = RunStore(tmp_path / "home" / "tests" / "models" / "loop-agent")
+    running.lock()  # as the running loop's backend holds it
+    try:
+        result = CliRunner().invoke(app, ["loop", str(path), "--home", str(tmp_path / "home")])
+    finally:
+        running.unlock()
+    assert result.exit_code == 2 and "is in use: a backend in process" in result.output, result.output
+    assert "Traceback" not in result.output
+
+
 def test_a_restarted_run_never_reuses_an_earlier_run_s_task_ids(backend: LocalBackend, tmp_path):
     """The same seed and pool at the same step once gave the same ids: a second restart at one step got the first's
     cancelled task back (the same task again is accepted) and trained on its partial group."""

@@ -61,7 +61,13 @@ def loop_command(
         finally:
             await loop.backend.close()
 
-    report = asyncio.run(run())
+    from flywheel.runs import ModelInUseError
+
+    try:
+        report = asyncio.run(run())
+    except ModelInUseError as exc:  # the same loop running already (its model's lock)
+        typer.echo(f"{config}: {exc}", err=True)
+        raise typer.Exit(2) from None
     console.print(f"{len(report.steps)} iterations, step {report.steps[-1] if report.steps else 0}; "
                   f"{report.intake} tasks from production episodes", highlight=False)  # fmt: skip
     if report.cancelled:
