@@ -238,3 +238,22 @@ async def test_a_restarted_gateway_continues_an_episode_whose_replies_are_all_re
     assert unrecorded_turn(after.messages, recorded) is None
     unknown = {"role": "assistant", "content": "Colour 9."}
     assert unrecorded_turn([*after.messages, unknown], recorded) == len(after.messages)
+
+
+async def test_an_episode_whose_calls_may_be_redacted_waits_for_them_before_its_next_call(store, tokenizer):
+    """A production episode's calls are redacted by the writer (and then keep no token ids): what its next call
+    may be spliced onto is known only once they are written, so its prompt waits for them."""
+    gateway = Gateway(store)  # redacts production episodes
+    with store.session() as s:
+        episode_id = db.create_episode(s, "t", split="production").id
+    agent = Agent(gateway, tokenizer, episode_id)
+    await agent.turn()
+    with Lock(store):
+        await asyncio.wait_for(agent.turn(), 20)  # answered before its commit
+        third = asyncio.ensure_future(agent.turn())
+        await asyncio.sleep(0.2)
+        assert not third.done()  # its prompt waits for the second call's record
+    splice = await asyncio.wait_for(third, 20)
+    await gateway.settled(episode_id)
+    first, second, _ = calls(store, episode_id)
+    assert splice.prefix_call == second.id  # nothing was redacted: spliced onto the committed call's output
