@@ -290,6 +290,12 @@ async def test_the_grader_stack_scores_correctness_safety_and_efficiency(db_path
     assert (await episode(*path, ("escalate", {"ticket_id": tid, "reason": "unsure"}))).reward == 0.0
     assert (await episode(*path)).reward == 0.0
     assert right.metrics["escalated"] == 0 and right.metrics["should_escalate"] == 0
+    # an answer must state the order's status, and not every status
+    question = ticket_where(db_path, resolution="answer", fact="shipped")
+    for text, correct in (("Your order is shipped.", 1.0), ("It is processing, shipped, delivered or lost.", 0.5)):
+        steps = ("send_reply", {"ticket_id": question.id, "message": text})
+        answered = await rollout("m", question, db_path, stack, client=ScriptedModel(steps), failure_rate=0.0)
+        assert answered.metrics["correct"] == correct
 
 
 async def test_the_scripted_expert_resolves_tickets_through_the_real_tools(db_path, stack):
@@ -305,6 +311,7 @@ async def test_the_scripted_expert_resolves_tickets_through_the_real_tools(db_pa
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # minutes alone; far more on a shared 2-core machine
 async def test_the_job_runs_end_to_end_on_the_embedded_model(tmp_path, monkeypatch):
     from flywheel.examples.support.train import JobConfig, run
     from flywheel.train.config import SFTConfig

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from rich.console import Console
 from rich.table import Table
 from tqdm.auto import tqdm
@@ -44,7 +44,7 @@ class JobConfig(BaseModel):
     name: str = "support-agent"
     seed: int = 0
     customers: int = 400
-    failure_rate: float = 0.1  # each tool call fails transiently (timeout or 503) with this probability
+    failure_rate: float = Field(0.1, ge=0.0, lt=1.0)  # each tool call's chance of a transient timeout or 503
     tool_budget: int = 8  # efficiency: tool calls past this lose efficiency_penalty each
     efficiency_penalty: float = 0.25
     trained_weights: TrainedWeights = TrainedWeights(mode="full")
