@@ -334,3 +334,24 @@ async def test_the_job_runs_end_to_end_on_the_embedded_model(tmp_path, monkeypat
     assert (out / "support.db").exists()
     row = saved["rl_history"][0]
     assert "val/reward" in row and "train/resolved" in row and "train/tool_calls" in row
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--failure-rate", "0.2"], "--failure-rate is an option of --task support only"),
+        (["--task", "calculator", "--sft-epochs", "2"], "--sft-epochs is an option of --task support only"),
+        (["--task", "chess"], "Invalid value for '--task'"),
+        (["--task", "support", "--failure-rate", "1.5"], "Invalid value for '--failure-rate'"),
+    ],
+)
+def test_train_task_option_errors_exit_2_before_any_work(tmp_path, monkeypatch, args, fragment):
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+
+    monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
+    result = CliRunner().invoke(app, ["train", *args], env={"COLUMNS": "200"})
+    assert (result.exit_code == 2 and result.exception is None) or isinstance(result.exception, SystemExit)
+    assert fragment in " ".join(result.output.split()).replace("│", "")
+    assert not any(tmp_path.iterdir())  # nothing was started
