@@ -15,8 +15,9 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, Field
 from rich.console import Console
@@ -77,7 +78,8 @@ class Job:
     def __init__(self, config: JobConfig, model: TrainableModel, db_path: Path, stack: GraderStack) -> None:
         self.config, self.model, self.db_path, self.stack = config, model, db_path, stack
 
-    def rollout(self, ticket: Ticket, *, seed: int, temperature: float):
+    def rollout(self, ticket: Ticket, *, seed: int, temperature: float) -> Coroutine[Any, Any, Trajectory]:
+        """One episode (not yet started: ``gather`` runs it)."""
         c = self.config
         return rollout(
             self.model,
