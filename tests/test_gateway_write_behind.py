@@ -257,3 +257,21 @@ async def test_an_episode_whose_calls_may_be_redacted_waits_for_them_before_its_
     await gateway.settled(episode_id)
     first, second, _ = calls(store, episode_id)
     assert splice.prefix_call == second.id  # nothing was redacted: spliced onto the committed call's output
+
+
+async def test_a_waiter_that_gives_up_leaves_the_call_to_be_written_for_the_others(store, tokenizer):
+    """A request waiting for an episode's queued calls is cancelled (its client went away): the calls are still
+    written, and whoever else waits for them is told."""
+    gateway = Gateway(store, redactor=None)
+    agent = Agent(gateway, tokenizer, new_episode(store))
+    await agent.turn()
+    with Lock(store):
+        await agent.turn()
+        given_up, waiting = (asyncio.ensure_future(gateway.settled(agent.episode_id)) for _ in range(2))
+        await asyncio.sleep(0.1)
+        given_up.cancel()
+    await asyncio.wait_for(waiting, 20)
+    assert len(calls(store, agent.episode_id)) == 2
+    await agent.turn()  # the writer is alive: the next call is written too
+    await gateway.settled(agent.episode_id)
+    assert len(calls(store, agent.episode_id)) == 3

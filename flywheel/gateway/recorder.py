@@ -336,6 +336,7 @@ class Gateway:
         held = not self.redacts(None if deployment is not None else self._split_of(episode_id))  # stored as is
         answered = self._is_started(episode_id)
         pending = _Pending(episode_id, ticket, fields, eos_ids, held, answered, Future())
+        pending.done.set_running_or_notify_cancel()  # a waiter cancelled (its client gone) cannot cancel it for all
         with self._queued:
             self._queue.append(pending)
             self._unsettled.setdefault(episode_id, []).append(pending)
