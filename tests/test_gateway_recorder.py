@@ -65,7 +65,8 @@ async def test_calls_queued_together_commit_as_one_and_a_closed_episode_refuses_
         db.set_outcome(s, closed, reward=0.0, finish=True)
     commits, inserting = [], threading.Event()
     event.listen(store.engine, "commit", lambda _: commits.append(time.perf_counter()))
-    event.listen(store.engine, "before_cursor_execute", lambda *a: "INSERT" in a[2] and inserting.set())
+    writes = ("BEGIN IMMEDIATE", "INSERT")  # the write lock taken before the insert, or the insert
+    event.listen(store.engine, "before_cursor_execute", lambda *a: a[2].startswith(writes) and inserting.set())
 
     def record(episode_id: str, n: int):
         call = {k: v for k, v in fields(n).items() if k in ("model", "step", "request", "response", "latency_ms")}
