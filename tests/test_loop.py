@@ -24,7 +24,7 @@ from flywheel.loop.alarm import AlarmPolicy, reward_hacking
 from flywheel.loop.driver import Loop, LoopConfig
 from flywheel.loop.evaluate import evaluate
 from flywheel.loop.gate import GatePolicy, HeldOutSet, decide
-from flywheel.store import audit, deployments
+from flywheel.store import Store, audit, deployments
 from flywheel.store import episodes as db
 from flywheel.store import grades as gdb
 from flywheel.types import Trajectory, TrajectoryGroup
@@ -100,7 +100,11 @@ def write_config(tmp_path: Path) -> Path:
 async def test_the_loop_takes_production_tasks_trains_and_sends_a_gated_candidate_to_canary(
     backend: LocalBackend, tmp_path
 ):
-    config = LoopConfig.load(write_config(tmp_path))
+    """Production episodes' items are trained on, and the step-2 checkpoint (step 1 is not due: candidate_every 2)
+    meets the production deployment through the gate and, passing, becomes the canary. Production is deployed at
+    the loop's first step beforehand, as an earlier promotion would have; a loop's first candidate, which meets the
+    base model and becomes production, is test_flywheel_loop_runs_from_the_command_line's."""
+    config = LoopConfig.load(write_config(tmp_path)).model_copy(update={"steps": 2})
     assert config.stack == tmp_path / "stack.json"  # paths are relative to the config file
     store = backend.gateway.store
     with store.session() as s:  # two production episodes, finished, whose items the loop should learn from
@@ -108,26 +112,27 @@ async def test_the_loop_takes_production_tasks_trains_and_sends_a_gated_candidat
             item = {"id": f"prod-{colour}", "question": f"Name a colour starting with {colour}.", "fail": False}
             e = db.create_episode(s, f"ticket-{colour}", split="production", meta={"item": item})
             db.set_outcome(s, e.id, reward=1.0, finish=True)
+        deployments.deploy(s, "loop-agent@production", 1, actor="test", reason="the loop's first step")
     loop = Loop(config, backend, actor="test")
     report = await loop.run()
-    assert report.steps == [1, 2, 3, 4] and report.intake == 2
-    first, second = report.candidates
-    # the first candidate meets the base model and, passing, becomes the first production deployment; the second
-    # meets that deployment and, passing, becomes the canary (no production traffic yet: it waits)
-    assert (first.step, first.production, first.deployed) == (2, config.base_model, "loop-agent@production")
-    assert (second.step, second.production, second.deployed) == (4, "loop-agent@production", "loop-agent@canary")
+    assert report.steps == [1, 2] and report.intake == 2
+    (candidate,) = report.candidates
+    # it meets the production deployment and, passing, becomes the canary (no production traffic yet: it waits)
+    assert (candidate.step, candidate.production, candidate.deployed) == (
+        2, "loop-agent@production", "loop-agent@canary"
+    ), candidate.decision.checks  # fmt: skip
     assert report.canary == []
     with store.session() as s:
         production, canary = deployments.get(s, "loop-agent@production"), deployments.get(s, "loop-agent@canary")
-        assert (production.step, production.share, canary.step, canary.share) == (2, None, 4, 0.25)
-        gate_event = next(e for e in audit.events(s, subject="loop-agent@4") if e.action == "gate.pass")
-        assert gate_event.id == second.event_id and len(gate_event.details["evaluations"]) == 2
+        assert (production.step, production.share, canary.step, canary.share) == (1, None, 2, 0.25)
+        gate_event = next(e for e in audit.events(s, subject="loop-agent@2") if e.action == "gate.pass")
+        assert gate_event.id == candidate.event_id and len(gate_event.details["evaluations"]) == 2
         assert gate_event.details["production"] == "loop-agent@production"
         assert deployments.history(s, "loop-agent@canary")[-1].details["gate_event"] == gate_event.id
         trained = [
             e for e in db.list_episodes(s, split="train", limit=1000) if e.task_id.startswith("train:loop-agent:")
         ]
-        assert len(trained) == 4 * 2 * 2  # steps x groups x group size
+        assert len(trained) == 2 * 2 * 2  # steps x groups x group size
         assert all(gdb.grades_of(s, e.id, loop.stack.version) for e in trained)
         assert audit.verify(s).ok
 
@@ -173,6 +178,17 @@ def test_flywheel_loop_runs_from_the_command_line(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert "1 iterations, step 1" in result.output and "loop-agent@production" in result.output
+    # a loop with no production deployment: its first candidate met the base model and, passing, became production
+    store = Store(f"sqlite:///{tmp_path / 'home' / 'flywheel.db'}")
+    try:
+        with store.session() as s:
+            gate_event = next(e for e in audit.events(s, subject="loop-agent@1") if e.action == "gate.pass")
+            assert gate_event.details["production"] == EMBEDDED_MODEL
+            assert deployments.get(s, "loop-agent@production").step == 1
+            assert deployments.history(s, "loop-agent@production")[-1].details["gate_event"] == gate_event.id
+            assert deployments.find(s, "loop-agent@canary") is None and audit.verify(s).ok
+    finally:
+        store.close()
 
 
 WATCH_STACK = {
