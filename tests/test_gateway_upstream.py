@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from typer.testing import CliRunner, Result
 
+from flywheel.cli import app
 from flywheel.gateway.client import EpisodeClient, GatewayError
 from flywheel.gateway.recorder import Gateway
 from flywheel.gateway.upstream import Upstream
@@ -308,33 +306,26 @@ async def test_plain_v1_calls_are_proxied_for_the_openai_sdk(servers):
         await client.chat.completions.create(model="nobody-serves-this", messages=QUESTION, max_tokens=2)
 
 
-def test_flywheel_serve_checks_upstream_before_loading_the_model_and_never_shows_its_key(tmp_path):
-    flywheel = str(Path(sys.executable).parent / "flywheel")
+def test_flywheel_serve_checks_upstream_before_loading_the_model_and_never_shows_its_key(tmp_path, caplog):
+    """In this process (the checks come before the model loads: a process of its own spent seconds importing torch)."""
     missing = str(tmp_path / "no-such-model")  # had serve loaded it first, it would have said so instead
-    env = os.environ | {"FLYWHEEL_HOME": str(tmp_path), "COLUMNS": "200", "FLYWHEEL_UPSTREAM_API_KEY": "sk-cli-secret"}
+    env = {"FLYWHEEL_HOME": str(tmp_path), "COLUMNS": "200", "FLYWHEEL_UPSTREAM_API_KEY": "sk-cli-secret"}
+
+    def serve(url: str) -> Result:
+        run = CliRunner().invoke(app, ["serve", "--model", missing, "--upstream", url], env=env)
+        assert run.exception is None or isinstance(run.exception, SystemExit), run.exception  # no traceback
+        assert "sk-cli-secret" not in run.output + caplog.text  # output (stdout and stderr) and logs
+        return run
+
     for url, complaint in [
         ("ftp://models.example/v1", "not an http(s) URL"),
         ("http://user:hunter2@models.example/v1", "must not hold credentials"),
     ]:
-        run = subprocess.run(
-            [flywheel, "serve", "--model", missing, "--upstream", url],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=env,
-        )
-        assert run.returncode == 2 and "Invalid --upstream" in run.stdout and complaint in run.stdout, run
-        assert "sk-cli-secret" not in run.stdout + run.stderr and "hunter2" not in run.stdout + run.stderr
-        assert "Traceback" not in run.stderr and "no-such-model" not in run.stdout
-    accepted = subprocess.run(
-        [flywheel, "serve", "--model", missing, "--upstream", "http://models.example/v1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert accepted.returncode == 2 and "no-such-model" in accepted.stdout  # the upstream passed; the model is missing
-    assert "sk-cli-secret" not in accepted.stdout + accepted.stderr
+        run = serve(url)
+        assert run.exit_code == 2 and "Invalid --upstream" in run.output and complaint in run.output, run.output
+        assert "hunter2" not in run.output + caplog.text and "no-such-model" not in run.output
+    accepted = serve("http://models.example/v1")
+    assert accepted.exit_code == 2 and "no-such-model" in accepted.output  # the upstream passed; the model is missing
 
 
 async def test_a_local_call_never_continues_an_upstream_output_with_its_ids(servers):
