@@ -9,12 +9,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from flywheel.store import EpisodeStatus, Store
 from flywheel.store import episodes as db
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "gateway" / "train.py"
 
 
+# slow (runs in CI): the example script as a whole; each of its pieces has a test of its own in the default suite
+# (an unmodified LangChain agent in its own process recorded token in, token out: test_gateway_clients.py; a
+# `flywheel runner` process claiming attempts and Runner groups gathered: test_gateway_queue.py; gateway groups
+# trained on: test_gateway.py)
+@pytest.mark.slow
 def test_the_gateway_example_trains_an_unmodified_agent_through_runners(tmp_path):
     run = subprocess.run(
         [sys.executable, str(EXAMPLE), "--steps", "1", "--tasks", "1", "--group", "3", "--home", str(tmp_path)],
