@@ -117,6 +117,14 @@ def serve(
             " shadow, and calls asked under a deployment's alias) | all | none."
         ),
     ] = RedactScope.production,
+    write_behind: Annotated[
+        bool,
+        typer.Option(
+            help="Answer an episode's call once it is queued for the store's writer (default), or once it is"
+            " committed (--no-write-behind: for replicas on one database that do not send an episode's calls to one"
+            " replica)."
+        ),
+    ] = True,
 ):
     """Serve a model over an OpenAI-compatible API (/v1/models, /v1/chat/completions), and the gateway: episodes
     (POST /episodes) whose calls, through /episodes/<id>/v1, are recorded for training."""
@@ -186,6 +194,7 @@ def serve(
         store,
         redactor=None if redact is RedactScope.none else default_redactor,
         redacted_splits=None if redact is RedactScope.all else REDACTED_SPLITS,
+        write_behind=write_behind,
     )
     app = create_app(registry, gateway, auth=keys, upstream=relay_to)
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -58,7 +58,9 @@ def test_a_batch_records_its_calls_in_order_and_refuses_only_those_it_cannot_rec
 
 async def test_calls_queued_together_commit_as_one_and_a_closed_episode_refuses_only_its_own(tmp_path):
     store = Store(f"sqlite:///{tmp_path / 'flywheel.db'}")
-    gateway = Gateway(store, redactor=None)  # no redaction: the writer reads no split, each batch is one commit
+    # no redaction: the writer reads no split, each batch is one commit; answers after the commit: each call's
+    # refusal is its caller's
+    gateway = Gateway(store, redactor=None, write_behind=False)
     with store.session() as s:
         first, a, closed, b = (db.create_episode(s, "t").id for _ in range(4))
     with store.session() as s:  # closed meanwhile: after its call was prepared, before it was recorded
@@ -81,7 +83,7 @@ async def test_calls_queued_together_commit_as_one_and_a_closed_episode_refuses_
     other_writer.execute("ROLLBACK")
     outcomes = await asyncio.gather(*pending, return_exceptions=True)
     assert len(commits) == 2  # the first call's batch, then the three queued together, in one transaction
-    assert [o for i, o in enumerate(outcomes) if i != 2] == [None, None, None]  # each an episode's first: committed
+    assert [o for i, o in enumerate(outcomes) if i != 2] == [None, None, None]  # committed
     assert isinstance(outcomes[2], EpisodeConflictError)  # the app's handler makes it a 409 for that call alone
     with store.session() as s:
         assert [len(db.calls(s, e)) for e in (first, a, closed, b)] == [1, 1, 0, 1]

@@ -4,12 +4,18 @@ what happened (``record``), written through the store behind the answer (write-b
 A call is answered once it is queued for the writer thread, which commits queued calls in batches. What reads or
 changes an episode waits for its queued calls first (``settled``): its next call's prompt is spliced onto its
 outputs in memory (named by a provisional id that the writer turns into the committed one), its outcome and its
-exports wait, and so does the server's shutdown (``drain``). An episode's first call is answered only once it is
-committed, so that the store always knows an episode has begun. A call that cannot be written after its answer
-left is a lost call: its episode is abandoned with the reason (``store.episodes.lose_call``: it never trains, its
-finish is a 409 naming the call) and counted. A gateway killed between an answer and its commit loses the calls
-answered in that window; the agent's next call re-sends a reply that no recorded call returned, which a gateway
-that reads the episode back from the store sees (``unrecorded_turn``): that episode is abandoned the same way.
+exports wait, and so does the server's shutdown (``drain``). A call that cannot be written after its answer left
+is a lost call: its episode is abandoned with the reason (``store.episodes.lose_call``: it never trains, its
+finish is a 409 naming the call) and counted.
+
+A gateway killed between an answer and its commit loses the calls answered in that window (one batch: a few
+milliseconds of traffic). The agent's next call, to a restarted gateway, re-sends those replies as history; they
+match no recorded output, so they are fed as re-tokenized context and counted as such (``retokenized_turns``),
+like a reply the agent edited: the episode trains on the actions that were recorded. Replicas of the gateway on
+one database must route each episode's calls to one replica (the episode id is in the path), or answer after the
+commit (``write_behind=False``, ``flywheel serve --no-write-behind``): a replica that reads an episode while
+another still holds its last call queued would splice around it, and an outcome posted to it would close the
+episode before that call lands (a lost call).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from flywheel.gateway.redact import Redactor, default_redactor, redact_value
-from flywheel.gateway.splice import Output, Splice, message_key, output_key, splice_prompt
+from flywheel.gateway.splice import Output, Splice, output_key, splice_prompt
 from flywheel.store import CallRecord, EpisodeConflictError, EpisodeRecord, Store
 from flywheel.store import episodes as db
 
@@ -75,20 +81,6 @@ def outputs_of(call: CallRecord, eos_ids: set[int]) -> list[Output]:
     return _outputs(call.id, call.request, call.response, call.upstream, eos_ids)
 
 
-def unrecorded_turn(messages: list[dict], calls: list[CallRecord]) -> int | None:
-    """The index of the first assistant message of ``messages`` that none of an episode's recorded ``calls``
-    returned or was sent (up to re-serialisation), if any: the reply of a call its agent was answered that is not
-    in the store. None if a call is text-only (what was stored is not what the agent saw)."""
-    if any(c.text_only for c in calls):
-        return None
-    known = set()
-    for call in calls:
-        known.update(message_key(m) for m in call.request.get("messages", []) if m.get("role") == "assistant")
-        known.update(message_key(_reply(c)) for c in call.response.get("choices", []) if "message" in c)
-    turns = (k for k, m in enumerate(messages) if m.get("role") == "assistant" and message_key(m) not in known)
-    return next(turns, None)
-
-
 @dataclass
 class _Pending:
     """A call queued for the writer: what to store, and its outcome once committed (or refused)."""
@@ -129,8 +121,12 @@ class Gateway:
         *,
         redactor: Redactor | None = default_redactor,
         redacted_splits: frozenset[str] | None = REDACTED_SPLITS,
+        write_behind: bool = True,
     ):
         self.store = store
+        # answer a call once it is queued for the writer (True), or once it is committed (False: for gateway
+        # replicas on one database that do not route an episode's calls to one replica, see the module doc)
+        self.write_behind = write_behind
         self.redactor = redactor  # runs on what is stored, never on what is answered; None: store as is
         # The episodes it runs on: those of these splits (None: every episode), and every call asked under a
         # deployment's alias. Training and evaluation episodes (the training side's own tasks) are stored as
@@ -146,7 +142,6 @@ class Gateway:
         self._writer: threading.Thread | None = None  # runs while there are calls to write
         self._tickets = itertools.count(1)
         self._committed: OrderedDict[int, int] = OrderedDict()  # ticket -> the call's id, for splices on it
-        self._started: OrderedDict[str, None] = OrderedDict()  # episodes with a committed call (as far as known)
         self._lost: OrderedDict[str, str] = OrderedDict()  # episode -> why it lost a call, for those lost here
         self.lost_calls = 0  # calls answered and never recorded, since this gateway started
 
@@ -170,14 +165,6 @@ class Gateway:
     def _note_split(self, episode: EpisodeRecord) -> None:
         with self._lock:
             _remember(self._splits, episode.id, episode.split)
-
-    def _note_started(self, episode_id: str) -> None:
-        with self._lock:
-            _remember(self._started, episode_id, None)
-
-    def _is_started(self, episode_id: str) -> bool:
-        with self._lock:
-            return episode_id in self._started
 
     def _split_of(self, episode_id: str) -> str | None:
         with self._lock:
@@ -212,22 +199,11 @@ class Gateway:
         tokenizer: PreTrainedTokenizerBase,
         eos_ids: set[int],
     ) -> Splice:
-        """``prepare`` for an episode this process does not hold: its outputs read back from the store, then held.
-        A request that re-sends a reply no recorded call returned (the answer of a call its gateway never wrote)
-        abandons the episode and is refused (``EpisodeConflictError``)."""
+        """``prepare`` for an episode this process does not hold: its outputs read back from the store, then held."""
         with self.store.session() as s:
             episode = db.check_open(s, episode_id)  # unknown: 404; finished or abandoned: 409, before sampling
             calls = db.calls(s, episode_id)
         self._note_split(episode)
-        if calls and (k := unrecorded_turn(messages, calls)) is not None:
-            reason = (
-                f"its call re-sent a reply (messages[{k}]) that no recorded call returned: a call was answered and"
-                " never recorded (its gateway stopped first)"
-            )
-            self._lose(episode_id, reason)
-            raise EpisodeConflictError(f"Episode {episode_id!r} lost a call: {reason}. It is abandoned.")
-        if calls:
-            self._note_started(episode_id)
         found = [o for call in calls for o in outputs_of(call, eos_ids)]
         with self._lock:
             found = self._outputs.setdefault(episode_id, found)  # or what a call prepared meanwhile put there
@@ -305,14 +281,14 @@ class Gateway:
         text_only: bool = False,
         upstream: str | None = None,
         deployment: str | None = None,  # the alias it was asked as (calc@production), if any
-    ) -> CallRecord:
+    ) -> None:
         """Queue a finished call for the writer. ``response``: the chat.completion body with every choice's token
         ids and log-probs (whatever the client asked to see); ``text_only``: it has no token ids (an upstream
-        returned none); ``upstream``: where the call was answered, if not by the local engine. Returns once it is
-        queued, its outputs in its episode's for the next call's prompt, and its agent may be answered: the writer
-        commits it behind the answer (one that fails then is a lost call, see the module doc). An episode's first
-        call (none of its calls committed yet, as far as this process knows) returns once committed: its episode
-        unknown or closed meanwhile: ``UnknownEpisodeError`` or ``EpisodeConflictError``."""
+        returned none); ``upstream``: where the call was answered, if not by the local engine. With write-behind,
+        returns once it is queued, its outputs in its episode's for the next call's prompt: its agent may be
+        answered, the writer commits it behind the answer (one that fails then is a lost call, see the module doc).
+        Without, returns once committed: its episode unknown or closed meanwhile: ``UnknownEpisodeError`` or
+        ``EpisodeConflictError``."""
         usage = response.get("usage") or {}
         fields = dict(
             prefix_call=splice.prefix_call,
@@ -334,8 +310,7 @@ class Gateway:
         ticket = next(self._tickets)
         outputs = _outputs(-ticket, request, response, upstream, eos_ids)  # a body it cannot read: nothing queued
         held = not self.redacts(None if deployment is not None else self._split_of(episode_id))  # stored as is
-        answered = self._is_started(episode_id)
-        pending = _Pending(episode_id, ticket, fields, eos_ids, held, answered, Future())
+        pending = _Pending(episode_id, ticket, fields, eos_ids, held, self.write_behind, Future())
         pending.done.set_running_or_notify_cancel()  # a waiter cancelled (its client gone) cannot cancel it for all
         with self._queued:
             self._queue.append(pending)
@@ -348,7 +323,7 @@ class Gateway:
             with self._lock:
                 if episode_id in self._outputs:
                     self._outputs[episode_id] += outputs
-        if answered:
+        if pending.answered:
             return
         outcome = await asyncio.wrap_future(pending.done)
         if isinstance(outcome, BaseException):
@@ -379,7 +354,6 @@ class Gateway:
         """A call's outcome: its outputs given their committed id (or, not held yet, added); if it failed after
         its answer, its episode loses it. Then whoever waits for it is told."""
         if isinstance(outcome, CallRecord):
-            self._note_started(p.episode_id)
             with self._lock:
                 held = self._outputs.get(p.episode_id)
                 if held is not None and p.held:
@@ -461,7 +435,6 @@ class Gateway:
         """Drop a closed episode's outputs from memory."""
         with self._lock:
             self._outputs.pop(episode.id, None)
-            self._started.pop(episode.id, None)
 
 
 def _remember(cache: OrderedDict, key: Any, value: Any, size: int = CACHED_EPISODES) -> None:
