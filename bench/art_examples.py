@@ -15,13 +15,17 @@ Nothing else in their code changes. Each script then runs in a subprocess (its o
 directory, ``BACKUP_BUCKET`` a ``file://`` directory for ART's checkpoint sync, ``--deps`` prepended to
 ``PYTHONPATH`` for packages their scripts import that Flywheel does not need) with a timeout, one at a time, and
 the result is ``ran`` (exit 0), ``failed`` with the first error (the exception line of the first traceback, or the
-last line printed) or ``timeout``. The scripts' own imports (``python-dotenv``, ``openpipe``, ``weave``) are not
-Flywheel's dependencies: install them into a separate directory so that their pins (``openpipe`` pins an old
-``openai``) do not change the environment::
+last line printed), ``timeout``, or ``not run`` (the checkout lacks a file's contents). The scripts' own imports
+(``python-dotenv``, ``openpipe``, ``weave``...) are not Flywheel's dependencies: install them into a separate
+directory so that their pins (``openpipe`` pins an old ``openai``) do not change the environment::
 
     pip install --no-deps --target /tmp/art-example-deps openpipe weave gql graphql-core polyfile-weave \\
         diskcache-weave sentry-sdk abnf cint fickling graphviz intervaltree kaitaistruct pdfminer.six chardet \\
-        sortedcontainers cachetools
+        sortedcontainers cachetools datasets dill multiprocess pandas pyarrow polars polars-runtime-32 panza
+    pip install --no-deps --target /tmp/art-e-deps litellm==1.65.0.post1  # ART-E's lock (newer: no DISK cache)
+
+ART-E runs with ``--deps /tmp/art-e-deps --deps /tmp/art-example-deps`` (the first wins), the others with
+``--deps /tmp/art-example-deps``.
 
 Usage: ``python bench/art_examples.py ART_DIR [--commit HEAD] [--only tic-tac-toe 2048 ...] [--timeout 300]
 [--deps /tmp/art-example-deps] [--keep]``; prints a Markdown table and writes
@@ -95,7 +99,7 @@ EXAMPLES = (
         paths=("examples/2048",),
         script="examples/2048/2048.py",
         overrides=(
-            Override("examples/2048/2048.py", "range(await model.get_step(), 100)", "range(await model.get_step(), 2)"),
+            Override("examples/2048/2048.py", "range(await model.get_step(), 100)", "range(await model.get_step(), 1)"),
             Override("examples/2048/2048.py", "for _ in range(48)", "for _ in range(2)"),
         ),
     ),
@@ -126,6 +130,12 @@ EXAMPLES = (
             Override("examples/tic_tac_toe_self_play/train.py", "for j in range(96)", "for j in range(2)"),
         ),
         needs="OpenAI (o4-mini is the teacher and the validation opponent): OPENAI_API_KEY",
+    ),
+    Example(
+        name="hn-title-generator",
+        paths=("examples/hn_title_generator",),
+        script="examples/hn_title_generator/train.py",
+        needs="its data set and the base model's tokenizer from the Hugging Face hub: a network",
     ),
     Example(
         name="art-e",

@@ -15,6 +15,8 @@ import json
 import logging
 import random
 import socket
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -363,6 +365,21 @@ async def test_checkpoint_sync_says_what_it_needs(
         with pytest.raises(ImportError, match="s3fs"):
             await local._experimental_pull_from_s3(never_trained, s3_bucket="my-bucket")
     await local.close()
+
+
+def test_a_script_that_never_closes_its_backend_exits_without_a_traceback(tmp_path: Path):
+    """ART's example scripts end without ``backend.close()``: the server is stopped at interpreter exit, when no new
+    thread can start, and its shutdown (the gateway's queue written first) must not print a traceback."""
+    script = (
+        "import sys\n"
+        "from flywheel.local import LocalBackend\n"
+        "backend = LocalBackend(path=sys.argv[1])\n"
+        "backend._serve()  # the HTTP server and gateway that register() starts, without loading a model\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
 
 
 class GameConfig(BaseModel):

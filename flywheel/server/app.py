@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -178,7 +179,10 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         if gateway is not None:  # every call answered is in the store before the server exits
-            await asyncio.to_thread(gateway.drain)
+            if threading.main_thread().is_alive():
+                await asyncio.to_thread(gateway.drain)
+            else:  # stopped at interpreter exit (a script that never closed its backend): no new threads then
+                gateway.drain()
 
     app = FastAPI(title="Flywheel OpenAI-compatible API", lifespan=lifespan)
     relay = Relay(upstream, gateway) if upstream is not None else None
