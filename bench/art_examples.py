@@ -111,7 +111,11 @@ EXAMPLES = (
             Override("examples/temporal_clue/temporal-clue.py", "puzzles[:64]", "puzzles[:1]"),
             Override("examples/temporal_clue/temporal-clue.py", "range(50)", "range(3)"),
             Override("examples/temporal_clue/temporal-clue.py", "stride = 4", "stride = 1"),
-            Override("examples/temporal_clue/temporal-clue.py", "range(await model.get_step(), 1_000)", "range(2)"),
+            Override(
+                "examples/temporal_clue/temporal-clue.py",
+                "range(await model.get_step(), 1_000)",
+                "range(await model.get_step(), 2)",
+            ),
         ),
     ),
     Example(
@@ -263,7 +267,12 @@ def run(example: Example, art_dir: Path, commit: str, args: argparse.Namespace, 
     seconds = time.monotonic() - start
     output = log.read_text(errors="replace")
     result = "ran" if code == 0 else "timeout" if code is None else "failed"
-    error = "" if code == 0 else first_error(output) if code is not None else f"still running after {args.timeout}s"
+    if code is None:
+        error = f"still running after {args.timeout}s"
+    elif code != 0 or "Traceback (most recent call last)" in output:  # a traceback printed on the way counts too
+        error = first_error(output)
+    else:
+        error = ""
     print(f"  {result} in {seconds:.0f}s{': ' + error if error else ''} (log: {log})")
     return Result(example.name, commit, overrides, result, error, round(seconds, 1), str(log), example.needs)
 
