@@ -37,16 +37,17 @@ def test_level_curriculum_favours_mixed_levels_and_uses_each_problem_once():
 
 async def test_job_runs_end_to_end_and_writes_report_and_plot(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
-    # the LoRA variant keeps CI light (full fine-tuning, the job's default, is tested in test_train.py)
+    # the LoRA variant keeps CI light (full fine-tuning, the job's default, is tested in test_train.py); one problem
+    # per evaluation and one group per RL step go through every phase (two RL steps: one validated, one not)
     config = JobConfig(
         name="toy",
         sft_examples=4,
         rl_steps=2,
-        groups_per_step=2,
+        groups_per_step=1,
         group_size=2,
         eval_every=2,
-        val_problems=4,
-        test_problems=4,
+        val_problems=1,
+        test_problems=1,
         levels=[1],
     ).with_lora()
     config.sft = SFTConfig(learning_rate=3e-4, epochs=1, batch_size=4)
