@@ -90,7 +90,6 @@ class _Pending:
     fields: dict[str, Any]
     eos_ids: set[int]
     held: bool  # its outputs joined its episode's when it was queued (else, redacted maybe: once committed)
-    answered: bool  # its agent is answered before its commit (else: after it, with its error if it fails)
     done: Future[CallRecord | BaseException]
 
 
@@ -154,7 +153,7 @@ class Gateway:
     def redact(self, value: Any, split: str | None = None) -> tuple[Any, int]:
         """``value`` as it may be stored for an episode of ``split`` (every string through the redactor, unless
         that split is stored as is) and how many things it replaced."""
-        if self.redactor is None or not self.redacts(split):
+        if not self.redacts(split):
             return value, 0
         redacted, found = redact_value(value, self.redactor)
         if found:
@@ -310,7 +309,7 @@ class Gateway:
         ticket = next(self._tickets)
         outputs = _outputs(-ticket, request, response, upstream, eos_ids)  # a body it cannot read: nothing queued
         held = not self.redacts(None if deployment is not None else self._split_of(episode_id))  # stored as is
-        pending = _Pending(episode_id, ticket, fields, eos_ids, held, self.write_behind, Future())
+        pending = _Pending(episode_id, ticket, fields, eos_ids, held, Future())
         pending.done.set_running_or_notify_cancel()  # a waiter cancelled (its client gone) cannot cancel it for all
         with self._queued:
             self._queue.append(pending)
@@ -323,7 +322,7 @@ class Gateway:
             with self._lock:
                 if episode_id in self._outputs:
                     self._outputs[episode_id] += outputs
-        if pending.answered:
+        if self.write_behind:  # answered before its commit (else after it, with its error if it fails)
             return
         outcome = await asyncio.wrap_future(pending.done)
         if isinstance(outcome, BaseException):
@@ -362,7 +361,7 @@ class Gateway:
                     ]
                 elif held is not None:
                     held += outputs_of(outcome, p.eos_ids)
-        elif p.answered:
+        elif self.write_behind:
             call = p.fields["response"].get("id", f"#{p.ticket}")
             self._lose(p.episode_id, f"call {call} was answered, then could not be recorded ({outcome})")
         with self._queued:
