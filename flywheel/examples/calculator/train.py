@@ -127,6 +127,15 @@ class LevelCurriculum:
         return {f"level_weight/{level}": w for level, w in self.weights().items()}
 
 
+async def register_new(model: TrainableModel, backend: LocalBackend) -> None:
+    """Register a job's model, refusing a name that already has checkpoints (a job starts from its base model)."""
+    await model.register(backend)
+    if await model.get_step() > 0:
+        raise RuntimeError(
+            f"{backend.model_dir(model)} already has checkpoints; pick another --name or delete that directory."
+        )
+
+
 async def run(config: JobConfig, console: Console | None = None) -> dict:
     console = console or Console()
     start = time.perf_counter()
@@ -136,11 +145,7 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
     )
     report: dict = {"config": config.model_dump()}
     try:
-        await model.register(backend)
-        if await model.get_step() > 0:
-            raise RuntimeError(
-                f"{backend.model_dir(model)} already has checkpoints; pick another --name or delete that directory."
-            )
+        await register_new(model, backend)
         train = generate_problems("train", 2000, levels=config.levels, seed=config.seed)
         val = generate_problems("val", config.val_problems, levels=config.levels, seed=config.seed)
         test = generate_problems("test", config.test_problems, levels=config.levels, seed=config.seed)

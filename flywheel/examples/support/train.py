@@ -25,7 +25,7 @@ from rich.table import Table
 from tqdm.auto import tqdm
 
 from flywheel.backend import LocalBackend
-from flywheel.examples.calculator.train import peak_rss_gb, rl_rounds, warm_start
+from flywheel.examples.calculator.train import peak_rss_gb, register_new, rl_rounds, warm_start
 from flywheel.examples.support.agent import MAX_TURNS, demonstration, expert_rollout, rollout
 from flywheel.examples.support.db import build_database
 from flywheel.examples.support.grading import support_stack
@@ -139,11 +139,7 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
     )
     report: dict = {"config": config.model_dump()}
     try:
-        await model.register(backend)
-        if await model.get_step() > 0:
-            raise RuntimeError(
-                f"{backend.model_dir(model)} already has checkpoints; pick another --name or delete that directory."
-            )
+        await register_new(model, backend)
         out = backend.model_dir(model)
         db = build_database(out / "support.db", seed=config.seed, customers=config.customers)
         stack = support_stack(config.tool_budget, config.efficiency_penalty)
