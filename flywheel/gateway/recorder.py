@@ -173,8 +173,7 @@ class Gateway:
         """A call's columns as they may be stored in an episode of ``split``: request and response redacted (if
         that split's are, or the call was asked under a deployment's alias); a call in which something was
         redacted keeps no token ids or log-probs (they would spell it out) and is text-only."""
-        if fields.get("deployment") is not None:
-            split = None
+        split = _call_split(split, fields["deployment"])
         request, in_request = self.redact(fields["request"], split)
         response, in_response = self.redact(fields["response"], split)
         if not (in_request or in_response):
@@ -308,7 +307,7 @@ class Gateway:
         )
         ticket = next(self._tickets)
         outputs = _outputs(-ticket, request, response, upstream, eos_ids)  # a body it cannot read: nothing queued
-        held = not self.redacts(None if deployment is not None else self._split_of(episode_id))  # stored as is
+        held = not self.redacts(_call_split(self._split_of(episode_id), deployment))  # stored as is
         pending = _Pending(episode_id, ticket, fields, eos_ids, held, Future())
         pending.done.set_running_or_notify_cancel()  # a waiter cancelled (its client gone) cannot cancel it for all
         with self._queued:
@@ -434,6 +433,11 @@ class Gateway:
         """Drop a closed episode's outputs from memory."""
         with self._lock:
             self._outputs.pop(episode.id, None)
+
+
+def _call_split(split: str | None, deployment: str | None) -> str | None:
+    """The split a call is redacted as: its episode's, or none known (so: redacted) for one asked under an alias."""
+    return None if deployment is not None else split
 
 
 def _remember(cache: OrderedDict, key: Any, value: Any, size: int = CACHED_EPISODES) -> None:
