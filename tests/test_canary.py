@@ -3,7 +3,8 @@ split by a sticky hash between production and a canary; a shadow answering the s
 recorded in linked shadow episodes, bounded, its failures never seen by the user; the arms read back per
 deployment. The store's part runs on SQLite and PostgreSQL; the gateway's on the session's engine registered as two
 checkpoints of a model "canary-calc" (as tests/test_deployments.py does: no model loads) behind an app of the
-test's own, whose traffic policy (``app.state.traffic``) the test reads."""
+test's own, whose traffic policy (``app.state.traffic``) the test reads. The gateway answers a call before its
+commit (write-behind): a test reads an episode's calls once its gateway's queued calls are settled."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import openai
 import pytest
 
 from flywheel.backend import LocalBackend
+from flywheel.gateway.recorder import Gateway
 from flywheel.gateway.traffic import CANARY, SHADOW, TrafficPolicy, arm_hash
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.server.app import create_app
@@ -23,6 +25,7 @@ from flywheel.store import Store, audit, deployments
 from flywheel.store import episodes as db
 from flywheel.store.arms import ARM_KEY, MIXED, SHADOW_OF_KEY, arms, mark_arm, shadow_episode, shadow_episode_id
 from flywheel.store.deployments import NoRollbackError, UnknownDeploymentError
+from flywheel.store.episodes import CallRecord
 from flywheel.store.feedback import add_feedback
 from flywheel.store.schema import Episode
 
@@ -125,7 +128,7 @@ def test_a_shadow_episode_is_one_per_production_episode_and_a_removed_alias_is_a
 @pytest.fixture
 async def gateway(backend: LocalBackend):
     """An app of the test's own over the session's registry and store, serving "canary-calc@3" and "@5" (the base
-    engine under those names); yields (its traffic policy, its root URL, the store)."""
+    engine under those names); yields (its traffic policy, its root URL, the store, its gateway)."""
     engine = backend.engine(EMBEDDED_MODEL)
     for step in (3, 5):
         backend.registry.add(f"{MODEL}@{step}", engine, step=step)
@@ -135,7 +138,7 @@ async def gateway(backend: LocalBackend):
     server = BackgroundServer(app).start()
     traffic: TrafficPolicy = app.state.traffic
     try:
-        yield traffic, f"http://{server.host}:{server.port}", store
+        yield traffic, f"http://{server.host}:{server.port}", store, backend.gateway
     finally:
         await traffic.drain()
         server.stop()
@@ -157,12 +160,18 @@ def agent(root: str, episode: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{root}/episodes/{episode}/v1", api_key="unused", max_retries=0)
 
 
-async def recorded(store: Store, episode: str) -> list[tuple[str | None, int | None]]:
-    return [(c.deployment, c.step) for c in await store.run(db.calls, episode)]
+async def calls(gateway: Gateway, episode: str) -> list[CallRecord]:
+    """The episode's calls, once those its gateway answered are committed."""
+    await gateway.settled(episode)
+    return await gateway.store.run(db.calls, episode)
+
+
+async def recorded(gateway: Gateway, episode: str) -> list[tuple[str | None, int | None]]:
+    return [(c.deployment, c.step) for c in await calls(gateway, episode)]
 
 
 async def test_a_canary_answers_a_sticky_share_of_episodes_and_hands_them_back_when_stopped(gateway):
-    traffic, root, store = gateway
+    traffic, root, store, recorder = gateway
     deploy(store, PRODUCTION, 3)
     deploy(store, CANARY_ALIAS, 5, share=0.5)
     episodes = await new_episodes(store, 40)
@@ -174,7 +183,7 @@ async def test_a_canary_answers_a_sticky_share_of_episodes_and_hands_them_back_w
             assert reply.model == PRODUCTION  # whoever answered, the agent sees the name it asked for
 
     await asyncio.gather(*(run(e, 1) for e in episodes))
-    first = {e: await recorded(store, e) for e in episodes}
+    first = {e: await recorded(recorder, e) for e in episodes}
     on_canary = {e for e, calls in first.items() if calls == [(CANARY_ALIAS, 5)]}
     on_production = {e for e, calls in first.items() if calls == [(PRODUCTION, 3)]}
     assert on_canary | on_production == set(episodes)
@@ -184,7 +193,7 @@ async def test_a_canary_answers_a_sticky_share_of_episodes_and_hands_them_back_w
     await asyncio.gather(*(run(e, 2) for e in again))
     await traffic.drain(followed=40 + 2 * len(again))
     for e in again:
-        assert await recorded(store, e) == first[e] * 3
+        assert await recorded(recorder, e) == first[e] * 3
     with store.session() as s:
         assert {e: db.get_episode(s, e).meta[ARM_KEY] for e in episodes} == {
             e: CANARY_ALIAS if e in on_canary else PRODUCTION for e in episodes
@@ -196,7 +205,7 @@ async def test_a_canary_answers_a_sticky_share_of_episodes_and_hands_them_back_w
     canaries = sorted(on_canary)[:3]
     deploy(store, CANARY_ALIAS, 5, share=0.0)  # share 0: production answers from the next request on
     await asyncio.gather(*(run(e, 1) for e in canaries))
-    assert [(await recorded(store, e))[-1] for e in canaries] == [(PRODUCTION, 3)] * 3
+    assert [(await recorded(recorder, e))[-1] for e in canaries] == [(PRODUCTION, 3)] * 3
     await traffic.drain(followed=40 + 2 * len(again) + 3)
     with store.session() as s:
         assert {db.get_episode(s, e).meta[ARM_KEY] for e in canaries} == {MIXED}
@@ -204,7 +213,7 @@ async def test_a_canary_answers_a_sticky_share_of_episodes_and_hands_them_back_w
     deploy(store, CANARY_ALIAS, 5, share=1.0)  # every episode, and every call without one
     fresh = (await new_episodes(store, 1))[0]
     await run(fresh, 1)
-    assert await recorded(store, fresh) == [(CANARY_ALIAS, 5)]
+    assert await recorded(recorder, fresh) == [(CANARY_ALIAS, 5)]
     before = traffic.counts.canary
     plain = openai.AsyncOpenAI(base_url=f"{root}/v1", api_key="unused", max_retries=0)
     assert (await plain.chat.completions.create(model=PRODUCTION, **ASK)).choices
@@ -212,14 +221,14 @@ async def test_a_canary_answers_a_sticky_share_of_episodes_and_hands_them_back_w
     with store.session() as s:
         deployments.remove(s, CANARY_ALIAS, actor="ana", reason="regressed")  # removed: production again
     await run(fresh, 1)
-    assert (await recorded(store, fresh))[-1] == (PRODUCTION, 3)
+    assert (await recorded(recorder, fresh))[-1] == (PRODUCTION, 3)
     deploy(store, CANARY_ALIAS, 7, share=1.0)  # a checkpoint nothing serves: production answers, not a 404
     await run(fresh, 1)
-    assert (await recorded(store, fresh))[-1] == (PRODUCTION, 3) and traffic.counts.canary_unserved == 1
+    assert (await recorded(recorder, fresh))[-1] == (PRODUCTION, 3) and traffic.counts.canary_unserved == 1
 
 
 async def test_a_shadow_answers_the_same_calls_after_the_user_in_a_linked_episode(gateway):
-    traffic, root, store = gateway
+    traffic, root, store, recorder = gateway
     deploy(store, PRODUCTION, 3)
     alone, shadowed = await new_episodes(store, 2)
     turns = [
@@ -249,7 +258,7 @@ async def test_a_shadow_answers_the_same_calls_after_the_user_in_a_linked_episod
     with store.session() as s:
         assert s.get(Episode, shadow_episode_id(alone)) is None  # no shadow deployed then: none created
         shadow = db.get_episode(s, shadow_episode_id(shadowed))
-        production_calls, shadow_calls = db.calls(s, shadowed), db.calls(s, shadow.id)
+    production_calls, shadow_calls = await calls(recorder, shadowed), await calls(recorder, shadow.id)
     assert (shadow.split, shadow.meta[SHADOW_OF_KEY], shadow.task_id) == ("shadow", shadowed, "canary-task")
     assert [(c.deployment, c.step) for c in production_calls] == [(PRODUCTION, 3)] * 2
     assert [(c.deployment, c.step) for c in shadow_calls] == [(SHADOW_ALIAS, 5)] * 2
@@ -262,11 +271,11 @@ async def test_a_shadow_answers_the_same_calls_after_the_user_in_a_linked_episod
     plain = openai.AsyncOpenAI(base_url=f"{root}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.NotFoundError, match="No episode with id"):
         await plain.chat.completions.create(model=SHADOW_ALIAS, **ASK, extra_headers={"X-Flywheel-Episode": shadow.id})
-    assert await recorded(store, shadow.id) == [(SHADOW_ALIAS, 5)] * 2  # nothing more recorded there
+    assert await recorded(recorder, shadow.id) == [(SHADOW_ALIAS, 5)] * 2  # nothing more recorded there
 
 
 async def test_an_episode_creator_cannot_set_the_gateways_meta_keys(gateway):
-    _, root, store = gateway
+    _, root, store, _ = gateway
     async with httpx.AsyncClient(base_url=root) as http:
         refused = await http.post("/episodes", json={"task_id": "t1", "metadata": {"a": 1, ARM_KEY: "calc@canary"}})
         assert refused.status_code == 400
@@ -279,7 +288,7 @@ async def test_an_episode_creator_cannot_set_the_gateways_meta_keys(gateway):
 async def test_a_failing_shadow_is_counted_never_seen_and_shadow_work_is_bounded(gateway):
     """A shadow at a checkpoint that cannot be served (step 7: none) fails after each answer, which the user never
     sees; with max_in_flight shadow calls running, one more is dropped and counted."""
-    traffic, root, store = gateway
+    traffic, root, store, recorder = gateway
     deploy(store, PRODUCTION, 3)
     deploy(store, SHADOW_ALIAS, 7, share=1.0)
     episode, *burst = await new_episodes(store, 7)
@@ -287,8 +296,8 @@ async def test_a_failing_shadow_is_counted_never_seen_and_shadow_work_is_bounded
     assert reply.choices[0].finish_reason == "length" and reply.model == PRODUCTION
     await traffic.drain(followed=1)
     assert (traffic.counts.shadow_failed, traffic.counts.mirrored) == (1, 0)
-    assert await recorded(store, episode) == [(PRODUCTION, 3)]
-    assert await recorded(store, shadow_episode_id(episode)) == []
+    assert await recorded(recorder, episode) == [(PRODUCTION, 3)]
+    assert await recorded(recorder, shadow_episode_id(episode)) == []
 
     deploy(store, SHADOW_ALIAS, 5, share=1.0)
     traffic.max_in_flight = 0  # no room: every shadow call is dropped
