@@ -17,6 +17,7 @@ from flywheel.deployment_cli import audit_app, deploy, promote, rollback, show_d
 from flywheel.graders.cli import eval_command, graders_app
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.loop.cli import loop_command
+from flywheel.review_cli import review_app
 from flywheel.rewards.cli import app as judge_app
 
 app = typer.Typer(
@@ -33,6 +34,7 @@ app.command()(rollback)
 app.command("deployments")(show_deployments)
 app.add_typer(audit_app, name="audit")
 app.command("loop")(loop_command)
+app.add_typer(review_app, name="review")
 
 DTYPES = {"auto": None, "bf16": "bfloat16", "fp32": "float32"}
 

@@ -178,3 +178,20 @@ class Feedback(Base):
     source: Mapped[str | None] = mapped_column(String(256))  # who sent it (a CRM, the user, a reviewer)
     key: Mapped[str | None] = mapped_column(String(256))  # the sender's id for it: posting it again is harmless
     created_at: Mapped[datetime]
+
+
+class Review(Base):
+    """An episode queued for human review (one row per episode: it is never queued twice), and its label once a
+    reviewer gave one: 1 pass, 0 fail, or a score from 0 to 1."""
+
+    __tablename__ = "reviews"
+
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), primary_key=True)
+    sample_event: Mapped[int]  # the audit event of the sample that queued it (its seed, share and filters)
+    queued_at: Mapped[datetime] = mapped_column(index=True)
+    label: Mapped[float | None] = mapped_column(Float)
+    kind: Mapped[str | None] = mapped_column(String(16))  # pass_fail | score
+    note: Mapped[str | None] = mapped_column(String(2000))
+    labelled_by: Mapped[str | None] = mapped_column(String(256))
+    labelled_at: Mapped[datetime | None]
+    label_event: Mapped[int | None]  # the audit event that recorded the label
