@@ -1,10 +1,12 @@
-"""Constrained decoding (``response_format``) on the real embedded model, through the real HTTP server, with the
-openai SDK and LiteLLM as clients."""
+"""Constrained decoding (``response_format``, vLLM's ``guided_choice``) on the real embedded model, through the real
+HTTP server, with the openai SDK and LiteLLM as clients."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import httpx
 import jsonschema
 import litellm
 import openai
@@ -12,6 +14,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from flywheel.backend import LocalBackend
+from flywheel.gateway.client import EpisodeClient
 from flywheel.inference.loading import EMBEDDED_MODEL
 
 MODEL = EMBEDDED_MODEL
@@ -115,3 +118,81 @@ async def test_litellm_passes_a_pydantic_response_format_through(backend: LocalB
     verdict = Verdict.model_validate_json(response.choices[0].message.content)
     assert 0 <= verdict.confidence <= 1
     assert response.usage.prompt_tokens > 0 and response.usage.completion_tokens > 0
+
+
+SQUARES = ["A1", "B2", "C3", "the center square", ""]
+
+
+QUESTIONS = [
+    "Which tic-tac-toe square do you take first?",
+    "Name a square of the board, then explain why at length.",
+    "Write a poem about the sea.",  # a prompt the choices have nothing to do with
+]
+
+
+async def test_guided_choice_makes_the_reply_exactly_one_of_the_strings(client, tokenizer):
+    def ask(question: str):
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": question}], n=2, temperature=1.0, seed=3,
+            max_tokens=20, logprobs=True, extra_body={"guided_choice": SQUARES},
+        )  # fmt: skip
+
+    replies = await asyncio.gather(*map(ask, QUESTIONS))  # decoded together
+    for choice in (choice for r in replies for choice in r.choices):
+        assert choice.message.content in SQUARES and choice.finish_reason == "stop"
+        ids = choice.token_ids  # the sampled ids, as recorded: the choice's text, then end-of-sequence
+        assert ids[-1] == tokenizer.eos_token_id and tokenizer.decode(ids[:-1]) == choice.message.content
+        assert len(choice.logprobs.content) == len(ids) and choice.logprobs.content[-1].logprob == 0.0
+
+
+async def test_a_guided_choice_call_is_recorded_in_its_episode_with_its_ids(backend: LocalBackend, tokenizer):
+    async with EpisodeClient(backend.base_url.removesuffix("/v1")) as episodes:
+        episode = await episodes.create("guided-choice")
+        agent = openai.AsyncOpenAI(base_url=episode.base_url, api_key="unused", max_retries=0)
+        stream = await agent.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Your move?"}], temperature=1.0, seed=5, max_tokens=20,
+            stream=True, extra_body={"guided_choice": ["A1", "B2 then C3"]},
+        )  # fmt: skip
+        text = "".join([c.delta.content or "" async for chunk in stream for c in chunk.choices])
+        calls = await episodes.calls(episode.id)
+    assert text in ("A1", "B2 then C3")
+    stored = calls[0]["response"]["choices"][0]
+    assert calls[0]["request"]["guided_choice"] == ["A1", "B2 then C3"] and stored["message"]["content"] == text
+    assert tokenizer.decode(stored["token_ids"][:-1]) == text
+    assert len(stored["logprobs"]["content"]) == len(stored["token_ids"])
+
+
+async def test_guided_choice_null_is_no_guide(client):  # what ART's self-play sends when it does not guide
+    kwargs = dict(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=4)
+    plain = await client.chat.completions.create(**kwargs)
+    null = await client.chat.completions.create(**kwargs, extra_body={"guided_choice": None})
+    assert null.choices[0].message.content == plain.choices[0].message.content
+
+
+CALC_TOOL = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        ({"guided_choice": []}, "guided_choice must be a non-empty list of strings"),
+        ({"guided_choice": "A1"}, "guided_choice must be a non-empty list of strings"),
+        ({"guided_choice": ["A1", 2]}, "guided_choice[1] is 2: every choice must be a string"),
+        ({"guided_choice": ["A1"], "tools": [CALC_TOOL]}, "cannot be combined with tools"),
+        ({"guided_choice": ["A1"], "response_format": {"type": "json_object"}}, "cannot be combined with a JSON"),
+    ],
+)
+async def test_bad_guided_choice_is_a_400_naming_it(client, extra, fragment):
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body=extra)
+    assert caught.value.status_code == 400
+    assert caught.value.body["param"] == "guided_choice" and fragment in caught.value.body["message"]
+
+
+async def test_a_choice_no_text_can_hold_is_a_400_naming_it(backend: LocalBackend):
+    # valid JSON (a lone surrogate escape) that is no UTF-8 text; the openai SDK cannot even send it, httpx can
+    body = '{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], "guided_choice": ["A1", "\\ud800"]}'
+    async with httpx.AsyncClient() as http:
+        r = await http.post(f"{backend.base_url}/chat/completions", content=body % MODEL)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_choice"
+    assert "surrogates not allowed" in r.json()["error"]["message"]

@@ -10,6 +10,9 @@ call in chat.py's default format (``compile_tool_call_guide``): ``<tool_call>``,
 with the name one of the offered tools' and the arguments following that tool's ``parameters`` schema, then
 ``</tool_call>``.
 
+vLLM's ``guided_choice`` (a list of strings) is a grammar of their alternatives (``compile_choice_guide``): the reply
+is exactly one of them, then end-of-sequence.
+
 Because the mask is applied to the logits, the log-probabilities reported for a guided sequence are those of the
 constrained distribution (forbidden tokens have probability 0, the rest renormalised). Rows without a guide are
 left untouched and cost nothing.
@@ -121,6 +124,19 @@ def compile_tool_call_guide(
     template = llguidance.LLMatcher(llt, tool_call_grammar(tools, llt), log_level=0)
     if template.is_error():
         raise GrammarError(f"cannot guide a call of these tools: {template.get_error()}", param="tools")
+    return Guide(template)
+
+
+def compile_choice_guide(tokenizer: PreTrainedTokenizerBase, eos_ids: Sequence[int], choices: Sequence[str]) -> Guide:
+    """A guide that makes the reply exactly one of ``choices`` (any tokenization of it), then end-of-sequence."""
+    start = "start: " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark(start)
+        template = llguidance.LLMatcher(_ll_tokenizer(tokenizer, eos_ids), grammar, log_level=0)
+    except (ValueError, TypeError) as exc:  # e.g. a lone surrogate, which no UTF-8 text holds
+        raise GrammarError(f"cannot guide a reply to these choices: {exc}", param="guided_choice") from exc
+    if template.is_error():
+        raise GrammarError(f"cannot guide a reply to these choices: {template.get_error()}", param="guided_choice")
     return Guide(template)
 
 

@@ -40,7 +40,13 @@ from flywheel.gateway.traffic import SHADOW_IN_FLIGHT, Route, TrafficPolicy
 from flywheel.gateway.upstream import Relay, Upstream, without_logprobs
 from flywheel.inference.chat import parse_tool_calls, render_prompt
 from flywheel.inference.engine import Completion, ContextOverflowError, EngineClosedError, InferenceEngine
-from flywheel.inference.guided import GrammarError, Guide, compile_guide, compile_tool_call_guide
+from flywheel.inference.guided import (
+    GrammarError,
+    Guide,
+    compile_choice_guide,
+    compile_guide,
+    compile_tool_call_guide,
+)
 from flywheel.inference.registry import ModelRegistry, ServedModel, UnknownModelError
 from flywheel.inference.sampling import SamplingParams
 from flywheel.server.limits import MAX_BODY_BYTES, BodyLimit
@@ -82,9 +88,12 @@ def _message(c: Completion, tools: bool) -> tuple[ChatCompletionMessage, str]:
 
 
 async def _guide(req: ChatCompletionRequest, engine: InferenceEngine) -> Guide | None:
-    """The grammar the reply follows: a forced tool call (tool_choice "required" or a named function; the call has
-    no content for a response_format to shape), else the response_format's, else none."""
+    """The grammar the reply follows: vLLM's guided_choice (which the request allows with no other guide), a forced
+    tool call (tool_choice "required" or a named function; the call has no content for a response_format to
+    shape), else the response_format's, else none."""
     # compiling takes the engine's tokenizer through llguidance once (a fraction of a second): off the event loop
+    if req.guided_choice is not None:
+        return await asyncio.to_thread(compile_choice_guide, engine.tokenizer, engine.eos_ids, req.guided_choice)
     if forced := req.forced_tools:
         return await asyncio.to_thread(compile_tool_call_guide, engine.tokenizer, engine.eos_ids, forced)
     fmt = req.response_format

@@ -113,6 +113,7 @@ class ChatCompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM-style extension, for fixed-length benchmark work
     response_format: ResponseFormat | None = None
+    guided_choice: list[str] | None = None  # vLLM's extension: the reply is exactly one of these strings
 
     @field_validator("tools")
     @classmethod
@@ -149,6 +150,30 @@ class ChatCompletionRequest(BaseModel):
                 f"tool_choice.function.name {choice.function.name!r} is not one of the tools: {', '.join(names)}"
             )
         return choice
+
+    @field_validator("guided_choice", mode="before")
+    @classmethod
+    def _choices_shape(cls, choices: Any) -> Any:
+        if choices is None:
+            return None
+        if not isinstance(choices, list) or not choices:
+            raise ValueError(f"guided_choice must be a non-empty list of strings, not {choices!r}")
+        for i, choice in enumerate(choices):
+            if not isinstance(choice, str):
+                raise ValueError(f"guided_choice[{i}] is {choice!r}: every choice must be a string")
+        return choices
+
+    @field_validator("guided_choice")
+    @classmethod
+    def _one_guide(cls, choices: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        """A reply follows one grammar: the choices, a forced tool call or a response_format, never two."""
+        if choices is None:
+            return None
+        if info.data.get("tools") and info.data.get("tool_choice") != "none":
+            raise ValueError("guided_choice cannot be combined with tools (unless tool_choice is 'none')")
+        if not isinstance(info.data.get("response_format"), TextFormat | None):
+            raise ValueError("guided_choice cannot be combined with a JSON response_format")
+        return choices
 
     @field_validator("stop", mode="before")
     @classmethod
