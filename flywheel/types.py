@@ -62,6 +62,9 @@ history's turns, its tool definitions (OpenAI ``{"type": "function", "function":
 
 TOKEN_IDS, PROMPT_TOKEN_IDS, TEMPERATURE = "token_ids", "prompt_token_ids", "temperature"
 INTERMEDIATE_REWARD = "intermediate_reward"
+# Trajectory.metadata: a logged episode that joined a group as an off-policy member (sampled by an earlier
+# checkpoint): the trainer reports its tokens' importance ratios apart (``off_policy_is_ratio_mean``)
+OFF_POLICY = "off_policy"
 
 
 @dataclass(frozen=True)

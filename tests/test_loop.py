@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from flywheel.backend import LocalBackend
 from flywheel.cli import app
-from flywheel.gateway.client import QueueClient
+from flywheel.gateway.client import EpisodeClient, QueueClient
 from flywheel.gateway.runner import Runner, current_lease
 from flywheel.graders.stack import load_stack, parse_stack
 from flywheel.inference.loading import EMBEDDED_MODEL
@@ -104,19 +104,38 @@ async def test_the_loop_takes_production_tasks_trains_and_sends_a_gated_candidat
     """Production episodes' items are trained on, and the step-2 checkpoint (step 1 is not due: candidate_every 2)
     meets the production deployment through the gate and, passing, becomes the canary. Production is deployed at
     the loop's first step beforehand, as an earlier promotion would have; a loop's first candidate, which meets the
-    base model and becomes production, is test_flywheel_loop_runs_from_the_command_line's."""
-    config = LoopConfig.load(write_config(tmp_path)).model_copy(update={"steps": 2})
+    base model and becomes production, is test_flywheel_loop_runs_from_the_command_line's.
+
+    The production episodes, recorded by the gateway from the base model (the loop model's step 0), also join the
+    groups of their items as off-policy members, once each (scored by the stack, trained with the sampler's
+    log-probs they were logged with: their tokens' importance ratios are reported apart); a third, whose prompt had
+    an e-mail address redacted (and its token ids with it), is left out as redacted. Stale ones: test_offpolicy.py."""
+    config = LoopConfig.load(write_config(tmp_path)).model_copy(update={"steps": 2, "off_policy_members": 1})
     assert config.stack == tmp_path / "stack.json"  # paths are relative to the config file
-    store = backend.gateway.store
-    with store.session() as s:  # two production episodes, finished, whose items the loop should learn from
-        for colour in ("b", "g"):
+    store, root = backend.gateway.store, backend.base_url.removesuffix("/v1")
+    logged = []  # three production episodes, finished, whose items the loop should learn from
+    async with EpisodeClient(root) as episodes:
+        for colour, prompt in (("b", ""), ("g", ""), ("b", "Reply to ana@example.com: ")):
             item = {"id": f"prod-{colour}", "question": f"Name a colour starting with {colour}.", "fail": False}
-            e = db.create_episode(s, f"ticket-{colour}", split="production", meta={"item": item})
-            db.set_outcome(s, e.id, reward=1.0, finish=True)
+            e = await episodes.create(f"ticket-{colour}", split="production", metadata={"item": item})
+            client = openai.AsyncOpenAI(base_url=e.base_url, api_key="-", max_retries=0)
+            messages = [{"role": "user", "content": prompt + item["question"]}]
+            await client.chat.completions.create(model=EMBEDDED_MODEL, messages=messages, max_tokens=6, temperature=1)
+            logged.append((await episodes.finish(e.id, 1.0)).id)
+    with store.session() as s:
         deployments.deploy(s, "loop-agent@production", 1, actor="test", reason="the loop's first step")
+        sampled = sum(len(c.response["choices"][0].get("token_ids", [])) for e in logged[:2] for c in db.calls(s, e))
     loop = Loop(config, backend, actor="test")
     report = await loop.run()
-    assert report.steps == [1, 2] and report.intake == 2
+    assert report.steps == [1, 2] and report.intake == 2  # two items (prod-b twice)
+    first, second = report.off_policy
+    assert (first.step, first.episodes, first.left_out) == (1, sorted(logged[:2]), {"redacted": 1})
+    assert first.is_ratio_mean is not None and abs(first.is_ratio_mean - 1) < 0.5  # the same weights, bf16 apart
+    assert (second.step, second.joined, second.left_out, second.is_ratio_mean) == (2, 0, {"redacted": 1}, None)
+    row = next(r for r in backend.history(loop.model) if r["step"] == 1 and r["split"] == "train")
+    assert (row["off_policy_members"], row["off_policy_tokens"]) == (2, sampled)  # every sampled token, corrected
+    extra = await loop.model.checkpoint_extra()  # joined once, across restarts too: kept with the checkpoint
+    assert extra["loop"]["off_policy"] == dict.fromkeys(logged[:2], 0)
     (candidate,) = report.candidates
     # it meets the production deployment and, passing, becomes the canary (no production traffic yet: it waits)
     assert (candidate.step, candidate.production, candidate.deployed) == (
@@ -134,7 +153,7 @@ async def test_the_loop_takes_production_tasks_trains_and_sends_a_gated_candidat
             e for e in db.list_episodes(s, split="train", limit=1000) if e.task_id.startswith("train:loop-agent:")
         ]
         assert len(trained) == 2 * 2 * 2  # steps x groups x group size
-        assert all(gdb.grades_of(s, e.id, loop.stack.version) for e in trained)
+        assert all(gdb.grades_of(s, e, loop.stack.version) for e in [*(e.id for e in trained), *logged[:2]])
         assert audit.verify(s).ok
 
 
@@ -158,6 +177,7 @@ async def test_iterations_whose_groups_cannot_train_take_no_step_and_make_no_can
         ({"group_size": 1}, "group_size: Input should be greater than or equal to 2"),
         ({"stack": "missing.yaml"}, "cannot read"),
         ({"tasks": "tasks.jsonl"}, "tasks.jsonl line 2: not JSON"),
+        ({"off_policy_members": 1, "train": {"importance_sampling_cap": None}}, "needs train.importance_sampling_cap"),
     ],
 )
 def test_flywheel_loop_refuses_a_broken_configuration_in_a_few_lines_before_loading_a_model(tmp_path, change, says):
@@ -200,17 +220,22 @@ WATCH_STACK = {
 }  # fmt: skip
 
 
-def answered(store, alias: str, step: int, answer: str) -> str:
+def record_call(s, episode: str, alias: str, step: int, answer: str, messages: list | None = None) -> None:
+    response = {"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}]}  # fmt: skip
+    db.add_call(
+        s, episode, model=alias, step=step, request={"messages": messages or []}, response=response, prompt_tokens=1,
+        completion_tokens=1, latency_ms=1.0, prefix_call=None, prefix_choice=None, prefix_message=None,
+        retokenized_turns=0, reward=None, deployment=alias,
+    )  # fmt: skip
+
+
+def answered(store, alias: str, step: int, answer: str, *, finish: bool = True) -> str:
     """A finished production episode whose one call ``alias`` (its checkpoint ``step``) answered with ``answer``."""
     with store.session() as s:
         e = db.create_episode(s, "ticket", split="production", meta={"item": {"id": "ticket"}})
-        response = {"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}]}  # fmt: skip
-        db.add_call(
-            s, e.id, model=alias, step=step, request={"messages": []}, response=response, prompt_tokens=1,
-            completion_tokens=1, latency_ms=1.0, prefix_call=None, prefix_choice=None, prefix_message=None,
-            retokenized_turns=0, reward=None, deployment=alias,
-        )  # fmt: skip
-        db.set_outcome(s, e.id, reward=0.0, finish=True)
+        record_call(s, e.id, alias, step, answer)
+        if finish:
+            db.set_outcome(s, e.id, reward=0.0, finish=True)
     return e.id
 
 

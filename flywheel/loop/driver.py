@@ -1,8 +1,10 @@
 """The flywheel loop: production episodes in, a gated candidate out.
 
 Each step: new finished production episodes' items join the task pool (deduplicated by item id); groups of tasks are
-queued for the gateway's runners against the model's live weights; every episode is scored by the grader stack
-(its grades recorded under the stack's version) and the groups train one step. Every ``candidate_every`` steps the
+queued for the gateway's runners against the model's live weights; with ``off_policy_members``, logged production
+episodes of a group's item join it as off-policy members (``offpolicy.py``: their sampler log-probs, the truncated
+importance ratio, left out when stale or without token ids); every episode is scored by the grader stack (its grades
+recorded under the stack's version) and the groups train one step. Every ``candidate_every`` steps the
 latest checkpoint is a candidate: it and production (``MODEL@production``, or the base model before any promotion)
 run the frozen held-out set through the same runners, the gate decides (``gate.decide``), the decision is an audit
 event linking its evidence, and a candidate that passes is deployed as ``MODEL@canary`` with a share of traffic.
@@ -12,7 +14,8 @@ anywhere else that claims from the same gateway (``runners: 0``).
 
 A loop may be killed at any moment and started again (``run`` resumes): nothing it decides lives only in memory.
 The model resumes at its latest checkpoint, which also keeps the alarm's baseline (the last ``alarm.window`` steps'
-means, written with the step, so never one step apart from it); the alarm is the audit trail's (``alarm.state``);
+means, written with the step, so never one step apart from it) and the off-policy members that trained (none joins
+twice); the alarm is the audit trail's (``alarm.state``);
 a checkpoint is due at the gate while no ``gate.*`` event names it, so a candidate the killed run trained but did
 not decide is decided first, and none twice; the pool is rebuilt (seed tasks, production episodes) and the canary's
 scores recomputed. The tasks an earlier run queued (ids ``train:<name>:...``, ``eval:<name>:...``) and did not use
@@ -30,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flywheel.backend import LocalBackend
 from flywheel.gateway.client import QueueClient, TaskSpec
@@ -44,6 +47,7 @@ from flywheel.loop.alarm import AlarmPolicy, reward_hacking
 from flywheel.loop.canary import CanaryPolicy, CanaryVerdict, Scored, verdict
 from flywheel.loop.evaluate import evaluate
 from flywheel.loop.gate import GateDecision, GatePolicy, HeldOutSet, decide
+from flywheel.loop.offpolicy import OffPolicyDraw, OffPolicyStep, draw
 from flywheel.model import TrainableModel
 from flywheel.store import audit, deployments, tasks
 from flywheel.store import episodes as db
@@ -82,7 +86,20 @@ class LoopConfig(BaseModel):
     canary: CanaryPolicy = Field(default_factory=CanaryPolicy)
     alarm: AlarmPolicy = Field(default_factory=AlarmPolicy)  # reward rising over flat holdout graders: no promotion
     max_wait: float = Field(1800.0, gt=0)  # seconds a step's groups may take
+    # logged production episodes of a group's task that may join it as off-policy members (loop/offpolicy.py),
+    # answered by a checkpoint at most max_staleness_steps before the step they train
+    off_policy_members: int = Field(0, ge=0)
+    max_staleness_steps: int = Field(2, ge=0)
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _corrected(self) -> LoopConfig:
+        if self.off_policy_members and self.train.importance_sampling_cap is None:
+            raise ValueError(
+                "off_policy_members needs train.importance_sampling_cap: an earlier checkpoint's episodes train"
+                " only with their importance ratio, capped"
+            )
+        return self
 
     @classmethod
     def load(cls, path: str | Path) -> LoopConfig:
@@ -113,6 +130,7 @@ class LoopReport(BaseModel):
     canary: list[CanaryVerdict]  # promotions and rollbacks of canaries, in order
     alarm: str | None = None  # why promotions are stopped, if the reward-hacking alarm is raised (at the end)
     cancelled: int = 0  # tasks an earlier run of the loop had left open, cancelled at the start
+    off_policy: list[OffPolicyStep] = []  # per iteration, with off_policy_members: who joined, who was left out
 
 
 def item_id(item: dict[str, Any], fallback: str) -> str:
@@ -141,6 +159,8 @@ class Loop:
         self.step_means: list[dict[str, float]] = []  # per training step: its step, reward and holdout graders' means
         self.alarm: str | None = None  # while raised (audit events: alarm.state), nothing is promoted
         self._scores: dict[str, StackScore] = {}  # production episodes the canary watch scored, by id
+        self.production: dict[str, list[str]] = {}  # pool key -> its finished production episodes, oldest first
+        self.off_policy_used: dict[str, int] = {}  # production episode -> its answering step, once it trained
         self.model = TrainableModel(
             name=config.name,
             project=config.project,
@@ -156,8 +176,11 @@ class Loop:
         """Production episodes' items into the pool; how many were new."""
         with self.store.session() as s:
             found = gdb.recent_finished(s, split=self.config.intake_split, limit=self.config.intake_limit)
-            items = [(item_id(item, e.task_id), item) for e in found if (item := gdb.item_of(s, e.id))]
-        new = [(k, item) for k, item in items if k not in self.pool]
+            items = [(item_id(item, e.task_id), item, e.id) for e in found if (item := gdb.item_of(s, e.id))]
+        self.production = {}
+        for k, _, episode_id in items:
+            self.production.setdefault(k, []).append(episode_id)
+        new = {k: item for k, item, _ in items if k not in self.pool}  # an item two episodes share: once
         self.pool.update(new)
         return len(new)
 
@@ -275,7 +298,9 @@ class Loop:
         before it recorded it), and its tasks that are still open cancelled (one ``loop.cancel`` event). Returns
         the cancelled tasks' ids."""
         name = self.config.name
-        self.step_means = list(((await self.model.checkpoint_extra()).get("loop") or {}).get("means", []))
+        saved = (await self.model.checkpoint_extra()).get("loop") or {}
+        self.step_means = list(saved.get("means", []))
+        self.off_policy_used = {k: int(v) for k, v in (saved.get("off_policy") or {}).items()}
         self.read_alarm()
         self._raise_alarm()
         reason = f"cancelled: an earlier run of the loop {name} queued it and stopped before it used its group"
@@ -359,6 +384,33 @@ class Loop:
             for k in chosen
         ]  # fmt: skip
 
+    async def join_off_policy(
+        self, specs: list[TaskSpec], groups: list[TrajectoryGroup], step: int
+    ) -> OffPolicyDraw | None:
+        """Logged production episodes of each group's task join it (at most ``off_policy_members`` each) as
+        off-policy members of the iteration that trains step ``step`` + 1 (``loop/offpolicy.py``); None when the
+        loop takes none."""
+        config = self.config
+        if not config.off_policy_members:
+            return None
+        prefix = f"{self.task_prefixes[0]}{step + 1}:"  # a spec's id: <prefix><pool key>:<random part>
+        keys = [spec.task_id.removeprefix(prefix).rpartition(":")[0] for spec in specs]
+
+        def read() -> OffPolicyDraw:
+            with self.store.session() as s:
+                return draw(
+                    s, self.production, keys, model=config.name, base_model=config.base_model, step=step,
+                    per_group=config.off_policy_members, max_staleness=config.max_staleness_steps,
+                    used=self.off_policy_used,
+                )  # fmt: skip
+
+        found = await asyncio.to_thread(read)
+        for key, group in zip(keys, groups, strict=True):
+            group.trajectories.extend(found.members[key])
+        log.info("step %d: %d off-policy member(s) joined; left out: %s", step + 1, len(found.answered),
+                 found.left_out or "none")  # fmt: skip
+        return found
+
     async def run(self) -> LoopReport:
         """``steps`` iterations; a run after an earlier one of the same loop (killed or not) first ``resume``s."""
         config = self.config
@@ -388,17 +440,31 @@ class Loop:
                     specs = self.specs(step)
                     started = time.monotonic()
                     groups = await queue.gather_groups(specs, max_wait=config.max_wait, allow_failed=True)
+                    joined = await self.join_off_policy(specs, groups, step)
                     await self.score_groups(groups, [spec.payload for spec in specs])
                     # the alarm's baseline goes with the checkpoint: a restart resumes both at the same step
                     row = _means(groups, step + 1)
                     kept = ([*self.step_means, row] if row else self.step_means)[-config.alarm.window :]
                     trainable = [g for g in groups if g.trajectories]
-                    await self.model.train(trainable, config=config.train, extra={"loop": {"means": kept}})
+                    # off-policy members join once: kept with the checkpoint until they would be stale anyway
+                    used = {k: v for k, v in (self.off_policy_used | (joined.answered if joined else {})).items()
+                            if step + 1 - v <= config.max_staleness_steps}  # fmt: skip
+                    metrics = await self.model.train(
+                        trainable, config=config.train, extra={"loop": {"means": kept, "off_policy": used}}
+                    )
                     trained = await self.model.get_step()  # unchanged when every group's rewards were equal
+                    if joined is not None:
+                        report.off_policy.append(
+                            OffPolicyStep(
+                                step=trained, joined=len(joined.answered), episodes=sorted(joined.answered),
+                                left_out=joined.left_out, is_ratio_mean=metrics.get("off_policy_is_ratio_mean"),
+                            )
+                        )  # fmt: skip
                     report.steps.append(trained)
                     log.info("step %d: reward %.3f (%.0f s)", trained, _mean_reward(groups), time.monotonic() - started)
                     if trained > step:
                         self.check_alarm(groups, trained)
+                        self.off_policy_used = used
                     if (candidate := await self.consider_due(queue)) is not None:
                         report.candidates.append(candidate)
         finally:

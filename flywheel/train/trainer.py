@@ -28,7 +28,7 @@ from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 from flywheel.train.credit import credit_advantages, has_signal, total_reward
 from flywheel.train.logprobs import token_logprobs
 from flywheel.train.loss import importance_weights, policy_loss
-from flywheel.types import Trajectory, TrajectoryGroup
+from flywheel.types import OFF_POLICY, Trajectory, TrajectoryGroup
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +264,7 @@ class Trainer:
         counted = groups if config.beta > 0 else usable
         sequences: list[TrainingSequence] = []
         traj_tokens: list[int] = []
+        off_policy: list[bool] = []  # per trained trajectory: an off-policy member (metadata OFF_POLICY)
         batch_tokens = 0
         for g in counted:
             for t, a in zip(g.trajectories, advantages.get(id(g), [0.0] * len(g.trajectories))):
@@ -275,12 +276,15 @@ class Trainer:
                         s.trajectory = len(traj_tokens)
                     sequences += seqs
                     traj_tokens.append(tokens)
+                    off_policy.append(bool(t.metadata.get(OFF_POLICY)))
         if not sequences:
             log.info("step skipped: no group has reward variance (%d groups), nothing to train", len(groups))
             return metrics | {"skipped": 1.0, "skip_reason": 1.0, "train_seconds": time.perf_counter() - start}
         n_trajectories = sum(len(g.trajectories) for g in groups)
+        if members := sum(bool(t.metadata.get(OFF_POLICY)) for g in groups for t in g.trajectories):
+            metrics["off_policy_members"] = members
         with self.engine.exclusive():
-            metrics |= self._rl_update(sequences, config, traj_tokens, n_trajectories, batch_tokens)
+            metrics |= self._rl_update(sequences, config, traj_tokens, n_trajectories, batch_tokens, off_policy)
         if metrics["optimizer_steps"] == 0:
             return metrics | {"skipped": 1.0, "skip_reason": 2.0, "train_seconds": time.perf_counter() - start}
         self.step += 1
@@ -294,7 +298,10 @@ class Trainer:
         traj_tokens: list[int],
         n_trajectories: int,
         batch_tokens: int,
+        off_policy: list[bool] | None = None,
     ) -> dict[str, float]:
+        """``off_policy``: per trajectory, whether it is an off-policy member; their tokens' importance ratios
+        (pi_old / pi_sampler, before the cap) are also reported apart: ``off_policy_is_ratio_mean``, ..."""
         batches = pack(sequences, config.micro_batch_tokens, self.engine.model.device)
         n_tokens = sum(len(mb.targets) for mb in batches)
         tokens_of = torch.tensor(traj_tokens, dtype=torch.float32, device=self.engine.model.device)
@@ -303,6 +310,8 @@ class Trainer:
         stats: dict[str, float] = {}
         tis = {"tokens_with_sampler_logprobs": 0, "ratio_sum": 0.0, "ratio_max": 0.0, "clipped": 0}
         gap_sum, known_tokens, steps = 0.0, 0, 0
+        flags = torch.tensor(off_policy or [False] * len(traj_tokens), dtype=torch.bool, device=tokens_of.device)
+        off = {"tokens": 0, "ratio_sum": 0.0, "clipped": 0}  # off-policy members' known tokens
         with self._training_mode(config.gradient_checkpointing):
             refs = [self._reference_logprobs(mb) for mb in batches] if config.beta > 0 else [None] * len(batches)
             # epoch 0 is on-policy for the PPO ratio: old log-probs = current ones (exact, immune to rounding);
@@ -319,6 +328,12 @@ class Trainer:
                         known = ~torch.isnan(mb.sampler_logprobs)
                         gap_sum += float((olds[i] - mb.sampler_logprobs)[known].abs().sum())
                         known_tokens += int(known.sum())
+                        if bool((mask := known & flags[mb.traj]).any()):
+                            ratio = torch.exp(olds[i][mask] - mb.sampler_logprobs[mask])
+                            off["tokens"] += int(mask.sum())
+                            off["ratio_sum"] += float(ratio.sum())
+                            cap = config.importance_sampling_cap
+                            off["clipped"] += int((ratio > cap).sum()) if cap is not None else 0
                         if config.importance_sampling_cap is not None:
                             is_weights[i], s = importance_weights(
                                 olds[i], mb.sampler_logprobs, config.importance_sampling_cap
@@ -369,6 +384,12 @@ class Trainer:
                 "is_ratio_mean": tis["ratio_sum"] / tis["tokens_with_sampler_logprobs"],
                 "is_ratio_max": tis["ratio_max"],
                 "is_clipped_fraction": tis["clipped"] / tis["tokens_with_sampler_logprobs"],
+            }
+        if off["tokens"]:
+            out |= {
+                "off_policy_tokens": off["tokens"],
+                "off_policy_is_ratio_mean": off["ratio_sum"] / off["tokens"],
+                "off_policy_is_clipped_fraction": off["clipped"] / off["tokens"],
             }
         return out
 

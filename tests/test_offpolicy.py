@@ -1,0 +1,103 @@
+"""Off-policy members (flywheel/loop/offpolicy.py), store only (no model): which logged production episodes may join
+a training group, and why the others are left out. The calls are written as the gateway records them (token ids,
+the sampler's log-probs, the step that answered); tests/test_loop.py has a real one joining and training."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from flywheel.loop.offpolicy import ANSWERED_AT, LeftOut, answering_step, draw
+from flywheel.store import Store
+from flywheel.store import episodes as db
+from flywheel.types import OFF_POLICY, sampled_tokens
+
+BASE = "base/model"
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = Store(f"sqlite:///{tmp_path / 'flywheel.db'}")
+    yield store
+    store.close()
+
+
+def logged(
+    store: Store,
+    *,
+    model: str = "calc@production",
+    step: int | None = 3,
+    logprobs: bool = True,
+    text_only: bool = False,
+    upstream: str | None = None,
+    response_format: dict | None = None,
+    calls: int = 1,
+) -> str:
+    """A finished production episode of item "q1" whose calls were answered as given."""
+    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": "blue"}, "finish_reason": "stop"}
+    if not text_only:
+        choice |= {"token_ids": [7, 8], "prompt_token_ids": [1, 2, 3], "temperature": 1.0}
+        if logprobs:
+            choice["logprobs"] = {"content": [{"token": t, "logprob": -0.5, "top_logprobs": []} for t in "bl"]}
+    request = {"messages": [{"role": "user", "content": "A colour?"}]} | (
+        {"response_format": response_format} if response_format else {}
+    )
+    with store.session() as s:
+        e = db.create_episode(s, "ticket", split="production", meta={"item": {"id": "q1"}})
+        for _ in range(calls):
+            db.add_call(
+                s, e.id, model=model, step=step, request=request, response={"choices": [choice]}, prompt_tokens=3,
+                completion_tokens=2, latency_ms=1.0, prefix_call=None, prefix_choice=None, prefix_message=None,
+                retokenized_turns=0, reward=None, text_only=text_only, upstream=upstream,
+                deployment=model if "@" in model and not model.partition("@")[2].isdigit() else None,
+            )  # fmt: skip
+        db.set_outcome(s, e.id, reward=1.0, finish=True)
+    return e.id
+
+
+def take(store: Store, ids: list[str], *, step: int = 4, per_group: int = 10, used: dict[str, int] | None = None):
+    with store.session() as s:
+        return draw(
+            s, {"q1": ids}, ["q1", "q2"], model="calc", base_model=BASE, step=step, per_group=per_group,
+            max_staleness=2, used=used or {},
+        )  # fmt: skip
+
+
+def test_a_logged_episode_of_a_recent_checkpoint_joins_with_its_logprobs_and_the_others_are_left_out_by_reason(store):
+    fresh = logged(store, step=3)  # via the production alias, answered by step 3: 1 step before step 4
+    named = logged(store, model="calc@2", step=2)  # a checkpoint by name: 2 steps, the most allowed
+    live = logged(store, model="calc", step=4)  # the live weights
+    left = {
+        logged(store, step=1): LeftOut.stale,  # 3 steps before
+        logged(store, model=BASE, step=None): LeftOut.stale,  # the base model is step 0
+        logged(store, text_only=True): LeftOut.redacted,  # redacted before it was stored: no token ids
+        logged(store, text_only=True, upstream="http://vllm:8000", model="gpt-x", step=None): LeftOut.text_only,
+        logged(store, logprobs=False): LeftOut.no_logprobs,  # nothing to correct with
+        logged(store, response_format={"type": "json_object"}): LeftOut.guided,
+        logged(store, model="other@production", step=3): LeftOut.other_model,
+        logged(store, calls=0): LeftOut.no_calls,
+    }
+    found = take(store, [fresh, named, live, *left])
+    assert found.members["q2"] == []  # no production episode of that item
+    assert {t.metadata["episode_id"] for t in found.members["q1"]} == {fresh, named, live}
+    assert found.answered == {fresh: 3, named: 2, live: 4}
+    assert sorted(found.left_out.items()) == sorted(
+        {r.value: list(left.values()).count(r) for r in set(left.values())}.items()
+    )
+    member = next(t for t in found.members["q1"] if t.metadata["episode_id"] == fresh)
+    assert member.metadata[OFF_POLICY] is True and member.metadata[ANSWERED_AT] == 3
+    sampled = sampled_tokens(member.messages_and_choices[-1])
+    assert sampled is not None and sampled.completion_ids == [7, 8] and sampled.logprobs == [-0.5, -0.5]
+
+
+def test_the_newest_join_first_up_to_the_limit_and_an_episode_joins_once(store):
+    older, newer, newest = (logged(store) for _ in range(3))
+    found = take(store, [older, newer, newest], per_group=2)
+    assert list(found.answered) == [newest, newer] and found.left_out == {}
+    again = take(store, [older, newer, newest], per_group=2, used=found.answered)
+    assert list(again.answered) == [older]
+    # an episode answered by two checkpoints counts from the older one
+    with store.session() as s:
+        (call,) = db.calls(s, older)
+    assert answering_step([call, call.model_copy(update={"step": 1})], "calc", BASE) == 1
