@@ -22,7 +22,7 @@ from flywheel.home import default_home
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.loading import load_model
 from flywheel.inference.registry import ModelRegistry, ServedModel
-from flywheel.runs import RunStore, model_path
+from flywheel.runs import HISTORY, RunStore, model_path
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
 from flywheel.store import Store
@@ -431,9 +431,11 @@ class LocalBackend:
         run = RunStore(self.model_dir(model))
         run.lock()  # no other backend has it registered while its files change
         try:
-            await asyncio.to_thread(
+            copied = await asyncio.to_thread(
                 checkpoint_sync.pull, url, run.path, only_step=only_step, delete=delete, verbose=verbose
             )
+            if HISTORY in copied:  # the pulled history.jsonl is the run's rows now (the store's copy follows it)
+                await asyncio.to_thread(run.import_history)
         finally:
             run.unlock()
 

@@ -2,7 +2,8 @@
 format, durable atomic writes, listing, pruning), recovery after a crash, and the lock that gives it one owner.
 
     <home>/<project>/models/<name>/
-      history.jsonl                      one JSON row per step or evaluation: "time", "step", "split", metrics
+      history.jsonl                      one JSON row per step or evaluation: "time", "step", "split", metrics;
+                                         the export of the rows the store holds (flywheel.store.history)
       trajectories/<split>/<step>.jsonl  the trajectories behind a row
       checkpoints/<step:04d>/            trainer_state.json (written last: a complete checkpoint has it),
                                          adapter_model.safetensors + adapter_config.json (LoRA, peft's files) or
@@ -10,16 +11,20 @@ format, durable atomic writes, listing, pruning), recovery after a crash, and th
       abandoned/<time>-after-<step>/     a branch given up by training on from an earlier checkpoint
       .lock                              held (flock) while a backend has the model registered; holds its pid
 
+History rows live in the store (``$FLYWHEEL_DB``, else SQLite in the home: ``<home>/flywheel.db``, the database
+the gateway records episodes in), keyed by project and model name; ``history.jsonl`` is their export, rewritten or
+appended after each change, for people, scripts and checkpoint sync. A directory whose file has rows the store
+has none of (written before the store kept them, or pulled from elsewhere) is imported once, when first read.
+
 Crash safety (a kill at any instant; fsync also covers a power loss): a checkpoint is written into a temporary
 directory, its files and the directory fsynced, then renamed into place (one already there is renamed aside first,
 then removed); only then are the history rows it commits appended. The checkpoint carries those rows too, so
 ``recover`` re-appends them if the kill came in between. ``recover`` (at registration, under the lock) also
-removes temporaries, finishes an interrupted swap or deletion, and drops the rows and trajectory files of steps
-above the latest checkpoint: a run resumes at that checkpoint and redoes those steps, so none is ever recorded
-twice. Training on from an earlier checkpoint moves the later ones, their rows and trajectories to ``abandoned/``
-(``abandon_after``).
-
-A database may later stand behind the same interface: ``RunStore`` is all callers see.
+removes temporaries, finishes an interrupted swap or deletion, drops the rows and trajectory files of steps
+above the latest checkpoint (a run resumes at that checkpoint and redoes those steps, so none is ever recorded
+twice), and exports the rows again if the file differs (a kill between the store's commit and the export).
+Training on from an earlier checkpoint moves the later ones and their trajectories to ``abandoned/`` and their
+rows to a branch of that name (``abandon_after``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +44,10 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, Field, model_validator
 from safetensors.torch import load_file, save_file
+from sqlalchemy.orm import Session
 
+from flywheel.store import Store
+from flywheel.store import history as history_db
 from flywheel.train.config import TrainedWeights
 from flywheel.types import Trajectory
 
@@ -53,6 +62,15 @@ LOCK = ".lock"
 TMP, ASIDE, DELETING = ".tmp-", ".old-", ".del-"  # checkpoints/ entries in flight (all dot-names are temporary)
 
 Row = dict[str, Any]
+_stores: dict[str, Store] = {}  # one per database URL in a process: opening one migrates it
+_stores_lock = threading.Lock()
+
+
+def _store(url: str) -> Store:
+    with _stores_lock:
+        if url not in _stores:
+            _stores[url] = Store(url)
+        return _stores[url]
 
 
 class ModelInUseError(RuntimeError):
@@ -99,13 +117,18 @@ def model_path(home: Path, project: str, name: str) -> Path:
 
 
 class RunStore:
-    """One model's directory. Writers (a registered backend) hold ``lock``; reading needs no lock."""
+    """One model's directory (``<home>/<project>/models/<name>``) and its history rows in the store (``db``: a
+    database URL; default ``$FLYWHEEL_DB``, else ``<home>/flywheel.db``). Writers (a registered backend) hold
+    ``lock``; reading needs no lock."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, db: str | None = None):
         self.path = Path(path)
         self.checkpoints = self.path / "checkpoints"
         self._history = self.path / HISTORY
         self._lock_fd: int | None = None
+        where = self.path.absolute()
+        self.project, self.name = where.parent.parent.name, where.name
+        self.db = db or os.environ.get("FLYWHEEL_DB") or f"sqlite:///{where.parent.parent.parent / 'flywheel.db'}"
 
     # ---- lock --------------------------------------------------------------------------------------------------
 
@@ -236,7 +259,18 @@ class RunStore:
     # ---- history and trajectories ------------------------------------------------------------------------------
 
     def history(self) -> list[Row]:
-        """The rows, in order (a last line cut short by a kill is not a row)."""
+        """The rows, in order."""
+        with _store(self.db).session() as s:
+            return self._rows(s)
+
+    def _rows(self, s: Session) -> list[Row]:
+        """The store's rows; a file with rows the store lacks (written before it kept them, or pulled) is imported."""
+        if not history_db.has_rows(s, self.project, self.name) and (exported := self._exported()):
+            history_db.add(s, self.project, self.name, exported)
+        return history_db.rows(s, self.project, self.name)
+
+    def _exported(self) -> list[Row]:
+        """The rows of ``history.jsonl`` (a last line cut short by a kill is not a row)."""
         if not self._history.exists():
             return []
         text = self._history.read_text()
@@ -244,10 +278,19 @@ class RunStore:
         complete = lines if text.endswith("\n") else lines[:-1]
         return [json.loads(line) for line in complete if line.strip()]
 
+    def import_history(self) -> None:
+        """Make the store's rows those of ``history.jsonl`` (after a pull brought another machine's file)."""
+        with _store(self.db).session() as s:
+            history_db.replace(s, self.project, self.name, self._exported())
+
     def append(self, rows: list[Row]) -> None:
-        """Append rows durably (fsynced before this returns)."""
+        """Append rows: to the store (committed), then to the export (fsynced before this returns)."""
         if not rows:
             return
+        with _store(self.db).session() as s:
+            if not history_db.has_rows(s, self.project, self.name):  # a file not imported yet goes in first
+                history_db.add(s, self.project, self.name, self._exported())
+            history_db.add(s, self.project, self.name, rows)
         created = not self._history.exists()
         self.path.mkdir(parents=True, exist_ok=True)
         with self._history.open("a") as f:
@@ -291,8 +334,10 @@ class RunStore:
             kept += [
                 r for r in self.state(latest).rows if (r.get("step"), r.get("split"), r.get("time")) not in present
             ]
-        if kept != rows or (self._history.exists() and not self._history.read_text().endswith("\n")):
+        if kept != rows:
             self._rewrite_history(kept)
+        else:
+            self._export(kept)  # a kill between the store's commit and the export, or a torn last line
         for f in self._trajectory_files(above=top):
             f.unlink()
 
@@ -316,7 +361,9 @@ class RunStore:
         if later:
             _fsync_dir(self.checkpoints)
         (archive / HISTORY).write_text("".join(json.dumps(r) + "\n" for r in dropped))
-        self._rewrite_history([r for r in rows if r.get("step", 0) <= step])
+        with _store(self.db).session() as s:
+            history_db.abandon_above(s, self.project, self.name, step, f"{archive.parent.name}/{archive.name}")
+        self._export([r for r in rows if r.get("step", 0) <= step])
         for f in files:
             (archive / "trajectories" / f.parent.name).mkdir(parents=True, exist_ok=True)
             f.rename(archive / "trajectories" / f.parent.name / f.name)
@@ -326,9 +373,19 @@ class RunStore:
         return [f for f in self.path.glob("trajectories/*/*.jsonl") if f.stem.isdigit() and int(f.stem) > above]
 
     def _rewrite_history(self, rows: list[Row]) -> None:
+        """Make the run's rows exactly ``rows``, in the store and its export."""
+        with _store(self.db).session() as s:
+            history_db.replace(s, self.project, self.name, rows)
+        self._export(rows)
+
+    def _export(self, rows: list[Row]) -> None:
+        """Write ``history.jsonl`` as ``rows`` (atomically, fsynced), unless it already is."""
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+        if (self._history.read_text() if self._history.exists() else "") == text:
+            return
         tmp = self._history.with_name(f".{HISTORY}.tmp")
         with tmp.open("w") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in rows))
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(self._history)

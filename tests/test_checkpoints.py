@@ -31,6 +31,7 @@ from flywheel.runs import (
     CheckpointState,
     ModelInUseError,
     RunStore,
+    model_path,
 )
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 
@@ -50,21 +51,21 @@ def history_with(run: RunStore, values: dict[int, float]) -> None:
 
 
 def test_delete_checkpoints_keeps_the_best_existing_checkpoint_and_the_latest(tmp_path):
-    run = RunStore(tmp_path / "m")
+    run = RunStore(model_path(tmp_path, "tests", "m"))
     for step in (1, 2, 3):  # step 0 (the baseline) has a row but no checkpoint
         run.write(tiny(step))
     history_with(run, {0: 0.5, 1: 0.2, 2: 0.45, 3: 0.3})
     assert run.prune("val/reward") == [1]  # the best existing is step 2 (step 0's 0.5 has no checkpoint)
     assert run.steps() == [2, 3]
 
-    low = RunStore(tmp_path / "low")  # lower is better (e.g. a loss)
+    low = RunStore(model_path(tmp_path, "tests", "low"))  # lower is better (e.g. a loss)
     for step in (1, 2, 3):
         low.write(tiny(step))
     history_with(low, {0: 0.5, 1: 0.2, 2: 0.45, 3: 0.3})
     assert low.prune("val/reward", maximize=False) == [2]
     assert low.steps() == [1, 3]
 
-    nan = RunStore(tmp_path / "nan")
+    nan = RunStore(model_path(tmp_path, "tests", "nan"))
     for step in (1, 2, 3):
         nan.write(tiny(step))
     history_with(nan, {1: 0.2, 2: float("nan"), 3: 0.1})
@@ -74,7 +75,7 @@ def test_delete_checkpoints_keeps_the_best_existing_checkpoint_and_the_latest(tm
 
 
 def test_a_checkpoint_commits_its_rows_after_it_is_durable_and_overwrites_by_a_swap(tmp_path):
-    run = RunStore(tmp_path / "m")
+    run = RunStore(model_path(tmp_path, "tests", "m"))
     row = {"time": 1.5, "step": 1, "split": "train", "loss": 0.25, "checkpoint": True}
     run.write(tiny(1, rows=[row], extra={"position": 17}))
     assert run.history() == [row] and run.state(1).extra == {"position": 17}
@@ -86,7 +87,7 @@ def test_a_checkpoint_commits_its_rows_after_it_is_durable_and_overwrites_by_a_s
 def test_a_state_written_before_the_trained_weights_rename_still_loads(tmp_path):
     """Checkpoints written before ``TrainedWeights`` was named so hold it as ``"lora"``, with ``"full_finetune"``
     instead of ``mode``: they still read, as the kind of weights they hold."""
-    run = RunStore(tmp_path / "m")
+    run = RunStore(model_path(tmp_path, "tests", "m"))
     for step, full in ((1, False), (2, True)):
         run.write(tiny(step))
         directory = run.checkpoint_dir(step)
@@ -104,7 +105,7 @@ def test_a_state_written_before_the_trained_weights_rename_still_loads(tmp_path)
 
 
 def test_recover_undoes_what_a_kill_leaves(tmp_path):
-    run = RunStore(tmp_path / "m")
+    run = RunStore(model_path(tmp_path, "tests", "m"))
     r1 = {"time": 1.0, "step": 1, "split": "train", "checkpoint": True}
     r2 = {"time": 2.0, "step": 2, "split": "train", "checkpoint": True}
     run.write(tiny(1, rows=[r1]))
@@ -140,7 +141,7 @@ def test_recover_undoes_what_a_kill_leaves(tmp_path):
 
 
 def test_abandon_after_archives_the_later_branch(tmp_path):
-    run = RunStore(tmp_path / "m")
+    run = RunStore(model_path(tmp_path, "tests", "m"))
     rows = [{"time": float(s), "step": s, "split": "train", "checkpoint": True} for s in (1, 2, 3)]
     for s, row in zip((1, 2, 3), rows):
         run.write(tiny(s, rows=[row]))

@@ -5,7 +5,19 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, ClassVar
 
-from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, UniqueConstraint, false
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    false,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -195,3 +207,22 @@ class Review(Base):
     labelled_by: Mapped[str | None] = mapped_column(String(256))
     labelled_at: Mapped[datetime | None]
     label_event: Mapped[int | None]  # the audit event that recorded the label
+
+
+class RunHistoryRow(Base):
+    """One history row of a model's run (a training step's or an evaluation's metrics), as ``flywheel.runs`` writes
+    it: the row itself is JSON text (it may hold NaN, as ``history.jsonl`` does), its step, split and time columns
+    are there to query by. ``branch`` is None on the run's live line; rows of a branch given up (training went on
+    from an earlier checkpoint) keep the name of the ``abandoned/`` directory they were archived to."""
+
+    __tablename__ = "run_history"
+    __table_args__ = (Index("ix_run_history_run", "project", "model", "branch", "step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)  # the rows' order
+    project: Mapped[str] = mapped_column(String(256))
+    model: Mapped[str] = mapped_column(String(256))
+    step: Mapped[int]
+    split: Mapped[str | None] = mapped_column(String(64))
+    time: Mapped[float | None] = mapped_column(Float)
+    row: Mapped[str] = mapped_column(Text)
+    branch: Mapped[str | None] = mapped_column(String(256))
