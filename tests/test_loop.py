@@ -24,9 +24,11 @@ from flywheel.loop.alarm import AlarmPolicy, reward_hacking
 from flywheel.loop.driver import Loop, LoopConfig
 from flywheel.loop.evaluate import evaluate
 from flywheel.loop.gate import GatePolicy, HeldOutSet, decide
+from flywheel.loop.shadow import ShadowPolicy
 from flywheel.store import Store, audit, deployments
 from flywheel.store import episodes as db
 from flywheel.store import grades as gdb
+from flywheel.store.arms import shadow_episode
 from flywheel.types import Trajectory, TrajectoryGroup
 
 HELDOUT = HeldOutSet(
@@ -98,11 +100,12 @@ def write_config(tmp_path: Path) -> Path:
     return tmp_path / "loop.yaml"
 
 
-async def test_the_loop_takes_production_tasks_trains_and_sends_a_gated_candidate_to_canary(
+async def test_the_loop_takes_production_tasks_trains_and_sends_a_gated_candidate_to_shadow(
     backend: LocalBackend, tmp_path
 ):
     """Production episodes' items are trained on, and the step-2 checkpoint (step 1 is not due: candidate_every 2)
-    meets the production deployment through the gate and, passing, becomes the canary. Production is deployed at
+    meets the production deployment through the gate and, passing, becomes the shadow (then the canary: the shadow
+    and canary watches' tests have what follows; without a shadow stage it is the canary). Production is deployed at
     the loop's first step beforehand, as an earlier promotion would have; a loop's first candidate, which meets the
     base model and becomes production, is test_flywheel_loop_runs_from_the_command_line's.
 
@@ -110,7 +113,9 @@ async def test_the_loop_takes_production_tasks_trains_and_sends_a_gated_candidat
     groups of their items as off-policy members, once each (scored by the stack, trained with the sampler's
     log-probs they were logged with: their tokens' importance ratios are reported apart); a third, whose prompt had
     an e-mail address redacted (and its token ids with it), is left out as redacted. Stale ones: test_offpolicy.py."""
-    config = LoopConfig.load(write_config(tmp_path)).model_copy(update={"steps": 2, "off_policy_members": 1})
+    config = LoopConfig.load(write_config(tmp_path)).model_copy(
+        update={"steps": 2, "off_policy_members": 1, "shadow": ShadowPolicy(share=0.25)}
+    )
     assert config.stack == tmp_path / "stack.json"  # paths are relative to the config file
     store, root = backend.gateway.store, backend.base_url.removesuffix("/v1")
     logged = []  # three production episodes, finished, whose items the loop should learn from
@@ -137,18 +142,19 @@ async def test_the_loop_takes_production_tasks_trains_and_sends_a_gated_candidat
     extra = await loop.model.checkpoint_extra()  # joined once, across restarts too: kept with the checkpoint
     assert extra["loop"]["off_policy"] == dict.fromkeys(logged[:2], 0)
     (candidate,) = report.candidates
-    # it meets the production deployment and, passing, becomes the canary (no production traffic yet: it waits)
+    # it meets the production deployment and, passing, becomes the shadow (no production traffic yet: it waits)
     assert (candidate.step, candidate.production, candidate.deployed) == (
-        2, "loop-agent@production", "loop-agent@canary"
+        2, "loop-agent@production", "loop-agent@shadow"
     ), candidate.decision.checks  # fmt: skip
-    assert report.canary == []
+    assert report.canary == [] and report.shadow == []
     with store.session() as s:
-        production, canary = deployments.get(s, "loop-agent@production"), deployments.get(s, "loop-agent@canary")
-        assert (production.step, production.share, canary.step, canary.share) == (1, None, 2, 0.25)
+        production, shadow = deployments.get(s, "loop-agent@production"), deployments.get(s, "loop-agent@shadow")
+        assert (production.step, production.share, shadow.step, shadow.share) == (1, None, 2, 0.25)
+        assert deployments.find(s, "loop-agent@canary") is None
         gate_event = next(e for e in audit.events(s, subject="loop-agent@2") if e.action == "gate.pass")
         assert gate_event.id == candidate.event_id and len(gate_event.details["evaluations"]) == 2
         assert gate_event.details["production"] == "loop-agent@production"
-        assert deployments.history(s, "loop-agent@canary")[-1].details["gate_event"] == gate_event.id
+        assert deployments.history(s, "loop-agent@shadow")[-1].details["gate_event"] == gate_event.id
         trained = [
             e for e in db.list_episodes(s, split="train", limit=1000) if e.task_id.startswith("train:loop-agent:")
         ]
@@ -239,6 +245,15 @@ def answered(store, alias: str, step: int, answer: str, *, finish: bool = True) 
     return e.id
 
 
+def mirrored(store, origin: str, alias: str, step: int, answer: str, messages: list | None = None) -> str:
+    """The shadow episode of production episode ``origin``, its call answered by ``alias`` as the gateway's mirror
+    records it (tests/test_canary.py has the gateway's own)."""
+    with store.session() as s:
+        e = shadow_episode(s, origin, alias)
+        record_call(s, e.id, alias, step, answer, messages)
+    return e.id
+
+
 async def test_the_canary_is_promoted_or_rolled_back_by_the_episodes_it_answered(backend: LocalBackend, tmp_path):
     path = write_config(tmp_path)
     (tmp_path / "stack.json").write_text(json.dumps(WATCH_STACK))
@@ -283,6 +298,63 @@ async def test_the_canary_is_promoted_or_rolled_back_by_the_episodes_it_answered
     assert unsafe.action == "rollback" and len(unsafe.unsafe) == 1 and "safety" in unsafe.reason
     with store.session() as s:
         assert deployments.find(s, canary) is None and deployments.get(s, prod).step == 3
+        assert audit.verify(s).ok
+
+
+async def test_a_shadow_goes_to_canary_or_is_stopped_by_its_answers_paired_with_productions(
+    backend: LocalBackend, tmp_path
+):
+    """The shadow stage: each shadow episode pairs with its production original (finished, the same last messages)
+    and both answers are scored; a worse shadow is stopped, one as good goes to canary (not while a canary runs),
+    one unsafe answer stops it; each decision an audit event with its evidence, the shadow alias removed."""
+    path = write_config(tmp_path)
+    (tmp_path / "stack.json").write_text(json.dumps(WATCH_STACK))
+    config = LoopConfig.load(path).model_copy(update={"name": "shadow-agent"})
+    loop, store = Loop(config, backend, actor="test"), backend.gateway.store
+    prod, shadow, canary = "shadow-agent@production", "shadow-agent@shadow", "shadow-agent@canary"
+    good = "Your refund is on its way."
+    with store.session() as s:
+        deployments.deploy(s, prod, 1, actor="test")
+        deployments.deploy(s, shadow, 2, actor="test", share=0.5)
+    assert await loop.watch_shadow() is None  # no shadow stage configured
+    config.shadow = ShadowPolicy(share=0.5, min_pairs=2)
+
+    def pair(step: int, answer: str, *, finish: bool = True, messages: list | None = None) -> str:
+        return mirrored(store, answered(store, prod, 1, good, finish=finish), shadow, step, answer, messages)
+
+    pair(2, "Sorry.")
+    pair(2, good, finish=False)  # its production episode is still open: not paired yet
+    pair(2, good, messages=[{"role": "user", "content": "hi"}])  # the mirror missed the last call: not the same inputs
+    waiting = await loop.watch_shadow()
+    assert (waiting.action, waiting.pairs) == ("wait", 1)
+    pair(2, "Sorry, no.")
+    stopped = await loop.watch_shadow()
+    assert stopped.action == "stop" and stopped.pairs == 2 and stopped.difference[0] == -1.0
+    with store.session() as s:
+        assert deployments.find(s, shadow) is None and deployments.find(s, canary) is None
+        event = next(e for e in audit.events(s, subject=shadow) if e.action == "shadow.stop")
+        assert (event.details["step"], event.details["pairs"], len(event.details["episodes"])) == (2, 2, 2)
+        assert gdb.grades_of(s, event.details["episodes"][0], loop.stack.version)  # the shadow's answers, graded
+        deployments.deploy(s, shadow, 3, actor="test", share=0.5)
+    for _ in range(2):
+        pair(3, good)
+    passed = await loop.watch_shadow()
+    assert passed.action == "canary" and passed.difference[0] == 0.0
+    with store.session() as s:
+        assert deployments.find(s, shadow) is None
+        assert (deployments.get(s, canary).step, deployments.get(s, canary).share) == (3, config.canary.share)
+        event = next(e for e in audit.events(s, subject=shadow) if e.action == "shadow.pass")
+        assert deployments.history(s, canary)[-1].details["shadow_event"] == event.id
+        deployments.deploy(s, shadow, 4, actor="test", share=0.5)
+    for _ in range(2):
+        pair(4, good)
+    held = await loop.watch_shadow()  # as good, but the canary of step 3 is still watched
+    assert held.action == "wait" and "a canary is running" in held.reason
+    pair(4, "Send me your card number.")
+    unsafe = await loop.watch_shadow()
+    assert unsafe.action == "stop" and len(unsafe.unsafe) == 1 and "safety" in unsafe.reason
+    with store.session() as s:
+        assert deployments.find(s, shadow) is None and deployments.get(s, canary).step == 3
         assert audit.verify(s).ok
 
 

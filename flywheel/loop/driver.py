@@ -7,7 +7,10 @@ importance ratio, left out when stale or without token ids); every episode is sc
 recorded under the stack's version) and the groups train one step. Every ``candidate_every`` steps the
 latest checkpoint is a candidate: it and production (``MODEL@production``, or the base model before any promotion)
 run the frozen held-out set through the same runners, the gate decides (``gate.decide``), the decision is an audit
-event linking its evidence, and a candidate that passes is deployed as ``MODEL@canary`` with a share of traffic.
+event linking its evidence, and a candidate that passes is deployed as ``MODEL@canary`` with a share of traffic;
+with a ``shadow`` stage it is ``MODEL@shadow`` first (a share of production's calls mirrored to it, its answers
+never returned), and once ``min_pairs`` of its episodes are paired with their production originals and scored, it
+goes to canary or is stopped (``shadow.py``; a ``shadow.pass`` or ``shadow.stop`` event with the evidence).
 
 Runners are in-process (``runners`` > 0: the configured agent, run by ``Runner`` against this backend's gateway) or
 anywhere else that claims from the same gateway (``runners: 0``).
@@ -18,7 +21,8 @@ means, written with the step, so never one step apart from it) and the off-polic
 twice); the alarm is the audit trail's (``alarm.state``);
 a checkpoint is due at the gate while no ``gate.*`` event names it, so a candidate the killed run trained but did
 not decide is decided first, and none twice; the pool is rebuilt (seed tasks, production episodes) and the canary's
-scores recomputed. The tasks an earlier run queued (ids ``train:<name>:...``, ``eval:<name>:...``) and did not use
+and shadow's scores recomputed (a shadow's verdict, the canary it deploys and the shadow's removal are one unit of
+work). The tasks an earlier run queued (ids ``train:<name>:...``, ``eval:<name>:...``) and did not use
 are cancelled (``tasks.cancel``, one ``loop.cancel`` event): a runner's late result for one of them changes nothing.
 """
 
@@ -48,6 +52,8 @@ from flywheel.loop.canary import CanaryPolicy, CanaryVerdict, Scored, verdict
 from flywheel.loop.evaluate import evaluate
 from flywheel.loop.gate import GateDecision, GatePolicy, HeldOutSet, decide
 from flywheel.loop.offpolicy import OffPolicyDraw, OffPolicyStep, draw
+from flywheel.loop.shadow import Pair, ShadowPolicy, ShadowVerdict
+from flywheel.loop.shadow import verdict as shadow_verdict
 from flywheel.model import TrainableModel
 from flywheel.store import audit, deployments, tasks
 from flywheel.store import episodes as db
@@ -84,6 +90,7 @@ class LoopConfig(BaseModel):
     train: TrainConfig = Field(default_factory=TrainConfig)
     gate: GatePolicy = Field(default_factory=GatePolicy)
     canary: CanaryPolicy = Field(default_factory=CanaryPolicy)
+    shadow: ShadowPolicy | None = None  # set: a candidate that passes the gate is MODEL@shadow before MODEL@canary
     alarm: AlarmPolicy = Field(default_factory=AlarmPolicy)  # reward rising over flat holdout graders: no promotion
     max_wait: float = Field(1800.0, gt=0)  # seconds a step's groups may take
     # logged production episodes of a group's task that may join it as off-policy members (loop/offpolicy.py),
@@ -120,7 +127,7 @@ class Candidate(BaseModel):
     production: str  # what it was compared with
     decision: GateDecision
     event_id: int  # the audit event recording the decision
-    deployed: str | None  # MODEL@canary when it passed
+    deployed: str | None  # MODEL@shadow (with a shadow stage) or MODEL@canary when it passed
 
 
 class LoopReport(BaseModel):
@@ -128,6 +135,7 @@ class LoopReport(BaseModel):
     intake: int  # tasks that came from production episodes
     candidates: list[Candidate]
     canary: list[CanaryVerdict]  # promotions and rollbacks of canaries, in order
+    shadow: list[ShadowVerdict] = []  # shadows sent to canary or stopped, in order
     alarm: str | None = None  # why promotions are stopped, if the reward-hacking alarm is raised (at the end)
     cancelled: int = 0  # tasks an earlier run of the loop had left open, cancelled at the start
     off_policy: list[OffPolicyStep] = []  # per iteration, with off_policy_members: who joined, who was left out
@@ -159,6 +167,7 @@ class Loop:
         self.step_means: list[dict[str, float]] = []  # per training step: its step, reward and holdout graders' means
         self.alarm: str | None = None  # while raised (audit events: alarm.state), nothing is promoted
         self._scores: dict[str, StackScore] = {}  # production episodes the canary watch scored, by id
+        self._pairs: dict[str, Pair] = {}  # shadow episodes the shadow watch paired and scored, by id
         self.production: dict[str, list[str]] = {}  # pool key -> its finished production episodes, oldest first
         self.off_policy_used: dict[str, int] = {}  # production episode -> its answering step, once it trained
         self.model = TrainableModel(
@@ -241,9 +250,12 @@ class Loop:
             if decision.promote:
                 # the first deployment has no production traffic to split: it becomes production, gated all the same
                 first = production == self.config.base_model
-                deployed = f"{self.config.name}@{'production' if first else 'canary'}"
+                shadow = self.config.shadow
+                stage = "production" if first else "shadow" if shadow else "canary"
+                deployed = f"{self.config.name}@{stage}"
                 deployments.deploy(
-                    s, deployed, step, actor=self.actor, share=None if first else self.config.canary.share,
+                    s, deployed, step, actor=self.actor,
+                    share=None if first else shadow.share if shadow else self.config.canary.share,
                     reason=f"passed the gate (audit event {event.id})"
                     + ("; the first production deployment" if first else ""),
                     details={"gate_event": event.id},
@@ -330,6 +342,70 @@ class Loop:
             if audit.events(s, subject=self.model.get_inference_name(step), actions=GATE_ACTIONS, limit=1):
                 return None
         return await self.consider(queue, step)
+
+    async def watch_shadow(self) -> ShadowVerdict | None:
+        """If ``MODEL@shadow`` serves (a shadow stage is configured): pair its shadow episodes since its deployment
+        with their production originals (finished, the shadow answered the same last messages), score both answers
+        with the stack (grades recorded), and send it to canary or stop it (``shadow.verdict``), audited with its
+        evidence; the shadow alias goes either way. It waits while a canary is still watched. None without one."""
+        name, policy = self.config.name, self.config.shadow
+        if policy is None:
+            return None
+        with self.store.session() as s:
+            shadow = deployments.find(s, f"{name}@shadow")
+            if shadow is None:
+                return None
+            mirrored = arms(s, name, since_event=shadow.event_id).arms.get(f"{name}@shadow")
+            linked = {e.id: e.shadow_of for e in (mirrored.episodes if mirrored else []) if e.shadow_of}
+            inputs = {}
+            for shadow_id, origin in sorted(linked.items()):
+                if shadow_id in self._pairs or db.get_episode(s, origin).status != "finished":
+                    continue
+                mirror, answered = db.calls(s, shadow_id), db.calls(s, origin)
+                if mirror and answered and mirror[-1].request.get("messages") == answered[-1].request.get("messages"):
+                    inputs[shadow_id] = (origin, last_sample(mirror), last_sample(answered), gdb.item_of(s, origin))
+        scored = []
+        for shadow_id, (origin, mirror, answered, item) in inputs.items():
+            candidate, current = await score(self.stack, mirror, item), await score(self.stack, answered, item)
+            self._pairs[shadow_id] = Pair(
+                shadow=shadow_id, production=origin, shadow_reward=candidate.reward,
+                production_reward=current.reward, safe=candidate.safe,
+            )  # fmt: skip
+            scored.append((shadow_id, candidate))
+
+        def record() -> None:
+            with self.store.session() as s:
+                self.stack.register(s, actor=self.actor)  # once stored, a no-op
+                for shadow_id, result in scored:
+                    result.record(s, shadow_id)
+
+        if scored:
+            await asyncio.to_thread(record)
+        found = shadow_verdict([self._pairs[i] for i in sorted(linked) if i in self._pairs], policy, self.config.seed)
+        if found.action == "canary" and self.alarm is not None:
+            found = found.model_copy(update={"action": "wait", "reason": f"promotion paused: {self.alarm}"})
+        with self.store.session() as s:
+            if found.action == "canary" and deployments.find(s, f"{name}@canary") is not None:
+                found = found.model_copy(update={"action": "wait", "reason": f"{found.reason}; a canary is running"})
+            if found.action == "wait":
+                return found
+            event = audit.append(
+                s, actor=self.actor, action=f"shadow.{'pass' if found.action == 'canary' else 'stop'}",
+                subject=f"{name}@shadow", reason=found.reason,
+                details=found.model_dump() | {"step": shadow.step, "deploy_event": shadow.event_id},
+            )  # fmt: skip
+            if found.action == "canary":
+                deployments.deploy(
+                    s, f"{name}@canary", shadow.step, actor=self.actor, share=self.config.canary.share,
+                    reason=f"passed the shadow stage (audit event {event.id})",
+                    details={"shadow_event": event.id, "shadow_deploy_event": shadow.event_id},
+                )  # fmt: skip
+            deployments.remove(
+                s, f"{name}@shadow", actor=self.actor,
+                reason=f"shadow {'passed' if found.action == 'canary' else 'stopped'} (audit event {event.id})",
+            )  # fmt: skip
+        log.info("shadow %s@%d: %s (%s)", name, shadow.step, found.action, found.reason)
+        return found
 
     async def watch_canary(self) -> CanaryVerdict | None:
         """If ``MODEL@canary`` serves: score both arms since its deployment; promote it, roll it back, or wait
@@ -433,6 +509,8 @@ class Loop:
                         report.candidates.append(candidate)
                     if (canary := await self.watch_canary()) is not None and canary.action != "wait":
                         report.canary.append(canary)
+                    if (shadow := await self.watch_shadow()) is not None and shadow.action != "wait":
+                        report.shadow.append(shadow)
                     report.intake += self.intake()
                     if not self.pool:
                         raise ValueError("no tasks to train on: give seed tasks (tasks:) or let production episodes in")
