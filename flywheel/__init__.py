@@ -1,9 +1,9 @@
 """Flywheel: make LLM agents better with reinforcement learning from outcomes.
 
 The public API mirrors OpenPipe ART, so ``import flywheel as art`` runs ART-style code unchanged (docs/user-guide.md,
-"Coming from ART", says what differs); ``flywheel.local``, ``flywheel.utils`` and ``flywheel.dev`` are ART's
-``art.local``, ``art.utils`` and ``art.dev``. Importing it is
-light (no torch): an agent or a runner process needs the data types, ``gather`` and the model handles; the names
+"Coming from ART", says what differs); ``flywheel.local``, ``flywheel.utils``, ``flywheel.dev`` and
+``flywheel.guided_completion`` are ART's ``art.local``, ``art.utils``, ``art.dev`` and ``art.guided_completion``.
+Importing it is light (no torch): an agent or a runner process needs the data types, ``gather`` and the model handles; the names
 that load the engine (``LocalBackend``) or a judge's client (``rewards``) are imported when first used.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from flywheel import dev
+from flywheel import dev, guided_completion
 from flywheel.auto_trajectory import auto_trajectory, capture_auto_trajectory
 from flywheel.gather import gather_trajectories, gather_trajectory_groups
 from flywheel.model import Backend, Model, TrainableModel
@@ -55,6 +55,7 @@ __all__ = [
     "dev",
     "gather_trajectories",
     "gather_trajectory_groups",
+    "guided_completion",
     "retry",
     "rewards",
 ]

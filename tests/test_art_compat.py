@@ -1,4 +1,4 @@
-"""ART-style code run through ``import flywheel as art`` (issue #26, items 1-5 and 7).
+"""ART-style code run through ``import flywheel as art`` (issue #26, items 1-5 and 7, and ``art.guided_completion``).
 
 Each test is written the way an ART script writes it: ``art.TrainConfig``, ``from flywheel.local import
 LocalBackend`` (ART: ``from art.local import LocalBackend``), ``art.utils``' helpers, ``art.dev`` settings,
@@ -22,10 +22,12 @@ from pathlib import Path
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletion
 from pydantic import BaseModel
 
 import flywheel as art
 from flywheel.backend import LocalBackend
+from flywheel.guided_completion import get_guided_completion_params
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.local import LocalBackend as ARTLocalBackend
 from flywheel.local.backend import LocalBackend as ARTLocalBackendModule
@@ -333,6 +335,66 @@ async def test_capture_auto_trajectory_records_the_calls_a_block_made(backend: L
     assert art.auto_trajectory() is None
     with pytest.raises(RuntimeError, match="outside capture_auto_trajectory"):
         art.auto_trajectory(required=True)
+
+
+MOVE = {
+    "type": "function",
+    "function": {
+        "name": "move",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "square": {"type": "string", "enum": ["A1", "A2", "B1", "B2"]},
+                "threats": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 8}, "maxItems": 2},
+            },
+            "required": ["square", "threats"],
+        },
+    },
+}
+RESIGN = {"type": "function", "function": {"name": "resign", "parameters": {"type": "object"}}}
+
+
+def _teacher(message: dict) -> ChatCompletion:
+    """A completion as a hosted teacher (ART's example: o4-mini) returns it."""
+    choice = {"index": 0, "message": {"role": "assistant", **message}, "finish_reason": "stop"}
+    return ChatCompletion.model_validate(
+        {"id": "t", "object": "chat.completion", "created": 0, "model": "o4-mini", "choices": [choice]}
+    )
+
+
+async def test_guided_completion_makes_the_student_reply_as_its_teacher(model):
+    """ART's self-play distillation: a teacher's completion -> get_guided_completion_params -> the student's call
+    (ART: ``from art.guided_completion import get_guided_completion_params``)."""
+    client, name = model.openai_client(), model.get_inference_name()
+    messages = [{"role": "user", "content": "Your move in tic-tac-toe?"}]
+    teacher = _teacher({"content": "B2, the centre."})
+    guided_choice, tool_choice, tool_params = get_guided_completion_params(teacher)
+    assert guided_choice == ["B2, the centre."] and tool_choice is None and tool_params is None
+    student = await client.chat.completions.create(
+        model=name, messages=messages, temperature=1.0, extra_body={"guided_choice": guided_choice}
+    )
+    assert student.choices[0].message.content == "B2, the centre."
+
+    arguments = {"square": "B1", "threats": [3]}
+    call = {"id": "c1", "type": "function", "function": {"name": "move", "arguments": json.dumps(arguments)}}
+    teacher = _teacher({"content": None, "tool_calls": [call]})
+    guided_choice, tool_choice, tool_params = art.guided_completion.get_guided_completion_params(
+        teacher, base_tools=[RESIGN, MOVE]
+    )
+    assert guided_choice is None and tool_choice == {"type": "function", "function": {"name": "move"}}
+    student = await client.chat.completions.create(
+        model=name, messages=messages, tools=tool_params, tool_choice=tool_choice, temperature=1.0
+    )
+    (student_call,) = student.choices[0].message.tool_calls
+    assert student_call.function.name == "move" and json.loads(student_call.function.arguments) == arguments
+    assert MOVE["function"]["parameters"]["required"] == ["square", "threats"]  # the tool given is not changed
+
+    with pytest.raises(ValueError, match="pass the tools it was offered"):
+        get_guided_completion_params(teacher)
+    with pytest.raises(ValueError, match="'move', which is not one of base_tools"):
+        get_guided_completion_params(teacher, base_tools=[RESIGN])
+    with pytest.raises(ValueError, match="neither text nor a tool call"):
+        get_guided_completion_params(_teacher({"content": None}))
 
 
 async def test_local_backend_takes_arts_arguments(tmp_path: Path):
