@@ -3,8 +3,9 @@
 The public API mirrors OpenPipe ART, so ``import flywheel as art`` runs ART-style code unchanged (docs/user-guide.md,
 "Coming from ART", says what differs); ``flywheel.local``, ``flywheel.utils``, ``flywheel.dev`` and
 ``flywheel.guided_completion`` are ART's ``art.local``, ``art.utils``, ``art.dev`` and ``art.guided_completion``.
-Importing it is light (no torch): an agent or a runner process needs the data types, ``gather`` and the model handles; the names
-that load the engine (``LocalBackend``) or a judge's client (``rewards``) are imported when first used.
+Importing it is light (no torch): an agent or a runner process needs the data types, ``gather`` and the model
+handles; the names that load the engine (``LocalBackend``) or a judge's client (``rewards``) are imported when first
+used.
 """
 
 from __future__ import annotations
