@@ -434,7 +434,8 @@ class LocalBackend:
             copied = await asyncio.to_thread(
                 checkpoint_sync.pull, url, run.path, only_step=only_step, delete=delete, verbose=verbose
             )
-            if HISTORY in copied:  # the pulled history.jsonl is the run's rows now (the store's copy follows it)
+            if any(name == HISTORY or name.startswith("trajectories/") for name in copied):
+                # the pulled files are the run's history now: the store's copy follows them
                 await asyncio.to_thread(run.import_history)
         finally:
             run.unlock()

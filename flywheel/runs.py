@@ -4,17 +4,18 @@ format, durable atomic writes, listing, pruning), recovery after a crash, and th
     <home>/<project>/models/<name>/
       history.jsonl                      one JSON row per step or evaluation: "time", "step", "split", metrics;
                                          the export of the rows the store holds (flywheel.store.history)
-      trajectories/<split>/<step>.jsonl  the trajectories behind a row
+      trajectories/<split>/<step>.jsonl  the trajectories behind a row: the export of those the store holds
       checkpoints/<step:04d>/            trainer_state.json (written last: a complete checkpoint has it),
                                          adapter_model.safetensors + adapter_config.json (LoRA, peft's files) or
                                          model.safetensors (full fine-tuning), optimizer.pt, rng.pt
       abandoned/<time>-after-<step>/     a branch given up by training on from an earlier checkpoint
       .lock                              held (flock) while a backend has the model registered; holds its pid
 
-History rows live in the store (``$FLYWHEEL_DB``, else SQLite in the home: ``<home>/flywheel.db``, the database
-the gateway records episodes in), keyed by project and model name; ``history.jsonl`` is their export, rewritten or
-appended after each change, for people, scripts and checkpoint sync. A directory whose file has rows the store
-has none of (written before the store kept them, or pulled from elsewhere) is imported once, when first read.
+History rows and trajectories live in the store (``$FLYWHEEL_DB``, else SQLite in the home: ``<home>/flywheel.db``,
+the database the gateway records episodes in; ``flywheel.store.history``), keyed by project and model name;
+``history.jsonl`` and ``trajectories/`` are their export, rewritten or appended after each change, for people,
+scripts, transitions exports and checkpoint sync. Files the store has nothing of (written before the store kept
+them) are imported once, when first read; ``import_history`` makes pulled files the store's.
 
 Crash safety (a kill at any instant; fsync also covers a power loss): a checkpoint is written into a temporary
 directory, its files and the directory fsynced, then renamed into place (one already there is renamed aside first,
@@ -22,9 +23,10 @@ then removed); only then are the history rows it commits appended. The checkpoin
 ``recover`` re-appends them if the kill came in between. ``recover`` (at registration, under the lock) also
 removes temporaries, finishes an interrupted swap or deletion, drops the rows and trajectory files of steps
 above the latest checkpoint (a run resumes at that checkpoint and redoes those steps, so none is ever recorded
-twice), and exports the rows again if the file differs (a kill between the store's commit and the export).
-Training on from an earlier checkpoint moves the later ones and their trajectories to ``abandoned/`` and their
-rows to a branch of that name (``abandon_after``).
+twice), and exports the rows, and the last saved trajectories, again if their files fall short (a kill between
+the store's commit and the export).
+Training on from an earlier checkpoint moves the later ones and their files to ``abandoned/``, and their rows and
+trajectories in the store to a branch of that name (``abandon_after``).
 """
 
 from __future__ import annotations
@@ -117,8 +119,8 @@ def model_path(home: Path, project: str, name: str) -> Path:
 
 
 class RunStore:
-    """One model's directory (``<home>/<project>/models/<name>``) and its history rows in the store (``db``: a
-    database URL; default ``$FLYWHEEL_DB``, else ``<home>/flywheel.db``). Writers (a registered backend) hold
+    """One model's directory (``<home>/<project>/models/<name>``) and its history rows and trajectories in the store
+    (``db``: a database URL; default ``$FLYWHEEL_DB``, else ``<home>/flywheel.db``). Writers (a registered backend) hold
     ``lock``; reading needs no lock."""
 
     def __init__(self, path: Path, db: str | None = None):
@@ -271,17 +273,14 @@ class RunStore:
 
     def _exported(self) -> list[Row]:
         """The rows of ``history.jsonl`` (a last line cut short by a kill is not a row)."""
-        if not self._history.exists():
-            return []
-        text = self._history.read_text()
-        lines = text.split("\n")
-        complete = lines if text.endswith("\n") else lines[:-1]
-        return [json.loads(line) for line in complete if line.strip()]
+        return [json.loads(line) for line in _complete_lines(self._history)]
 
     def import_history(self) -> None:
-        """Make the store's rows those of ``history.jsonl`` (after a pull brought another machine's file)."""
+        """Make the store's rows and trajectories those of the files (after a pull brought another machine's)."""
         with _store(self.db).session() as s:
             history_db.replace(s, self.project, self.name, self._exported())
+            history_db.drop_trajectories_above(s, self.project, self.name, -1)
+            self._import_trajectories(s)
 
     def append(self, rows: list[Row]) -> None:
         """Append rows: to the store (committed), then to the export (fsynced before this returns)."""
@@ -301,10 +300,32 @@ class RunStore:
             _fsync_dir(self.path)
 
     def save_trajectories(self, split: str, step: int, trajectories: list[Trajectory]) -> None:
+        """Save a step's trajectories: to the store (committed), then to their export (``trajectories/``)."""
+        texts = [t.model_dump_json() for t in trajectories]
+        with _store(self.db).session() as s:
+            self._import_trajectories(s)
+            history_db.add_trajectories(s, self.project, self.name, split, step, texts)
         directory = self.path / "trajectories" / split
         directory.mkdir(parents=True, exist_ok=True)
-        with (directory / f"{step:04d}.jsonl").open("a") as f:
-            f.write("".join(t.model_dump_json() + "\n" for t in trajectories))
+        with self._trajectory_file(split, step).open("a") as f:
+            f.write("".join(text + "\n" for text in texts))
+
+    def trajectories(self, split: str, step: int | None = None) -> list[Trajectory]:
+        """The trajectories saved with ``split`` (at ``step``), in the order saved."""
+        with _store(self.db).session() as s:
+            self._import_trajectories(s)
+            found = history_db.trajectories(s, self.project, self.name, split, step)
+        return [Trajectory.model_validate_json(text) for _, text in found]
+
+    def _trajectory_file(self, split: str, step: int) -> Path:
+        return self.path / "trajectories" / split / f"{step:04d}.jsonl"
+
+    def _import_trajectories(self, s: Session) -> None:
+        """Trajectory files, when the store has none of the run's (written before it kept them, or pulled)."""
+        if history_db.has_trajectories(s, self.project, self.name):
+            return
+        for f in sorted(self._trajectory_files(above=-1)):
+            history_db.add_trajectories(s, self.project, self.name, f.parent.name, int(f.stem), _complete_lines(f))
 
     # ---- recovery and branches ---------------------------------------------------------------------------------
 
@@ -338,8 +359,21 @@ class RunStore:
             self._rewrite_history(kept)
         else:
             self._export(kept)  # a kill between the store's commit and the export, or a torn last line
+        with _store(self.db).session() as s:
+            self._import_trajectories(s)
+            history_db.drop_trajectories_above(s, self.project, self.name, top)
+            last = history_db.last_saved(s, self.project, self.name)
         for f in self._trajectory_files(above=top):
             f.unlink()
+        if last is not None:  # a kill between the store's commit of the last trajectories and their export
+            split, step, count = last
+            path = self._trajectory_file(split, step)
+            text = path.read_text() if path.exists() else ""
+            if len(_complete_lines(path)) != count or (text and not text.endswith("\n")):
+                with _store(self.db).session() as s:
+                    found = history_db.trajectories(s, self.project, self.name, split, step)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text("".join(line + "\n" for _, line in found))
 
     def abandon_after(self, step: int) -> Path | None:
         """Move the checkpoints, history rows and trajectory files of steps above ``step`` to ``abandoned/``
@@ -390,6 +424,15 @@ class RunStore:
             os.fsync(f.fileno())
         tmp.replace(self._history)
         _fsync_dir(self.path)
+
+
+def _complete_lines(path: Path) -> list[str]:
+    """A JSONL file's lines, without a last one cut short by a kill, nor empty ones."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    lines = text.split("\n")
+    return [line for line in (lines if text.endswith("\n") else lines[:-1]) if line.strip()]
 
 
 def _write_files(directory: Path, checkpoint: Checkpoint) -> None:

@@ -1,5 +1,5 @@
-"""A run's history rows live in the store (flywheel/store/history.py), on SQLite and PostgreSQL; ``history.jsonl``
-is their export. No model: checkpoints are one small tensor (the format does not care how big the weights are)."""
+"""A run's history rows and trajectories live in the store (flywheel/store/history.py), on SQLite and PostgreSQL;
+``history.jsonl`` and ``trajectories/<split>/<step>.jsonl`` are their export. No model: checkpoints are one small tensor (the format does not care how big the weights are)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from flywheel.runs import HISTORY, Checkpoint, CheckpointState, RunStore, model_
 from flywheel.store import Store
 from flywheel.store import history as history_db
 from flywheel.train.config import TrainedWeights
+from flywheel.types import Trajectory
 
 
 def tiny(step: int, rows: list[dict]) -> Checkpoint:
@@ -84,3 +85,40 @@ def test_a_history_written_before_the_store_is_imported_once_and_a_pulled_one_re
     (path / HISTORY).write_text("".join(json.dumps(r) + "\n" for r in pulled))
     run.import_history()
     assert run.history() == pulled and stored(store, "p", "old") == pulled
+
+
+def saved(run: RunStore, split: str, step: int) -> list[str]:
+    """The ids in a step's exported trajectory file."""
+    path = run.path / "trajectories" / split / f"{step:04d}.jsonl"
+    return [json.loads(line)["id"] for line in path.read_text().splitlines()]
+
+
+def test_trajectories_are_the_stores_and_their_files_the_export(store: Store, db_url: str, tmp_path):
+    run = RunStore(model_path(tmp_path, "p", "t"), db=db_url)
+    a, b, c, d, e = (Trajectory(messages_and_choices=[{"role": "user", "content": n}], reward=0.5) for n in "abcde")
+    run.write(tiny(1, [row(1)]))
+    run.save_trajectories("train", 1, [a, b])
+    run.save_trajectories("val", 1, [c])
+    with store.session() as s:
+        assert [k for k, _ in history_db.trajectories(s, "p", "t", "train")] == [1, 1]
+    assert run.trajectories("train", 1) == [a, b] and run.trajectories("val") == [c]
+    assert saved(run, "train", 1) == [a.id, b.id] and saved(run, "val", 1) == [c.id]
+    (run.path / "trajectories" / "val" / "0001.jsonl").write_text("")  # killed between the store's commit and export
+    run.save_trajectories("train", 2, [d])  # a step that got no checkpoint: redone after a kill
+    run.recover()
+    assert saved(run, "val", 1) == [c.id] and run.trajectories("train") == [a, b]
+    assert not (run.path / "trajectories" / "train" / "0002.jsonl").exists()
+
+    run.write(tiny(2, [row(2)]))
+    run.save_trajectories("train", 2, [e])
+    archive = run.abandon_after(1)
+    assert archive is not None and run.trajectories("train") == [a, b]
+    with store.session() as s:
+        (moved,) = history_db.trajectories(s, "p", "t", "train", branch=f"abandoned/{archive.name}")
+    assert moved[0] == 2 and Trajectory.model_validate_json(moved[1]) == e
+    assert saved(run, "train", 1) == [a.id, b.id] and (archive / "trajectories" / "train" / "0002.jsonl").exists()
+
+    elsewhere = RunStore(model_path(tmp_path / "copy", "p", "t2"), db=db_url)  # files from before the store
+    (elsewhere.path / "trajectories" / "train").mkdir(parents=True)
+    (elsewhere.path / "trajectories" / "train" / "0003.jsonl").write_text(a.model_dump_json() + "\n" + '{"id": "to')
+    assert elsewhere.trajectories("train") == [a]  # imported, the torn last line left out

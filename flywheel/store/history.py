@@ -1,9 +1,12 @@
-"""A run's history rows: the metrics of each training step and evaluation of a model, ``(project, model)``, in the
-order they were written. ``flywheel.runs.RunStore`` writes them here and exports them to the model's
-``history.jsonl``; what its crash recovery keeps or drops, and the branches a restore gives up, are changed here.
+"""A run's history: the rows of metrics of each training step and evaluation of a model, ``(project, model)``, in
+the order they were written, and the trajectories saved with a step (the trained ones, an evaluation's).
+``flywheel.runs.RunStore`` writes them here and exports them to the model's ``history.jsonl`` and
+``trajectories/<split>/<step>.jsonl``; what its crash recovery keeps or drops, and the branches a restore gives
+up, are changed here.
 
 Rows are JSON objects with at least ``step`` (0 when absent) and usually ``split`` and ``time``; they are stored
 whole as JSON text, NaN and infinities included (a metric may be NaN; the file has always held them so).
+Trajectories are stored as the JSON text they are exported as.
 """
 
 from __future__ import annotations
@@ -11,13 +14,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from flywheel.store.db import write_lock
-from flywheel.store.schema import RunHistoryRow
+from flywheel.store.schema import RunHistoryRow, RunTrajectory
 
 HISTORY = RunHistoryRow.__table__
+TRAJECTORIES = RunTrajectory.__table__
 Row = dict[str, Any]
 
 
@@ -60,8 +64,64 @@ def replace(s: Session, project: str, model: str, kept: list[Row]) -> None:
     add(s, project, model, kept)
 
 
-def abandon_above(s: Session, project: str, model: str, step: int, branch: str) -> int:
-    """Move the live rows of steps above ``step`` to ``branch`` (training goes on from ``step``); how many."""
+def abandon_above(s: Session, project: str, model: str, step: int, branch: str) -> None:
+    """Move the live rows and trajectories of steps above ``step`` to ``branch`` (training goes on from ``step``)."""
     write_lock(s)
-    query = update(RunHistoryRow).where(*_live(project, model), RunHistoryRow.step > step).values(branch=branch)
-    return s.execute(query).rowcount
+    s.execute(update(RunHistoryRow).where(*_live(project, model), RunHistoryRow.step > step).values(branch=branch))
+    live = (RunTrajectory.project == project, RunTrajectory.model == model, RunTrajectory.branch.is_(None))
+    s.execute(update(RunTrajectory).where(*live, RunTrajectory.step > step).values(branch=branch))
+
+
+def _run(project: str, model: str, branch: str | None = None):
+    return (
+        RunTrajectory.project == project,
+        RunTrajectory.model == model,
+        RunTrajectory.branch.is_(None) if branch is None else RunTrajectory.branch == branch,
+    )
+
+
+def has_trajectories(s: Session, project: str, model: str) -> bool:
+    """Whether the store holds any trajectory of the run (its live line or a branch)."""
+    query = select(RunTrajectory.id).where(RunTrajectory.project == project, RunTrajectory.model == model).limit(1)
+    return s.scalars(query).first() is not None
+
+
+def add_trajectories(s: Session, project: str, model: str, split: str, step: int, texts: list[str]) -> None:
+    """Save trajectories (their JSON text) with a step of the run's live line, in order (one insert)."""
+    if not texts:
+        return
+    write_lock(s)
+    values = [
+        {"project": project, "model": model, "split": split, "step": step, "trajectory": text, "branch": None}
+        for text in texts
+    ]
+    s.execute(insert(TRAJECTORIES), values)
+
+
+def trajectories(
+    s: Session, project: str, model: str, split: str, step: int | None = None, *, branch: str | None = None
+) -> list[tuple[int, str]]:
+    """``(step, JSON text)`` of the run's trajectories of ``split`` (of one ``step``), in the order saved."""
+    query = select(RunTrajectory.step, RunTrajectory.trajectory).where(*_run(project, model, branch))
+    query = query.where(RunTrajectory.split == split)
+    if step is not None:
+        query = query.where(RunTrajectory.step == step)
+    return [(k, text) for k, text in s.execute(query.order_by(RunTrajectory.id))]
+
+
+def last_saved(s: Session, project: str, model: str) -> tuple[str, int, int] | None:
+    """The split and step of the live line's last saved trajectories, and how many that step of that split has:
+    what a kill may have left the export without."""
+    query = select(RunTrajectory.split, RunTrajectory.step).where(*_run(project, model))
+    last = s.execute(query.order_by(RunTrajectory.id.desc()).limit(1)).first()
+    if last is None:
+        return None
+    split, step = last
+    count = select(func.count()).where(*_run(project, model), RunTrajectory.split == split, RunTrajectory.step == step)
+    return split, step, s.scalar(count) or 0
+
+
+def drop_trajectories_above(s: Session, project: str, model: str, step: int) -> None:
+    """Delete the live line's trajectories of steps above ``step`` (recovery: those steps are redone)."""
+    write_lock(s)
+    s.execute(delete(RunTrajectory).where(*_run(project, model), RunTrajectory.step > step))

@@ -226,3 +226,19 @@ class RunHistoryRow(Base):
     time: Mapped[float | None] = mapped_column(Float)
     row: Mapped[str] = mapped_column(Text)
     branch: Mapped[str | None] = mapped_column(String(256))
+
+
+class RunTrajectory(Base):
+    """One trajectory a model's run saved with a step (the trained ones, an evaluation's), as JSON text;
+    ``branch`` as for ``RunHistoryRow``."""
+
+    __tablename__ = "run_trajectories"
+    __table_args__ = (Index("ix_run_trajectories_run", "project", "model", "branch", "split", "step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)  # the order they were saved in
+    project: Mapped[str] = mapped_column(String(256))
+    model: Mapped[str] = mapped_column(String(256))
+    split: Mapped[str] = mapped_column(String(64))
+    step: Mapped[int]
+    trajectory: Mapped[str] = mapped_column(Text)
+    branch: Mapped[str | None] = mapped_column(String(256))
