@@ -36,6 +36,15 @@ def _where(exception: Exception) -> str:
     return ""
 
 
+def _name_the_service(exception: Exception) -> None:
+    """Notes on ``exception`` the service its request called (``_where``), once: a rollout's error that ends a
+    gather then says in its own traceback which service failed, not only "Connection error."."""
+    where = _where(exception)
+    note = f"the rollout failed{where}"
+    if where and note not in getattr(exception, "__notes__", []):
+        exception.add_note(note)
+
+
 class _Gathering:
     """The state of one gather call: every task it started, the progress bar and the exception budget."""
 
@@ -168,6 +177,7 @@ class _Gathering:
         self.exceptions += 1
         allowed = self.max_exceptions * self.total if 0 < self.max_exceptions < 1 else self.max_exceptions
         if self.exceptions > allowed:
+            _name_the_service(exception)
             raise exception
         logger.warning(
             "rollout failed (%d exceptions, %g allowed): %r%s", self.exceptions, allowed, exception, _where(exception)
@@ -336,6 +346,7 @@ async def wrap_group_awaitable(awaitable: Awaitable[Iterable[Trajectory]]) -> An
         context.exceptions += 1
         context.update_pbar(0)
         if context.too_many_exceptions():
+            _name_the_service(exc)
             raise
         logger.warning("rollout failed (%d exceptions): %r%s", context.exceptions, exc, _where(exc))
         return None

@@ -179,7 +179,8 @@ async def test_trajectories_groups_and_gather_take_arts_arguments(capsys: pytest
 async def test_a_hosted_model_out_of_reach_fails_in_place_naming_the_service(caplog: pytest.LogCaptureFixture):
     """ART's scripts benchmark hosted models (OpenAI, OpenRouter) next to the trained one, with max_exceptions: with
     no network each rollout fails in place, and the warning says which service was called, not just "Connection
-    error." (here a closed port on 127.0.0.1 stands for a host that cannot be reached)."""
+    error."; past max_exceptions, the error raised says it (here a closed port on 127.0.0.1 stands for a host that
+    cannot be reached)."""
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
@@ -198,6 +199,13 @@ async def test_a_hosted_model_out_of_reach_fails_in_place_naming_the_service(cap
         (failed,) = await art.gather_trajectories([rollout(hosted)], pbar_desc=None, max_exceptions=1)
     assert isinstance(failed, openai.APIConnectionError)
     assert f"calling POST http://127.0.0.1:{port}/v1/chat/completions" in caplog.text
+    # over the budget (ART's default, max_exceptions=0), the error ends the gather and its traceback names the service
+    with pytest.raises(openai.APIConnectionError) as ended:
+        await art.gather_trajectories([rollout(hosted)], pbar_desc=None)
+    assert ended.value.__notes__ == [f"the rollout failed calling POST http://127.0.0.1:{port}/v1/chat/completions"]
+    with pytest.raises(openai.APIConnectionError) as ended, art.gather.set_gather_context(art.gather.GatherContext()):
+        await art.gather.wrap_group_awaitable(rollout(hosted))  # ART's self-play: a gather of the script's own
+    assert ended.value.__notes__ == [f"the rollout failed calling POST http://127.0.0.1:{port}/v1/chat/completions"]
     assert {"Messages", "MessagesAndChoices", "Tools"} <= set(dir(art))  # ART's type names, at the top level
 
 
