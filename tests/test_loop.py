@@ -338,6 +338,10 @@ async def test_a_shadow_goes_to_canary_or_is_stopped_by_its_answers_paired_with_
         deployments.deploy(s, shadow, 3, actor="test", share=0.5)
     for _ in range(2):
         pair(3, good)
+    loop.alarm = "reward up, holdout flat"  # the reward-hacking alarm holds it as it holds a canary's promotion
+    paused = await loop.watch_shadow()
+    assert paused.action == "wait" and paused.reason.startswith("promotion paused")
+    loop.alarm = None
     passed = await loop.watch_shadow()
     assert passed.action == "canary" and passed.difference[0] == 0.0
     with store.session() as s:
