@@ -2,7 +2,9 @@
 
 Routes (JSON; errors in OpenAI's ``{"error": {...}}`` shape):
 
-- ``POST /episodes`` ``{task_id, split?, model?, metadata?}`` -> 201, the episode with its ``base_url``
+- ``POST /episodes`` ``{task_id, split?, model?, metadata?}`` -> 201, the episode with its ``base_url`` and
+  ``usage`` (as every route that returns an episode: its calls, tokens, latency and cost at the gateway's prices,
+  ``store/costs.py``; a list's counts the calls committed so far, the other routes wait for its queued calls)
 - ``GET /episodes?task_id=&split=&status=&limit=&offset=`` -> ``{"data": [episode, ...]}``
 - ``GET /episodes/{id}`` -> the episode; ``GET /episodes/{id}/calls`` -> its recorded calls
 - ``POST /episodes/{id}/reward`` ``{reward?, metrics?, call_rewards?}`` -> the episode (still open)
@@ -39,6 +41,7 @@ from flywheel.store import EpisodeRecord, EpisodeStatus
 from flywheel.store import episodes as db
 from flywheel.store import feedback as fb
 from flywheel.store.arms import RESERVED_META_PREFIX
+from flywheel.store.costs import Usage, usage
 
 
 class NewEpisode(BaseModel):
@@ -104,8 +107,8 @@ def episode_url(root: str, episode_id: str) -> str:
     return f"{root}/episodes/{episode_id}/v1"
 
 
-def episode_body(episode: EpisodeRecord, root: str) -> dict[str, Any]:
-    return episode.model_dump(mode="json") | {"base_url": episode_url(root, episode.id)}
+def episode_body(episode: EpisodeRecord, root: str, used: Usage) -> dict[str, Any]:
+    return episode.model_dump(mode="json") | {"base_url": episode_url(root, episode.id), "usage": used.model_dump()}
 
 
 def root_url(request: Request) -> str:
@@ -122,11 +125,16 @@ def episode_router(gateway: Gateway) -> APIRouter:
     router = APIRouter(tags=["episodes"])
     run = gateway.store.run
 
+    async def body_of(episode: EpisodeRecord, request: Request) -> dict[str, Any]:
+        """An episode as the API returns it: with its usage, priced at the gateway's prices."""
+        used = (await run(usage, [episode.id], gateway.prices))[episode.id]
+        return episode_body(episode, root_url(request), used)
+
     @router.post("/episodes", status_code=201)
     async def create(body: NewEpisode, request: Request):
         meta, _ = gateway.redact(body.metadata, body.split)
         episode = await run(db.create_episode, body.task_id, split=body.split, model=body.model, meta=meta)
-        return episode_body(episode, root_url(request))
+        return episode_body(episode, root_url(request), Usage(currency=gateway.prices.currency))
 
     @router.get("/episodes")
     async def list_(
@@ -138,11 +146,13 @@ def episode_router(gateway: Gateway) -> APIRouter:
         offset: Annotated[int, Query(ge=0)] = 0,
     ):
         found = await run(db.list_episodes, task_id=task_id, split=split, status=status, limit=limit, offset=offset)
-        return {"object": "list", "data": [episode_body(e, root_url(request)) for e in found]}
+        used = await run(usage, [e.id for e in found], gateway.prices)
+        return {"object": "list", "data": [episode_body(e, root_url(request), used[e.id]) for e in found]}
 
     @router.get("/episodes/{episode_id}")
     async def get(episode_id: str, request: Request):
-        return episode_body(await run(db.get_episode, episode_id), root_url(request))
+        await gateway.settled(episode_id)
+        return await body_of(await run(db.get_episode, episode_id), request)
 
     @router.get("/episodes/{episode_id}/calls")
     async def calls(episode_id: str):
@@ -162,7 +172,7 @@ def episode_router(gateway: Gateway) -> APIRouter:
         )
         if finish:
             gateway.forget(episode)
-        return episode_body(episode, root_url(request))
+        return await body_of(episode, request)
 
     @router.post("/episodes/{episode_id}/reward")
     async def reward(episode_id: str, body: Outcome, request: Request):
@@ -177,7 +187,7 @@ def episode_router(gateway: Gateway) -> APIRouter:
         await gateway.settled(episode_id)
         episode = await run(db.abandon, episode_id, body.reason)
         gateway.forget(episode)
-        return episode_body(episode, root_url(request))
+        return await body_of(episode, request)
 
     @router.post("/episodes/{episode_id}/feedback", status_code=201)
     async def feedback(episode_id: str, body: NewFeedback):

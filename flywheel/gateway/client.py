@@ -52,6 +52,7 @@ class Episode(BaseModel):
     created_at: datetime
     finished_at: datetime | None
     base_url: str  # point the agent's OpenAI client here
+    usage: dict[str, Any] | None = None  # calls, prompt/completion tokens, latency_ms, cost, currency (store/costs.py)
 
 
 class EpisodeClient:

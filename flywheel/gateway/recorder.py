@@ -35,6 +35,7 @@ from flywheel.gateway.redact import Redactor, default_redactor, redact_value
 from flywheel.gateway.splice import Output, Splice, output_key, splice_prompt
 from flywheel.store import CallRecord, EpisodeConflictError, EpisodeRecord, Store
 from flywheel.store import episodes as db
+from flywheel.store.costs import Prices
 
 CACHED_EPISODES = 4096  # open episodes whose outputs stay in memory (others are read back from the store)
 REDACTED_SPLITS = frozenset({"production", "shadow"})  # whose calls are redacted by default: what users sent
@@ -121,8 +122,10 @@ class Gateway:
         redactor: Redactor | None = default_redactor,
         redacted_splits: frozenset[str] | None = REDACTED_SPLITS,
         write_behind: bool = True,
+        prices: Prices | None = None,
     ):
         self.store = store
+        self.prices = prices or Prices.from_env()  # what the episode API prices calls at (store/costs.py)
         # answer a call once it is queued for the writer (True), or once it is committed (False: for gateway
         # replicas on one database that do not route an episode's calls to one replica, see the module doc)
         self.write_behind = write_behind

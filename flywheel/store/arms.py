@@ -12,7 +12,8 @@ refuse it (``is_shadow_episode_id``), so that only its own mirror records there.
 ``flywheel_`` (``RESERVED_META_PREFIX``), which an episode's creator may not use.
 
 ``arms`` reads them back per arm over a time window (or since an audit event, e.g. the canary's deploy): each
-episode's id, reward, status and outcome feedback by kind.
+episode's id, reward, status, outcome feedback by kind, and usage (calls, tokens, latency, and cost at the prices
+given: ``store/costs.py``); each arm's cost per episode.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from flywheel.store.costs import Prices, Usage, usage
 from flywheel.store.episodes import EpisodeRecord, EpisodeStatus, Timestamp, _episode, get_episode
 from flywheel.store.schema import AuditEvent, Call, Episode, Feedback
 
@@ -98,6 +100,7 @@ class ArmEpisode(BaseModel):
     steps: list[int]  # the checkpoint steps that answered its calls in the window
     shadow_of: str | None  # a shadow episode's production episode
     created_at: Timestamp
+    usage: Usage = Field(default_factory=Usage)  # all its calls (those outside the window too), at the report's prices
 
 
 class Arm(BaseModel):
@@ -108,6 +111,11 @@ class Arm(BaseModel):
     def rewards(self) -> list[float]:
         """The rewards of its finished episodes."""
         return [e.reward for e in self.episodes if e.status == EpisodeStatus.finished and e.reward is not None]
+
+    @property
+    def cost_per_episode(self) -> float | None:
+        """The mean cost of its episodes (None without any)."""
+        return sum(e.usage.cost for e in self.episodes) / len(self.episodes) if self.episodes else None
 
 
 class ArmsReport(BaseModel):
@@ -129,11 +137,12 @@ def arms(
     since: datetime | None = None,
     since_event: int | None = None,
     until: datetime | None = None,
+    prices: Prices | None = None,
 ) -> ArmsReport:
     """The episodes each of ``model``'s deployments answered calls of between ``since`` (or the time of audit event
     ``since_event``, e.g. the canary's current ``event_id``) and ``until``, per deployment: an episode is in the arm
     of the deployment that answered its calls in the window (``mixed`` if several did). Removed aliases' calls count
-    too: the calls name them."""
+    too: the calls name them. Each episode's usage is priced at ``prices`` (None: no prices, every cost 0)."""
     if since_event is not None:
         event = s.get(AuditEvent, since_event)
         if event is None:
@@ -165,6 +174,7 @@ def arms(
         )
         for episode_id, kind, value in rows:
             feedback[episode_id][kind].append(value)
+    used = usage(s, ids, prices or Prices())
     report = ArmsReport(model=model, since=since, until=until, arms={}, mixed=[])
     for episode_id in sorted(ids, key=lambda i: (_utc(episodes[i].created_at), i)):
         row = episodes[episode_id]
@@ -172,7 +182,7 @@ def arms(
         episode = ArmEpisode(
             id=row.id, task_id=row.task_id, split=row.split, status=EpisodeStatus(row.status), reward=row.reward,
             feedback={k: list(v) for k, v in feedback[episode_id].items()}, steps=sorted(steps[episode_id]),
-            shadow_of=meta.get(SHADOW_OF_KEY), created_at=row.created_at,
+            shadow_of=meta.get(SHADOW_OF_KEY), created_at=row.created_at, usage=used[episode_id],
         )  # fmt: skip
         if len(answered[episode_id]) > 1:
             report.mixed.append(episode)
