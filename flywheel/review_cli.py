@@ -30,7 +30,9 @@ from flywheel.store import reviews
 from flywheel.store.episodes import UnknownEpisodeError
 from flywheel.store.reviews import LabelKind, ReviewError
 
-review_app = typer.Typer(help="Human review: label a random sample of scored episodes; graders' agreement with it.")
+review_app = typer.Typer(
+    help="Human review: label a random sample of scored episodes; graders' agreement with it.", no_args_is_help=True
+)
 console = Console()
 SHOWN_CHARS = 2000  # of a message's text in the terminal
 
