@@ -133,7 +133,7 @@ EXAMPLES = (
             Override("examples/tic_tac_toe_self_play/train.py", "STEP = 300", "STEP = 1"),
             Override("examples/tic_tac_toe_self_play/train.py", "for j in range(96)", "for j in range(2)"),
         ),
-        needs="OpenAI (o4-mini is the teacher and the validation opponent): OPENAI_API_KEY",
+        needs="OpenAI (o4-mini is the teacher and the validation opponent): OPENAI_API_KEY (any value reaches the call)",
     ),
     Example(
         name="hn-title-generator",
@@ -215,15 +215,28 @@ def prepare(example: Example, root: Path, base_model: str) -> list[str]:
     return [f"{o.old} -> {o.new}" for o in example.overrides]
 
 
+CHAINED = ("The above exception was the direct cause", "During handling of the above exception")
+
+
 def first_error(output: str) -> str:
-    """The exception line of the first traceback (e.g. ``AttributeError: ...``), else the last line printed."""
+    """The exception line of the first traceback (e.g. ``AttributeError: ...``), followed to the last exception of
+    its chain (``raise ... from``) with the notes printed under it, else the last line printed."""
     lines = output.splitlines()
-    for i, line in enumerate(lines):
-        if line.startswith("Traceback (most recent call last)"):
-            for later in lines[i + 1 :]:
-                if later and not later.startswith((" ", "\t")) and not later.startswith("Traceback"):
-                    return later.strip()
-    return next((line.strip() for line in reversed(lines) if line.strip()), "")
+    start = next((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")), None)
+    if start is None:
+        return next((line.strip() for line in reversed(lines) if line.strip()), "")
+    error: list[str] = []
+    ended = False  # the exception's message and notes are over: only a chained traceback goes on
+    for line in lines[start + 1 :]:
+        if line.startswith(CHAINED):
+            error, ended = [], False
+        elif not line.strip() or line.startswith(("Traceback", " ", "\t")) or "%|" in line:  # "%|": a progress bar
+            ended = ended or bool(error)
+        elif ended:
+            break
+        else:
+            error.append(line.strip())
+    return " ".join(error)
 
 
 def run(example: Example, art_dir: Path, commit: str, args: argparse.Namespace, work: Path) -> Result:
