@@ -322,7 +322,8 @@ async def test_a_shadow_goes_to_canary_or_is_stopped_by_its_answers_paired_with_
     def pair(step: int, answer: str, *, finish: bool = True, messages: list | None = None) -> str:
         return mirrored(store, answered(store, prod, 1, good, finish=finish), shadow, step, answer, messages)
 
-    pair(2, "Sorry.")
+    first = answered(store, prod, 1, good)
+    mirrored(store, first, shadow, 2, "Sorry.")
     pair(2, good, finish=False)  # its production episode is still open: not paired yet
     pair(2, good, messages=[{"role": "user", "content": "hi"}])  # the mirror missed the last call: not the same inputs
     waiting = await loop.watch_shadow()
@@ -336,14 +337,14 @@ async def test_a_shadow_goes_to_canary_or_is_stopped_by_its_answers_paired_with_
         assert (event.details["step"], event.details["pairs"], len(event.details["episodes"])) == (2, 2, 2)
         assert gdb.grades_of(s, event.details["episodes"][0], loop.stack.version)  # the shadow's answers, graded
         deployments.deploy(s, shadow, 3, actor="test", share=0.5)
-    for _ in range(2):
-        pair(3, good)
+    pair(3, good)
+    mirrored(store, first, shadow, 3, good)  # a late mirror into an earlier shadow episode: paired anew for step 3
     loop.alarm = "reward up, holdout flat"  # the reward-hacking alarm holds it as it holds a canary's promotion
     paused = await loop.watch_shadow()
     assert paused.action == "wait" and paused.reason.startswith("promotion paused")
     loop.alarm = None
     passed = await loop.watch_shadow()
-    assert passed.action == "canary" and passed.difference[0] == 0.0
+    assert (passed.action, passed.pairs, passed.difference[0]) == ("canary", 2, 0.0)
     with store.session() as s:
         assert deployments.find(s, shadow) is None
         assert (deployments.get(s, canary).step, deployments.get(s, canary).share) == (3, config.canary.share)

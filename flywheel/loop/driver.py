@@ -167,7 +167,9 @@ class Loop:
         self.step_means: list[dict[str, float]] = []  # per training step: its step, reward and holdout graders' means
         self.alarm: str | None = None  # while raised (audit events: alarm.state), nothing is promoted
         self._scores: dict[str, StackScore] = {}  # production episodes the canary watch scored, by id
-        self._pairs: dict[str, Pair] = {}  # shadow episodes the shadow watch paired and scored, by id
+        # shadow episodes the shadow watch paired and scored, by the shadow's deploy event and id (one shadow episode
+        # per production episode: its calls may come from two shadows deployed one after the other)
+        self._pairs: dict[tuple[int, str], Pair] = {}
         self.production: dict[str, list[str]] = {}  # pool key -> its finished production episodes, oldest first
         self.off_policy_used: dict[str, int] = {}  # production episode -> its answering step, once it trained
         self.model = TrainableModel(
@@ -359,7 +361,7 @@ class Loop:
             linked = {e.id: e.shadow_of for e in (mirrored.episodes if mirrored else []) if e.shadow_of}
             inputs = {}
             for shadow_id, origin in sorted(linked.items()):
-                if shadow_id in self._pairs or db.get_episode(s, origin).status != "finished":
+                if (shadow.event_id, shadow_id) in self._pairs or db.get_episode(s, origin).status != "finished":
                     continue
                 mirror, answered = db.calls(s, shadow_id), db.calls(s, origin)
                 if mirror and answered and mirror[-1].request.get("messages") == answered[-1].request.get("messages"):
@@ -367,7 +369,7 @@ class Loop:
         scored = []
         for shadow_id, (origin, mirror, answered, item) in inputs.items():
             candidate, current = await score(self.stack, mirror, item), await score(self.stack, answered, item)
-            self._pairs[shadow_id] = Pair(
+            self._pairs[shadow.event_id, shadow_id] = Pair(
                 shadow=shadow_id, production=origin, shadow_reward=candidate.reward,
                 production_reward=current.reward, safe=candidate.safe,
             )  # fmt: skip
@@ -381,7 +383,8 @@ class Loop:
 
         if scored:
             await asyncio.to_thread(record)
-        found = shadow_verdict([self._pairs[i] for i in sorted(linked) if i in self._pairs], policy, self.config.seed)
+        pairs = [pair for i in sorted(linked) if (pair := self._pairs.get((shadow.event_id, i))) is not None]
+        found = shadow_verdict(pairs, policy, self.config.seed)
         if found.action == "canary" and self.alarm is not None:
             found = found.model_copy(update={"action": "wait", "reason": f"promotion paused: {self.alarm}"})
         with self.store.session() as s:
