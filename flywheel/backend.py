@@ -7,6 +7,7 @@ import contextlib
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -252,7 +253,7 @@ class LocalBackend:
     async def train(
         self,
         model: TrainableModel,
-        groups: Iterable[TrajectoryGroup],
+        groups: Iterable[TrajectoryGroup | None],
         config: TrainConfig | None = None,
         *,
         save_checkpoint: bool = True,
@@ -263,17 +264,26 @@ class LocalBackend:
         """One RL step, recorded (history row, trajectories). ``config`` (default: ART's defaults) and ART's keyword
         arguments (``learning_rate=...``, mapped by ``flywheel.dev.train_config``). ``save_checkpoint``: write a
         checkpoint of it (with ``extra``, e.g. the caller's data position, back from ``checkpoint_extra`` on
-        resume); its history row says whether it has one. ``verbose``: print the step's metrics."""
+        resume); its history row says whether it has one. ``verbose``: print the step's metrics. A None among the
+        groups (``ruler_score_group(..., swallow_exceptions=True)`` for a group its judge could not score, which
+        ART's scripts pass on as they are) is left out, with a warning."""
         config = train_config(config, options)
         trainer = self.trainer(model)
-        groups = list(groups)
-        trajectories = [t for g in groups for t in g.trajectories]
+        given = list(groups)
+        kept = [g for g in given if g is not None]
+        if len(kept) < len(given):
+            warnings.warn(
+                f"{len(given) - len(kept)} of the {len(given)} groups given to train are None (as "
+                "ruler_score_group(..., swallow_exceptions=True) returns for a group it could not score): left out",
+                stacklevel=2,
+            )
+        trajectories = [t for g in kept for t in g.trajectories]
         async with self._step_locks[(model.project, model.name)]:  # a second caller's step waits for this one's save
             await self._branch(model, trainer)
             if config.beta > 0 and config.kl_reference_step != trainer.reference_step:
                 await self._set_kl_reference(model, trainer, config.kl_reference_step)
-            metrics = await trainer.engine.call(trainer.rl_step, groups, config)
-            metrics |= phase_seconds(groups) | metric_means(trajectories, "train")
+            metrics = await trainer.engine.call(trainer.rl_step, kept, config)
+            metrics |= phase_seconds(kept) | metric_means(trajectories, "train")
             row = {"step": trainer.step, "split": "train", **metrics}
             save = save_checkpoint and not metrics.get("skipped")
             self.run(model).save_trajectories("train", trainer.step, trajectories)  # first: the row commits them

@@ -140,7 +140,7 @@ class Backend(Protocol):
     async def train(
         self,
         model: TrainableModel,
-        groups: Iterable[TrajectoryGroup],
+        groups: Iterable[TrajectoryGroup | None],
         config: TrainConfig | None = None,
         *,
         save_checkpoint: bool = True,
@@ -201,7 +201,7 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
 
     async def train(
         self,
-        groups: Iterable[TrajectoryGroup],
+        groups: Iterable[TrajectoryGroup | None],
         config: TrainConfig | None = None,
         _config: dev.TrainConfig | None = None,
         verbose: bool = False,
@@ -213,7 +213,8 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
         metrics. ``save_checkpoint=False`` skips its checkpoint (the history row still goes in); ``extra`` (JSON)
         is stored with the checkpoint and comes back from ``checkpoint_extra()`` after a resume, e.g. a data
         position. ``_config``: ART's ``art.dev.TrainConfig`` options (mapped, see ``flywheel.dev``); ``verbose``
-        prints the step's metrics."""
+        prints the step's metrics. A None among the groups (a group RULER could not score, with
+        ``swallow_exceptions=True``) is left out with a warning."""
         result = await self.backend().train(
             self, groups, config, save_checkpoint=save_checkpoint, extra=extra, verbose=verbose, **(_config or {})
         )
