@@ -310,6 +310,27 @@ async def test_the_scripted_expert_resolves_tickets_through_the_real_tools(db_pa
     assert sum(t.metrics["escalated"] for t in trajs) == sum(t.metadata["resolution"] == "escalate" for t in trajs)
 
 
+def test_sft_stops_once_validation_stops_improving():
+    from flywheel.examples.support.train import sft_converged
+
+    assert not sft_converged([0.1], patience=1)
+    assert not sft_converged([0.1, 0.2], patience=1)  # still rising
+    assert sft_converged([0.1, 0.2, 0.2], patience=1)  # an equal reward is no improvement
+    assert sft_converged([0.3, 0.2], patience=1)
+    assert not sft_converged([0.3, 0.2], patience=2)  # one epoch without improvement, two allowed
+    assert sft_converged([0.3, 0.2, 0.25], patience=2)
+    assert not sft_converged([0.3, 0.2, 0.35], patience=2)
+
+
+def test_rl_takes_another_step_only_if_it_and_the_evaluations_after_it_fit():
+    from flywheel.examples.support.train import another_step_fits
+
+    assert another_step_fits(300.0, step=150.0, validation=40.0, test=80.0)
+    assert another_step_fits(270.0, step=150.0, validation=40.0, test=80.0)  # exactly
+    assert not another_step_fits(260.0, step=150.0, validation=40.0, test=80.0)
+    assert not another_step_fits(-5.0, step=0.0, validation=0.0, test=0.0)  # already past the deadline
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # minutes alone; far more on a shared 2-core machine
 async def test_the_job_runs_end_to_end_on_the_embedded_model(tmp_path, monkeypatch):
@@ -317,9 +338,10 @@ async def test_the_job_runs_end_to_end_on_the_embedded_model(tmp_path, monkeypat
     from flywheel.train.config import SFTConfig
 
     monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
+    # a budget already spent: RL stops after its first step (of at most 3), which is then validated
     config = JobConfig(
-        name="toy", customers=40, sft_examples=2, sft_epochs=1, rl_steps=1, groups_per_step=2, group_size=2,
-        eval_every=1, val_tickets=2, test_tickets=2, max_turns=4, max_tokens=48,
+        name="toy", customers=40, sft_examples=2, sft_epochs=1, rl_steps=3, groups_per_step=2, group_size=2,
+        eval_every=2, val_tickets=2, test_tickets=2, max_turns=4, max_tokens=48, time_budget_minutes=0.01,
     ).with_lora()  # fmt: skip
     config.sft = SFTConfig(learning_rate=3e-4, epochs=1, batch_size=2)
     report = await run(config, Console(file=open(os.devnull, "w")))
@@ -332,7 +354,8 @@ async def test_the_job_runs_end_to_end_on_the_embedded_model(tmp_path, monkeypat
     assert saved["expert"]["resolution_accuracy"]["mean"] == 1.0
     assert (out / "support.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "support.db").exists()
-    row = saved["rl_history"][0]
+    assert len(saved["sft_epoch_val_rewards"]) == 1 and saved["sft_val_reward"] == saved["sft_epoch_val_rewards"][0]
+    (row,) = saved["rl_history"]
     assert "val/reward" in row and "train/resolved" in row and "train/tool_calls" in row
 
 

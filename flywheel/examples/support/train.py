@@ -1,6 +1,7 @@
 """The support job (``flywheel train --task support``): database -> tickets -> baseline -> SFT warm start on the
-scripted expert's demonstrations (the best epoch by validation: the SFT-only arm) -> GRPO on the grader stack's
-reward with periodic validation -> the best checkpoint -> report and plot.
+scripted expert's demonstrations, epoch by epoch until validation stops improving (the best epoch: the SFT-only
+arm, where RL starts) -> GRPO on the grader stack's reward with periodic validation, as many steps as the job's
+time budget holds -> the best checkpoint -> report and plot.
 
 As in the calculator job, everything runs in one process on the embedded model: rollouts go through the engine's
 OpenAI-compatible HTTP API, training updates the same model object. The three arms (base, SFT-only, SFT+RL) are
@@ -50,12 +51,20 @@ class JobConfig(BaseModel):
     efficiency_penalty: float = 0.25
     trained_weights: TrainedWeights = TrainedWeights(mode="full")
     sft_examples: int = 64
-    sft_epochs: int = 2  # the SFT-only arm is the best of these epochs by validation
-    sft: SFTConfig = SFTConfig(learning_rate=5e-5, batch_size=8, micro_batch_tokens=2048)
-    rl_steps: int = 8
+    # the SFT-only arm: up to sft_epochs epochs, each validated, stopping once sft_patience epochs in a row did not
+    # beat the best validation reward; the best epoch is kept (and RL starts from it)
+    sft_epochs: int = Field(4, ge=1)
+    sft_patience: int = Field(1, ge=1)
+    # micro-batches of 4096 (SFT) and 3072 (RL) tokens: a group's or a batch's shared prompt (~740 tokens, the
+    # tools included) is computed once for more sequences than at 2048 (docs/benchmarks.md, support agent)
+    sft: SFTConfig = SFTConfig(learning_rate=5e-5, batch_size=8, micro_batch_tokens=4096)
+    rl_steps: int = 16  # at most; fewer when the time budget runs out first
+    # the whole job's wall-clock budget: RL stops after the last step that leaves time for its validation and the
+    # final test (each estimated from the slowest so far); None: exactly rl_steps
+    time_budget_minutes: float | None = Field(43.0, gt=0)
     groups_per_step: int = 4
     group_size: int = 6
-    rl: TrainConfig = TrainConfig(learning_rate=1e-5, loss="dapo", micro_batch_tokens=2048)
+    rl: TrainConfig = TrainConfig(learning_rate=1e-5, loss="dapo", micro_batch_tokens=3072)
     temperature: float = 0.7
     eval_every: int = 4
     val_tickets: int = 24
@@ -162,12 +171,18 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
         demos = [demonstration(t) for t in expert if t.metrics["resolved"]]
         report["expert"] = behaviour(expert)
         console.print(f"expert demonstrations: {len(demos)} of {len(expert)} tickets resolved")
-        sft_step, sft_val = await sft_best_epoch(model, backend, job, demos, val, config)
-        report["sft_val_reward"] = sft_val
+        sft_step, sft_vals, val_seconds = await sft_best_epoch(model, backend, job, demos, val, config)
+        sft_val = max(sft_vals)
+        report |= {"sft_val_reward": sft_val, "sft_epoch_val_rewards": sft_vals}
+        started = time.perf_counter()
         arms["sft"] = await job.evaluate(test, "SFT-only (test)")
+        test_seconds = time.perf_counter() - started
         console.print(f"SFT-only (step {sft_step}) test resolution accuracy: {_accuracy(arms['sft']):.1%}")
 
-        rl_rows = await reinforce(model, job, train[config.sft_examples :], val, config)
+        deadline = None if config.time_budget_minutes is None else start + 60 * config.time_budget_minutes
+        rl_rows = await reinforce(
+            model, job, train[config.sft_examples :], val, config, deadline, (val_seconds, test_seconds)
+        )
         report["rl_history"] = rl_rows
         history = backend.history(model)
         saved = set(backend.run(model).steps())
@@ -197,6 +212,19 @@ def _accuracy(trajectories: list[Trajectory]) -> float:
     return sum(t.metrics["resolved"] for t in trajectories) / max(1, len(trajectories))
 
 
+def sft_converged(val_rewards: list[float], patience: int) -> bool:
+    """Whether SFT stops after these epochs' validation rewards: the last ``patience`` epochs all failed to beat
+    the best reward before them (an equal reward is no improvement)."""
+    first_best = val_rewards.index(max(val_rewards))
+    return len(val_rewards) - 1 - first_best >= patience
+
+
+def another_step_fits(seconds_left: float, step: float, validation: float, test: float) -> bool:
+    """Whether the time left holds one more RL step (``step``: the slowest so far, rollouts and update), its
+    validation (the last step is always validated) and the final test of the best checkpoint."""
+    return step + validation + test <= seconds_left
+
+
 async def sft_best_epoch(
     model: TrainableModel,
     backend: LocalBackend,
@@ -204,31 +232,50 @@ async def sft_best_epoch(
     demos: list[Trajectory],
     val: list[Ticket],
     config: JobConfig,
-) -> tuple[int, float]:
-    """SFT one epoch at a time, each validated; the best epoch's weights are restored: (its step, its val reward)."""
+) -> tuple[int, list[float], float]:
+    """SFT one epoch at a time, each validated, until ``sft_converged`` or ``sft_epochs``; the best epoch's weights
+    are restored: (its step, every epoch's val reward, the slowest validation's seconds)."""
     one_epoch = config.sft.model_copy(update={"epochs": 1})
     best = (-1.0, 0)
+    rewards: list[float] = []
+    val_seconds = 0.0
     for epoch in range(config.sft_epochs):
         await warm_start(model, demos, one_epoch)
+        started = time.perf_counter()
         metrics = await model.log(await job.evaluate(val, f"SFT epoch {epoch + 1} val"), split="val")
+        val_seconds = max(val_seconds, time.perf_counter() - started)
+        rewards.append(metrics["val/reward"])
         best = max(best, (metrics["val/reward"], await model.get_step()))
         await model.delete_checkpoints("val/reward")
+        if sft_converged(rewards, config.sft_patience):
+            break
     if best[1] != await model.get_step():
         await backend.restore(model, best[1])
-    return best[1], best[0]
+    return best[1], rewards, val_seconds
 
 
 async def reinforce(
-    model: TrainableModel, job: Job, pool: list[Ticket], val: list[Ticket], config: JobConfig
+    model: TrainableModel,
+    job: Job,
+    pool: list[Ticket],
+    val: list[Ticket],
+    config: JobConfig,
+    deadline: float | None = None,
+    eval_seconds: tuple[float, float] = (0.0, 0.0),
 ) -> list[dict]:
     """GRPO: each step ``groups_per_step`` unused tickets x ``group_size`` rollouts (each with its own failures),
-    validated every ``eval_every`` steps and at the last; the latest and the best checkpoint are kept."""
+    validated every ``eval_every`` steps and at the last; the latest and the best checkpoint are kept. With a
+    ``deadline`` (``time.perf_counter()``), the last step is the first after which ``another_step_fits`` does not
+    hold, ``eval_seconds`` being (a validation's, the final test's) seconds (the first raised to the slowest seen)."""
     rng = random.Random(config.seed)
     pool = list(pool)
     rng.shuffle(pool)
     rows: list[dict] = []
+    val_seconds, test_seconds = eval_seconds
+    slowest_rollouts = slowest_update = 0.0
     with tqdm(total=config.rl_steps, desc="GRPO", unit="step") as bar:
         for i in range(config.rl_steps):
+            started = time.perf_counter()
             tickets = pool[i * config.groups_per_step : (i + 1) * config.groups_per_step]
             groups = await gather_trajectory_groups(
                 (
@@ -241,15 +288,34 @@ async def reinforce(
                 pbar_desc=f"step {i + 1} rollouts",
                 max_exceptions=0.1,
             )
-            validate = (i + 1) % config.eval_every == 0 or i + 1 == config.rl_steps
+            # whether this step is the last is decided before its update, which takes as long as the slowest yet
+            rollouts = time.perf_counter() - started
+            slowest_rollouts = max(slowest_rollouts, rollouts)
+            validating = (i + 1) % config.eval_every == 0
+            last = i + 1 == config.rl_steps or (
+                deadline is not None
+                and not another_step_fits(
+                    deadline - time.perf_counter() - slowest_update - (val_seconds if validating else 0.0),
+                    slowest_rollouts + slowest_update,
+                    val_seconds,
+                    test_seconds,
+                )
+            )
+            validate = validating or last
+            update_started = time.perf_counter()
             metrics = await model.train(groups, config=config.rl, save_checkpoint=validate)
+            slowest_update = max(slowest_update, time.perf_counter() - update_started)
             row = {"step": await model.get_step(), **metrics, "peak_rss_gb": peak_rss_gb()}
             if validate:
+                val_started = time.perf_counter()
                 row |= await model.log(await job.evaluate(val, f"step {i + 1} val"), split="val")
+                val_seconds = max(val_seconds, time.perf_counter() - val_started)
             await model.delete_checkpoints("val/reward")
             rows.append(row)
             bar.set_postfix({"reward": f"{metrics['reward_mean']:.2f}"}, refresh=False)
             bar.update()
+            if last:
+                break
     return rows
 
 
