@@ -202,16 +202,62 @@ def serve(
     uvicorn.run(app, host=host, port=port, log_level="info")
 
 
+class DemoKind(StrEnum):
+    """``flywheel demo [WHICH]``: the quick look (the default), or the flywheel end to end."""
+
+    look = "look"
+    flywheel = "flywheel"
+
+
 @app.command()
 def demo(
-    problems: Annotated[int, typer.Option(help="Problems (one group of rollouts each).")] = 4,
-    group_size: Annotated[int, typer.Option(help="Rollouts per problem.")] = 4,
-    level: Annotated[int, typer.Option(help="Difficulty 1..4.")] = 1,
-    model: Annotated[str, typer.Option()] = EMBEDDED_MODEL,
+    which: Annotated[
+        DemoKind,
+        typer.Argument(
+            help="look: serve the model and run a few rollouts (the default). flywheel: users, the loop, the gate, "
+            "canaries and the audit trail end to end (~10 minutes on 2 cores)."
+        ),
+    ] = DemoKind.look,
+    problems: Annotated[int, typer.Option(help="look: problems (one group of rollouts each).")] = 4,
+    group_size: Annotated[int, typer.Option(help="look: rollouts per problem.")] = 4,
+    level: Annotated[int, typer.Option(help="look: difficulty 1..4.")] = 1,
+    model: Annotated[str, typer.Option(help="look: the model.")] = EMBEDDED_MODEL,
     seed: Annotated[int, typer.Option()] = 0,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="flywheel: a new directory for its store, checkpoints, timeline and plot (default: a new "
+            "one under $FLYWHEEL_HOME/demo, else ./demo-out)."
+        ),
+    ] = None,
+    quick: Annotated[
+        bool, typer.Option(help="flywheel: tiny sizes (every stage, a few items each; for tests).")
+    ] = False,
 ):
-    """Serve the model and run groups of calculator-agent rollouts through its HTTP API; print what happened."""
-    asyncio.run(_demo(problems, group_size, level, model, seed))
+    """Serve the model and run groups of calculator-agent rollouts through its HTTP API; print what happened.
+    ``flywheel demo flywheel``: the flywheel demonstration (flywheel/examples/calculator/flywheel_demo.py)."""
+    if which is DemoKind.look:
+        asyncio.run(_demo(problems, group_size, level, model, seed))
+        return
+    import os
+
+    from rich.markup import escape
+
+    from flywheel.examples.calculator.flywheel_demo import run_demo
+
+    if out is None:
+        home = os.environ.get("FLYWHEEL_HOME")
+        out = (Path(home) / "demo" if home else Path("demo-out")) / time.strftime("flywheel-%Y%m%d-%H%M%S")
+    if out.exists() and any(out.iterdir()):
+        console.print(f"[red]--out {out} is not empty: the demo starts from a new directory[/]")
+        raise typer.Exit(2)
+    try:
+        report = asyncio.run(run_demo(out, quick=quick, seed=seed, console=console))
+    except (RuntimeError, TimeoutError) as exc:  # a stage that could not go on: the timeline so far is printed
+        console.print(f"[red]The demo stopped: {escape(str(exc))}[/]  (what it left: {out})")
+        raise typer.Exit(1) from None
+    if not report.audit_ok:
+        raise typer.Exit(1)
 
 
 async def _demo(n_problems: int, group_size: int, level: int, base_model: str, seed: int) -> None:
