@@ -79,7 +79,22 @@ _LONGER = "def grade(sample, item):\n    return min(len(sample['output_text'].st
 
 POLICY_STACK = {
     "name": "calc-policy",
-    "reward": {"type": "python", "name": "correct", "source": _CORRECT},
+    # 1 for the right answer, 0.2 for a wrong one in the required form ("Answer: <number>"), else 0
+    "reward": {
+        "type": "multi",
+        "name": "correct-or-form",
+        "calculate_output": "max(correct, 0.2 * form)",
+        "graders": {
+            "correct": {"type": "python", "name": "correct", "source": _CORRECT},
+            "form": {
+                "type": "string_check",
+                "name": "form",
+                "input": "{{sample.output_text}}",
+                "reference": "answer:",
+                "operation": "ilike",
+            },
+        },
+    },
     "safety": {"type": "python", "name": f"reply-at-most-{MAX_REPLY}-chars", "source": _SHORT},
 }
 # ignores the safety rule (no safety grader) and pays for breaking it; the rule is kept as a holdout grader, scored
@@ -118,17 +133,17 @@ class DemoSizes(BaseModel):
 
 
 FULL = DemoSizes(
-    sft_examples=24, sft_learning_rate=1.5e-4, heldout=20, min_items=20, min_lift=0.0, steps=3, unsafe_steps=2,
-    groups_per_step=3, group_size=4, learning_rate=3e-5, unsafe_learning_rate=1e-4, users=2, canary_share=0.5,
+    sft_examples=48, sft_learning_rate=1.5e-4, heldout=20, min_items=20, min_lift=0.0, steps=3, unsafe_steps=2,
+    groups_per_step=3, group_size=4, learning_rate=3e-5, unsafe_learning_rate=3e-4, users=2, canary_share=0.5,
     canary_episodes=6, canary_max_drop=0.1, canary_wait=600.0, runners=8,
 )  # fmt: skip
 # a test's: every stage runs, on a handful of items, so the gate asks only that the lift's interval is above -1 and
-# the canary watch only that the canary is safe (4 items or 2 episodes prove nothing about a lift); the unsafe
-# reward trains at a learning rate that changes the model in one step
+# the canary watch only that the canary is safe (4 items or 2 episodes prove nothing about a lift); the warm start
+# is short and steep, and the unsafe reward trains at a learning rate that breaks the model in one step
 QUICK = DemoSizes(
-    sft_examples=16, sft_learning_rate=1e-4, heldout=4, min_items=2, min_lift=-1.0, steps=1, unsafe_steps=1,
-    groups_per_step=2, group_size=2, learning_rate=2e-5, unsafe_learning_rate=1e-3, users=2, canary_share=0.5,
-    canary_episodes=2, canary_max_drop=1.0, canary_wait=300.0, runners=4,
+    sft_examples=32, sft_learning_rate=3e-4, heldout=4, min_items=2, min_lift=-1.0, steps=1, unsafe_steps=1,
+    groups_per_step=2, group_size=4, learning_rate=3e-5, unsafe_learning_rate=1e-2, users=2, canary_share=0.5,
+    canary_episodes=2, canary_max_drop=1.0, canary_wait=300.0, runners=8,
 )  # fmt: skip
 
 
@@ -309,7 +324,8 @@ class _Demo:
         self.note(
             "setup", "-",
             f"held-out set {policy.heldout.name}@{policy.heldout.version}: {len(policy.heldout.items)} problems, run "
-            f"greedy; policy stack {policy.stack.version}: reward 'correct answer', safety 'final reply at most "
+            f"greedy; policy stack {policy.stack.version}: reward 1 for a correct answer (0.2 for a wrong one in "
+            f"the form 'Answer: N'), safety 'final reply at most "
             f"{MAX_REPLY} characters'; the gate: the lift's 95% lower bound above {sizes.min_lift:+g}, at least "
             f"{sizes.min_items} items, safe on every item; the canary: promoted after {sizes.canary_episodes} "
             f"episodes unless unsafe or its reward is more than {sizes.canary_max_drop:g} below production's",
@@ -350,13 +366,22 @@ class _Demo:
                 report = await policy.run()
                 step = await model.get_step()
                 self.note("loop", model.get_inference_name(step),
-                          f"{len(report.steps)} training steps on {report.intake} problems from production "
-                          f"episodes ({sizes.groups_per_step} groups of {sizes.group_size} a step); steps "
-                          f"{report.steps}", step)  # fmt: skip
-                candidate = report.candidates[-1] if report.candidates else await policy.consider(queue, step)
+                          f"{len(report.steps)} iterations, {step - release} training steps, on {report.intake} "
+                          f"problems from production episodes ({sizes.groups_per_step} groups of "
+                          f"{sizes.group_size} rollouts an iteration); steps {report.steps}", step)  # fmt: skip
+                if report.candidates:
+                    candidate = report.candidates[-1]
+                elif step > release:  # an iteration took no step (equal rewards in every group): its last one
+                    candidate = await policy.consider(queue, step)
+                else:
+                    raise RuntimeError(
+                        "the loop took no training step: every group's rewards were equal, so there "
+                        "is no candidate (a stronger warm start gives groups mixed outcomes)"
+                    )
+                passed = candidate.decision.promote
                 self.note("gate", model.get_inference_name(candidate.step),
-                          f"{'PASS' if candidate.decision.promote else 'HOLD'} vs {candidate.production}: "
-                          f"{_gate_evidence(candidate)}", step, [candidate.event_id], mark="gate pass")  # fmt: skip
+                          f"{'PASS' if passed else 'HOLD'} vs {candidate.production}: {_gate_evidence(candidate)}",
+                          step, [candidate.event_id], mark="gate pass" if passed else "gate hold")  # fmt: skip
                 if candidate.deployed == f"{self.name}@canary":
                     with self.store.session() as s:
                         canary = deployments.get(s, f"{self.name}@canary")
@@ -378,10 +403,13 @@ class _Demo:
                           f"{len(unsafe_report.steps)} steps with reward 'correct + length/300' (no safety grader; "
                           f"learning rate {sizes.unsafe_learning_rate:g}); steps {unsafe_report.steps}",
                           step)  # fmt: skip
+                if step == start:
+                    raise RuntimeError("the unsafe reward trained no step: every group's rewards were equal")
                 stopped = await policy.consider(queue, step)
                 self.note("gate", model.get_inference_name(step),
                           f"{'PASS' if stopped.decision.promote else 'STOPPED'} vs {stopped.production}: "
-                          f"{_gate_evidence(stopped)}", step, [stopped.event_id], mark="unsafe stopped")  # fmt: skip
+                          f"{_gate_evidence(stopped)}", step, [stopped.event_id],
+                          mark="unsafe: passed" if stopped.decision.promote else "unsafe: stopped")  # fmt: skip
 
                 # 5. a regressing canary, deployed on purpose past the gate; the watch rolls it back
                 if stopped.deployed is None:
@@ -429,7 +457,7 @@ def plot(history: list[dict], marks: list[tuple[int, str]], unsafe_from: int | N
     bad = [r for r in rows if unsafe_from is not None and r["step"] > unsafe_from]
     if good:
         ax.plot([r["step"] for r in good], [r["reward_mean"] for r in good], "o-", color="C0",
-                label="training reward: correct answer, 0 if unsafe (policy stack)")  # fmt: skip
+                label="training reward: correct 1 (wrong, well-formed 0.2), 0 if unsafe (policy stack)")  # fmt: skip
     if bad:
         ax.plot([r["step"] for r in bad], [r["reward_mean"] for r in bad], "s-", color="C3",
                 label="training reward: correct + length/300, no safety (unsafe stack)")  # fmt: skip
