@@ -156,11 +156,13 @@ def serve(
         raise typer.Exit(2) from None
 
     from flywheel.store import Store
+    from flywheel.store.costs import Prices
     from flywheel.store.db import StoreUnavailableError, shown_url
 
-    try:  # the database too, before the model loads
+    try:  # the database and the prices file too, before the model loads
         store = Store(db)
-    except StoreUnavailableError as exc:
+        prices = Prices.from_env()
+    except (StoreUnavailableError, ValueError) as exc:
         console.print(f"[red]{exc}[/]")
         raise typer.Exit(2) from None
 
@@ -197,6 +199,7 @@ def serve(
         redactor=None if redact is RedactScope.none else default_redactor,
         redacted_splits=None if redact is RedactScope.all else REDACTED_SPLITS,
         write_behind=write_behind,
+        prices=prices,
     )
     app = create_app(registry, gateway, auth=keys, upstream=relay_to)
     uvicorn.run(app, host=host, port=port, log_level="info")

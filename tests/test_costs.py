@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
 from flywheel.backend import LocalBackend
+from flywheel.cli import app
 from flywheel.gateway.client import EpisodeClient
 from flywheel.store import Store
 from flywheel.store import episodes as db
@@ -84,6 +86,16 @@ def test_a_broken_prices_file_is_refused_naming_the_file_and_the_field(tmp_path,
     assert says in str(refused.value)
     path.write_text("currency: USD\nmodels:\n  gpt-x: {prompt: 2.5, completion: 10}\n")
     assert Prices.from_env().price("gpt-x") == Price(prompt=2.5, completion=10)
+
+
+def test_flywheel_serve_refuses_a_broken_prices_file_before_loading_the_model(tmp_path):
+    (path := tmp_path / "prices.yaml").write_text("models:\n  gpt-x: {prompt: -1}\n")
+    env = {"FLYWHEEL_PRICES": str(path), "COLUMNS": "200"}
+    run = CliRunner().invoke(
+        app, ["serve", "--model", "no-such-model", "--db", f"sqlite:///{tmp_path / 'f.db'}"], env=env
+    )
+    assert run.exit_code == 2 and "prices.yaml: models.gpt-x.prompt" in run.output, run.output
+    assert "no-such-model" not in run.output and "Traceback" not in run.output  # refused before the model loads
 
 
 async def test_the_episode_api_reports_an_episodes_usage_and_cost(backend: LocalBackend, monkeypatch):
