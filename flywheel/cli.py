@@ -329,7 +329,10 @@ def train(
     task: Annotated[
         TrainTask, typer.Option(help="The job: the calculator agent, or the customer-support escalation agent.")
     ] = TrainTask.calculator,
-    steps: Annotated[int | None, typer.Option(min=0, help="GRPO steps (default: calculator 16, support 8).")] = None,
+    steps: Annotated[
+        int | None,
+        typer.Option(min=0, help="GRPO steps (default: calculator 16; support at most 16, as its time budget holds)."),
+    ] = None,
     groups: Annotated[
         int | None, typer.Option(min=1, help="Problems or tickets per step (default: calculator 6, support 4).")
     ] = None,
@@ -356,7 +359,20 @@ def train(
         ),
     ] = None,
     sft_epochs: Annotated[
-        int | None, typer.Option(min=1, help="Support: SFT epochs, the best by validation is kept (default 2).")
+        int | None,
+        typer.Option(
+            min=1,
+            help="Support: at most this many SFT epochs, each validated; stops when one does not improve, keeps the"
+            " best (default 4).",
+        ),
+    ] = None,
+    budget_minutes: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            help="Support: the job's time budget; RL takes another step only if it and the evaluations after it"
+            " fit (default 43; 0: exactly --steps).",
+        ),
     ] = None,
     failure_rate: Annotated[
         float | None,
@@ -375,7 +391,12 @@ def train(
     if task == TrainTask.calculator:
         from flywheel.examples.calculator.train import JobConfig, run
 
-        for option, value in (("--sft-epochs", sft_epochs), ("--failure-rate", failure_rate)):
+        support_only = (
+            ("--sft-epochs", sft_epochs),
+            ("--failure-rate", failure_rate),
+            ("--budget-minutes", budget_minutes),
+        )
+        for option, value in support_only:
             if value is not None:
                 console.print(f"[red]{option} is an option of --task support only.[/]")
                 raise typer.Exit(2)
@@ -391,6 +412,8 @@ def train(
         name=name or time.strftime("run-%Y%m%d-%H%M%S"),
         **{key: value for key, value in sizes.items() if value is not None},
     )
+    if budget_minutes is not None:  # 0: no budget (exactly --steps)
+        config = config.model_copy(update={"time_budget_minutes": budget_minutes or None})
     if not full_finetune:
         config = config.with_lora()
     asyncio.run(run(config, console))

@@ -364,6 +364,8 @@ async def test_the_job_runs_end_to_end_on_the_embedded_model(tmp_path, monkeypat
     [
         (["--failure-rate", "0.2"], "--failure-rate is an option of --task support only"),
         (["--task", "calculator", "--sft-epochs", "2"], "--sft-epochs is an option of --task support only"),
+        (["--budget-minutes", "5"], "--budget-minutes is an option of --task support only"),
+        (["--task", "support", "--budget-minutes", "-1"], "Invalid value for '--budget-minutes'"),
         (["--task", "chess"], "Invalid value for '--task'"),
         (["--task", "support", "--failure-rate", "1.5"], "Invalid value for '--failure-rate'"),
     ],
