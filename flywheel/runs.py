@@ -39,6 +39,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -64,14 +65,20 @@ LOCK = ".lock"
 TMP, ASIDE, DELETING = ".tmp-", ".old-", ".del-"  # checkpoints/ entries in flight (all dot-names are temporary)
 
 Row = dict[str, Any]
-_stores: dict[str, Store] = {}  # one per database URL in a process: opening one migrates it
+# The stores of the databases this process used last, one per URL (opening one checks its migrations); one evicted
+# is closed: its pooled connections (a session in use keeps its own until it ends, and a closed store opens anew)
+_stores: OrderedDict[str, Store] = OrderedDict()
 _stores_lock = threading.Lock()
+OPEN_STORES = 4
 
 
 def _store(url: str) -> Store:
     with _stores_lock:
         if url not in _stores:
             _stores[url] = Store(url)
+            while len(_stores) > OPEN_STORES:
+                _stores.popitem(last=False)[1].close()
+        _stores.move_to_end(url)
         return _stores[url]
 
 

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from flywheel.runs import HISTORY, Checkpoint, CheckpointState, RunStore, model_path
+from flywheel import runs as runs_module
+from flywheel.runs import HISTORY, OPEN_STORES, Checkpoint, CheckpointState, RunStore, model_path
 from flywheel.store import Store
 from flywheel.store import history as history_db
 from flywheel.train.config import TrainedWeights
@@ -122,3 +123,15 @@ def test_trajectories_are_the_stores_and_their_files_the_export(store: Store, db
     (elsewhere.path / "trajectories" / "train").mkdir(parents=True)
     (elsewhere.path / "trajectories" / "train" / "0003.jsonl").write_text(a.model_dump_json() + "\n" + '{"id": "to')
     assert elsewhere.trajectories("train") == [a]  # imported, the torn last line left out
+
+
+def test_a_process_keeps_few_stores_open_and_one_closed_for_another_still_serves(tmp_path):
+    """RunStore's stores are one per database URL, the last few used kept open; the one closed to make room opens
+    again when its run is read (a process that trains many models in turn does not hold every database open)."""
+    runs = [RunStore(model_path(tmp_path / f"home{i}", "p", "m")) for i in range(OPEN_STORES + 2)]
+    for i, run in enumerate(runs):
+        run.append([row(i)])
+    assert len(runs_module._stores) <= OPEN_STORES
+    assert runs[0].db not in runs_module._stores  # closed to make room
+    (runs[0].path / HISTORY).unlink()  # so that what is read comes from the store
+    assert [r["step"] for r in runs[0].history()] == [0]
