@@ -11,6 +11,7 @@ The function is registered as the attention implementation ``"flywheel"``. When 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -132,6 +133,53 @@ class PrefillBatch:
     lengths: list[int]  # new tokens of each segment
 
 
+@dataclass(frozen=True)
+class PaddedGroup:
+    """Segments attended in one call, each padded to the group's longest (n) and its context to the longest (c):
+    ``index`` [S, n] of each segment's tokens in the row (0 where padded), ``context_index`` [S, c] of the tokens of
+    the segment it continues (c = 0: none does), the boolean ``mask`` [S, 1, n, c + n] over that context and the
+    segment itself (causal), and ``causal``: no context and no padding, so the mask is plain causal."""
+
+    index: torch.Tensor
+    context_index: torch.Tensor
+    mask: torch.Tensor
+    causal: bool
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """How one layer attends a PackedBatch: ``groups`` in turn, then ``back`` [T] of each row token in their outputs
+    concatenated (each group's output in its padded [S * n] order)."""
+
+    groups: list[PaddedGroup]
+    back: torch.Tensor
+
+
+def _group(
+    lengths: list[int], starts: list[int], context_lengths: list[int], context_starts: list[int], device: torch.device
+) -> PaddedGroup:
+    """The PaddedGroup of segments of ``lengths`` at ``starts`` of the row, each continuing the context of
+    ``context_lengths`` (0: none) at ``context_starts``."""
+    length, first = torch.tensor(lengths, device=device), torch.tensor(starts, device=device)
+    n = max(lengths)
+    pos = torch.arange(n, device=device)
+    valid = pos[None] < length[:, None]  # [S, n]
+    index = torch.where(valid, first[:, None] + pos[None], 0)
+    own = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # causal, real keys only
+    c = max(context_lengths)
+    cpos = torch.arange(c, device=device)
+    seen = cpos[None] < torch.tensor(context_lengths, device=device)[:, None]  # [S, c]
+    context_index = torch.where(seen, torch.tensor(context_starts, device=device)[:, None] + cpos[None], 0)
+    mask = torch.cat([seen[:, None, :].expand(-1, n, -1), own], dim=2)[:, None]
+    return PaddedGroup(index, context_index, mask, causal=c == 0 and min(lengths) == n)
+
+
+def _scores(lengths: list[int], context_lengths: list[int], heads: int) -> int:
+    """Attention scores of one padded call over these segments (what SDPA computes for a masked call)."""
+    n = max(lengths)
+    return len(lengths) * heads * n * (max(context_lengths) + n)
+
+
 @dataclass
 class PackedBatch:
     """Training: segments packed into one [1, T] row (no cache, no padding), each attending causally to itself
@@ -140,31 +188,55 @@ class PackedBatch:
 
     lengths: list[int]  # of each segment, in row order
     context: list[int]  # per segment, the earlier segment it continues, or -1
-    _layout: tuple[torch.Tensor, ...] | None = field(default=None, init=False, repr=False)
+    _layout: PackedLayout | None = field(default=None, init=False, repr=False)
 
-    def layout(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(index, context index, back, mask) for attending all segments in one call, each padded to the longest
-        (n) and each context to the longest (c): index [S, n] of each segment's tokens in the row (0 where padded),
-        context index [S, c] of the tokens of the segment it continues, back [T] of each row token in the padded
-        [S * n] order, and the boolean mask [S, 1, n, c + n] over that context and the segment itself (causal).
-        Computed once for all layers."""
+    def layout(self, device: torch.device, heads: int) -> PackedLayout:
+        """The attention calls for ``heads`` query heads, computed once for all layers. A batch with few scores
+        (at most SMALL_SCORES with every segment padded to the longest and every context to the longest) is one
+        call. Otherwise a segment that continues nothing (a prompt, a lone sequence) attends only to itself:
+        those of one length are one causal call (no mask: flash attention skips the upper triangle), or all of
+        them one padded call where that is small; the continuing segments are one call, padded only among
+        themselves, their keys their context and their own tokens. Padding them to the prompt they share (usually
+        the longest segment), as one call would, computed 2-7x the scores needed: for a row [914 (prompt), 384,
+        125, 125, 125, 210], 10.0M scores per head where 1.4M are needed (docs/benchmarks.md)."""
         if self._layout is None:
-            lengths = torch.tensor(self.lengths, device=device)
-            context = torch.tensor(self.context, device=device)
-            starts = torch.cumsum(lengths, 0) - lengths
-            n = max(self.lengths)
-            pos = torch.arange(n, device=device)
-            valid = pos[None] < lengths[:, None]
-            index = torch.where(valid, starts[:, None] + pos[None], 0)
-            own = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # causal, real keys only
-            parent = context.clamp(min=0)  # -1 (none) reads segment 0, masked out below
-            context_lengths = torch.where(context >= 0, lengths[parent], 0)
-            c = int(context_lengths.max())
-            cpos = torch.arange(c, device=device)
-            seen = cpos[None] < context_lengths[:, None]  # [S, c]
-            context_index = torch.where(seen, starts[parent][:, None] + cpos[None], 0)
-            mask = torch.cat([seen[:, None, :].expand(-1, n, -1), own], dim=2)[:, None]
-            self._layout = (index, context_index, valid.flatten().nonzero()[:, 0], mask)
+            starts = list(itertools.accumulate(self.lengths, initial=0))[:-1]
+            context_lengths = [self.lengths[c] if c >= 0 else 0 for c in self.context]
+            context_starts = [starts[c] if c >= 0 else 0 for c in self.context]
+
+            def scores(ids: list[int]) -> int:
+                return _scores([self.lengths[i] for i in ids], [context_lengths[i] for i in ids], heads)
+
+            every = list(range(len(self.lengths)))
+            roots = [i for i in every if self.context[i] < 0]
+            continuing = [i for i in every if self.context[i] >= 0]
+            if scores(every) <= SMALL_SCORES:
+                parts = [every]
+            else:
+                if roots and scores(roots) <= SMALL_SCORES:
+                    parts = [roots]
+                else:  # one causal call per length
+                    parts = [
+                        [i for i in roots if self.lengths[i] == n] for n in sorted({self.lengths[i] for i in roots})
+                    ]
+                parts += [continuing] if continuing else []
+            groups, back, offset = [], torch.empty(sum(self.lengths), dtype=torch.long, device=device), 0
+            for ids in parts:
+                groups.append(
+                    _group(
+                        [self.lengths[i] for i in ids],
+                        [starts[i] for i in ids],
+                        [context_lengths[i] for i in ids],
+                        [context_starts[i] for i in ids],
+                        device,
+                    )
+                )
+                n = groups[-1].index.shape[1]
+                for j, i in enumerate(ids):  # segment i's output is at offset + j * n of this group's [S * n]
+                    first = offset + j * n
+                    back[starts[i] : starts[i] + self.lengths[i]] = torch.arange(first, first + self.lengths[i])
+                offset += len(ids) * n
+            self._layout = PackedLayout(groups, back)
         return self._layout
 
 
@@ -256,18 +328,26 @@ def _segments(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _packed(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch, scaling: float):
-    # One attention call for all segments (padded to the longest, masked) instead of one per segment: CPU flash
-    # attention's per-call cost dominates at these sizes (faster forward and backward for a typical micro-batch).
-    index, context_index, back, mask = batch.layout(q.device)
-    query, keys, values = _segments(q, index), _segments(k, index), _segments(v, index)
-    if context_index.shape[1]:  # each segment also sees the one it continues
-        keys = torch.cat([_segments(k, context_index), keys], dim=2)
-        values = torch.cat([_segments(v, context_index), values], dim=2)
-    if query.shape[0] * query.shape[1] * query.shape[2] * keys.shape[2] <= SMALL_SCORES:
-        o = _small_attention(query, keys, values, mask, scaling)
-    else:
-        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
-    return o.transpose(1, 2).flatten(0, 1).index_select(0, back)[None]  # back to row order: [1, T, heads, head_dim]
+    # A few attention calls (PackedBatch.layout), not one per segment: CPU flash attention's per-call cost dominates
+    # at these sizes; nor always one for all segments, padded to the longest: that computes 2-7x the scores needed.
+    layout = batch.layout(q.device, q.shape[1])
+    outs = []
+    for group in layout.groups:
+        query, keys, values = _segments(q, group.index), _segments(k, group.index), _segments(v, group.index)
+        if group.context_index.shape[1]:  # each segment also sees the one it continues
+            keys = torch.cat([_segments(k, group.context_index), keys], dim=2)
+            values = torch.cat([_segments(v, group.context_index), values], dim=2)
+        if query.shape[0] * query.shape[1] * query.shape[2] * keys.shape[2] <= SMALL_SCORES:
+            o = _small_attention(query, keys, values, group.mask, scaling)
+        elif group.causal:
+            o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scaling, enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=group.mask, scale=scaling, enable_gqa=True
+            )
+        outs.append(o.transpose(1, 2).flatten(0, 1))  # [S * n, heads, head_dim]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.index_select(0, layout.back)[None]  # back to row order: [1, T, heads, head_dim]
 
 
 def _small_attention(
