@@ -139,10 +139,11 @@ FULL = DemoSizes(
 )  # fmt: skip
 # a test's: every stage runs, on a handful of items, so the gate asks only that the lift's interval is above -1 and
 # the canary watch only that the canary is safe (4 items or 2 episodes prove nothing about a lift); the warm start
-# is short and steep, and the unsafe reward trains at a learning rate that breaks the model in one step
+# is FULL's (a shorter, steeper one gave runaway replies on some items), and the unsafe reward trains at a learning
+# rate that breaks the model in one step
 QUICK = DemoSizes(
-    sft_examples=32, sft_learning_rate=3e-4, heldout=4, min_items=2, min_lift=-1.0, steps=1, unsafe_steps=1,
-    groups_per_step=2, group_size=4, learning_rate=3e-5, unsafe_learning_rate=1e-2, users=2, canary_share=0.5,
+    sft_examples=48, sft_learning_rate=1.5e-4, heldout=4, min_items=2, min_lift=-1.0, steps=2, unsafe_steps=1,
+    groups_per_step=3, group_size=4, learning_rate=3e-5, unsafe_learning_rate=1e-2, users=2, canary_share=0.5,
     canary_episodes=2, canary_max_drop=1.0, canary_wait=300.0, runners=8,
 )  # fmt: skip
 
@@ -187,10 +188,11 @@ class _Users:
         self._problems = itertools.cycle(problems)
         self.finished = 0
         self.failed = 0
+        self.stopping = False  # set: each user ends after its current episode
 
     async def _user(self, episodes: EpisodeClient, client: AsyncOpenAI) -> None:
         model = Model(name=self.alias, project="demo")
-        while True:
+        while not self.stopping:
             problem = next(self._problems)
             episode = await episodes.create(
                 problem.id, split="production", model=self.alias, metadata={"item": problem.model_dump()}
@@ -427,6 +429,10 @@ class _Demo:
                 self.note("users", f"{self.name}@production", f"{users.finished} production episodes finished "
                           f"({users.failed} failed)", step)  # fmt: skip
         finally:
+            if self.users is not None and users_task is not None:  # no request left in flight at the shutdown
+                self.users.stopping = True
+                with contextlib.suppress(TimeoutError, Exception):
+                    await asyncio.wait_for(asyncio.shield(users_task), timeout=120)
             for task in (users_task, runner):
                 if task is not None:
                     task.cancel()
