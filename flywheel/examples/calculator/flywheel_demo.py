@@ -142,7 +142,7 @@ FULL = DemoSizes(
 # is FULL's (a shorter, steeper one gave runaway replies on some items), and the unsafe reward trains at a learning
 # rate that breaks the model in one step
 QUICK = DemoSizes(
-    sft_examples=48, sft_learning_rate=1.5e-4, heldout=4, min_items=2, min_lift=-1.0, steps=2, unsafe_steps=1,
+    sft_examples=48, sft_learning_rate=1.5e-4, heldout=4, min_items=2, min_lift=-1.0, steps=2, unsafe_steps=2,
     groups_per_step=3, group_size=4, learning_rate=3e-5, unsafe_learning_rate=1e-2, users=2, canary_share=0.5,
     canary_episodes=2, canary_max_drop=1.0, canary_wait=300.0, runners=8,
 )  # fmt: skip
