@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import getpass
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -63,6 +64,8 @@ def loop_command(
 
     from flywheel.runs import ModelInUseError
 
+    # the loop's progress (each iteration, gate, shadow and canary decision) is logged under "flywheel.loop"
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         report = asyncio.run(run())
     except ModelInUseError as exc:  # the same loop running already (its model's lock)
@@ -83,6 +86,13 @@ def loop_command(
             "promote" if c.decision.promote else f"hold ({failed})", c.deployed or "-",
         )  # fmt: skip
     console.print(table)
+    for v in report.shadow:
+        diff = "" if v.difference is None else " ({:+.3f} [{:+.3f}, {:+.3f}])".format(*v.difference)
+        console.print(f"shadow: {v.action} after {v.pairs} pairs{diff}: {v.reason}", highlight=False)
+    if report.off_policy:  # who joined, each once; what was left out is looked at again each iteration: the last's
+        joined, last = sum(s.joined for s in report.off_policy), report.off_policy[-1].left_out
+        console.print(f"off-policy members: {joined} production episodes joined groups; left out at the last "
+                      f"iteration: {last or 'none'}", highlight=False)  # fmt: skip
     if report.alarm is not None:
         console.print(f"promotions stopped by the reward-hacking alarm: {report.alarm}; once looked into: "
                       f"flywheel loop {config} --clear-alarm --why ...", highlight=False)  # fmt: skip
