@@ -29,13 +29,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 
-from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
 from flywheel.gateway.export import episode_trajectory
 from flywheel.store import CallRecord
 from flywheel.store import episodes as db
+from flywheel.train.credit import sampled_turns
 from flywheel.types import OFF_POLICY, Trajectory, sampled_tokens
 
 ANSWERED_AT = "answered_at_step"  # an off-policy member's metadata: the oldest checkpoint step that answered it
@@ -83,15 +83,6 @@ def answering_step(calls: Sequence[CallRecord], model: str, base_model: str) -> 
     return min(steps) if steps else None
 
 
-def _choices(trajectory: Trajectory) -> list[Choice]:
-    return [
-        item
-        for history in (trajectory, *trajectory.additional_histories)
-        for item in history.messages_and_choices
-        if isinstance(item, Choice)
-    ]
-
-
 def member(
     episode: db.EpisodeRecord,
     calls: Sequence[CallRecord],
@@ -114,7 +105,7 @@ def member(
     if step - answered > max_staleness:
         return LeftOut.stale
     trajectory = episode_trajectory(episode, list(calls))
-    if any((s := sampled_tokens(c)) is None or s.logprobs is None for c in _choices(trajectory)):
+    if any((s := sampled_tokens(c)) is None or s.logprobs is None for c in sampled_turns(trajectory)):
         return LeftOut.no_logprobs
     trajectory.metadata |= {OFF_POLICY: True, ANSWERED_AT: answered}
     return trajectory
