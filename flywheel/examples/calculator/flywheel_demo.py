@@ -431,7 +431,7 @@ class _Demo:
         finally:
             if self.users is not None and users_task is not None:  # no request left in flight at the shutdown
                 self.users.stopping = True
-                with contextlib.suppress(TimeoutError, Exception):
+                with contextlib.suppress(Exception):  # its TimeoutError included
                     await asyncio.wait_for(asyncio.shield(users_task), timeout=120)
             for task in (users_task, runner):
                 if task is not None:
@@ -506,7 +506,6 @@ async def run_demo(
     started = time.monotonic()
     try:
         demo = _Demo(backend, out, QUICK if quick else FULL, seed, name, console)
-        unsafe_from: int | None = None
         try:
             timeline = await demo.run()
         finally:
