@@ -25,14 +25,18 @@ TRAJECTORIES = RunTrajectory.__table__
 Row = dict[str, Any]
 
 
-def _live(project: str, model: str):
-    return (RunHistoryRow.project == project, RunHistoryRow.model == model, RunHistoryRow.branch.is_(None))
+def _line(table: type[RunHistoryRow | RunTrajectory], project: str, model: str, branch: str | None = None):
+    """The conditions that pick one line of the run in ``table``: its live line, or an abandoned ``branch``."""
+    return (
+        table.project == project,
+        table.model == model,
+        table.branch.is_(None) if branch is None else table.branch == branch,
+    )
 
 
 def rows(s: Session, project: str, model: str, *, branch: str | None = None) -> list[Row]:
     """The run's rows in order: its live line, or those of an abandoned ``branch``."""
-    query = select(RunHistoryRow.row).where(RunHistoryRow.project == project, RunHistoryRow.model == model)
-    query = query.where(RunHistoryRow.branch.is_(None) if branch is None else RunHistoryRow.branch == branch)
+    query = select(RunHistoryRow.row).where(*_line(RunHistoryRow, project, model, branch))
     return [json.loads(text) for text in s.scalars(query.order_by(RunHistoryRow.id))]
 
 
@@ -60,24 +64,15 @@ def add(s: Session, project: str, model: str, new: list[Row]) -> None:
 def replace(s: Session, project: str, model: str, kept: list[Row]) -> None:
     """Make the run's live line exactly ``kept`` (recovery after a crash: rows of steps being redone go)."""
     write_lock(s)
-    s.execute(delete(RunHistoryRow).where(*_live(project, model)))
+    s.execute(delete(RunHistoryRow).where(*_line(RunHistoryRow, project, model)))
     add(s, project, model, kept)
 
 
 def abandon_above(s: Session, project: str, model: str, step: int, branch: str) -> None:
     """Move the live rows and trajectories of steps above ``step`` to ``branch`` (training goes on from ``step``)."""
     write_lock(s)
-    s.execute(update(RunHistoryRow).where(*_live(project, model), RunHistoryRow.step > step).values(branch=branch))
-    live = (RunTrajectory.project == project, RunTrajectory.model == model, RunTrajectory.branch.is_(None))
-    s.execute(update(RunTrajectory).where(*live, RunTrajectory.step > step).values(branch=branch))
-
-
-def _run(project: str, model: str, branch: str | None = None):
-    return (
-        RunTrajectory.project == project,
-        RunTrajectory.model == model,
-        RunTrajectory.branch.is_(None) if branch is None else RunTrajectory.branch == branch,
-    )
+    for table in (RunHistoryRow, RunTrajectory):
+        s.execute(update(table).where(*_line(table, project, model), table.step > step).values(branch=branch))
 
 
 def has_trajectories(s: Session, project: str, model: str) -> bool:
@@ -102,7 +97,7 @@ def trajectories(
     s: Session, project: str, model: str, split: str, step: int | None = None, *, branch: str | None = None
 ) -> list[tuple[int, str]]:
     """``(step, JSON text)`` of the run's trajectories of ``split`` (of one ``step``), in the order saved."""
-    query = select(RunTrajectory.step, RunTrajectory.trajectory).where(*_run(project, model, branch))
+    query = select(RunTrajectory.step, RunTrajectory.trajectory).where(*_line(RunTrajectory, project, model, branch))
     query = query.where(RunTrajectory.split == split)
     if step is not None:
         query = query.where(RunTrajectory.step == step)
@@ -112,16 +107,18 @@ def trajectories(
 def last_saved(s: Session, project: str, model: str) -> tuple[str, int, int] | None:
     """The split and step of the live line's last saved trajectories, and how many that step of that split has:
     what a kill may have left the export without."""
-    query = select(RunTrajectory.split, RunTrajectory.step).where(*_run(project, model))
+    query = select(RunTrajectory.split, RunTrajectory.step).where(*_line(RunTrajectory, project, model))
     last = s.execute(query.order_by(RunTrajectory.id.desc()).limit(1)).first()
     if last is None:
         return None
     split, step = last
-    count = select(func.count()).where(*_run(project, model), RunTrajectory.split == split, RunTrajectory.step == step)
+    count = select(func.count()).where(
+        *_line(RunTrajectory, project, model), RunTrajectory.split == split, RunTrajectory.step == step
+    )
     return split, step, s.scalar(count) or 0
 
 
 def drop_trajectories_above(s: Session, project: str, model: str, step: int) -> None:
     """Delete the live line's trajectories of steps above ``step`` (recovery: those steps are redone)."""
     write_lock(s)
-    s.execute(delete(RunTrajectory).where(*_run(project, model), RunTrajectory.step > step))
+    s.execute(delete(RunTrajectory).where(*_line(RunTrajectory, project, model), RunTrajectory.step > step))
