@@ -273,10 +273,14 @@ class RunStore:
             return self._rows(s)
 
     def _rows(self, s: Session) -> list[Row]:
-        """The store's rows; a file with rows the store lacks (written before it kept them, or pulled) is imported."""
-        if not history_db.has_rows(s, self.project, self.name) and (exported := self._exported()):
-            history_db.add(s, self.project, self.name, exported)
+        """The store's rows (``history.jsonl``'s imported first if it has none)."""
+        self._import_rows(s)
         return history_db.rows(s, self.project, self.name)
+
+    def _import_rows(self, s: Session) -> None:
+        """``history.jsonl``'s rows, when the store has none of the run's (written before it kept them, or pulled)."""
+        if not history_db.has_rows(s, self.project, self.name):
+            history_db.add(s, self.project, self.name, self._exported())
 
     def _exported(self) -> list[Row]:
         """The rows of ``history.jsonl`` (a last line cut short by a kill is not a row)."""
@@ -294,8 +298,7 @@ class RunStore:
         if not rows:
             return
         with _store(self.db).session() as s:
-            if not history_db.has_rows(s, self.project, self.name):  # a file not imported yet goes in first
-                history_db.add(s, self.project, self.name, self._exported())
+            self._import_rows(s)  # a file not imported yet goes in first
             history_db.add(s, self.project, self.name, rows)
         created = not self._history.exists()
         self.path.mkdir(parents=True, exist_ok=True)
