@@ -298,7 +298,7 @@ class Trainer:
         traj_tokens: list[int],
         n_trajectories: int,
         batch_tokens: int,
-        off_policy: list[bool] | None = None,
+        off_policy: list[bool],
     ) -> dict[str, float]:
         """``off_policy``: per trajectory, whether it is an off-policy member; their tokens' importance ratios
         (pi_old / pi_sampler, before the cap) are also reported apart: ``off_policy_is_ratio_mean``, ..."""
@@ -310,7 +310,7 @@ class Trainer:
         stats: dict[str, float] = {}
         tis = {"tokens_with_sampler_logprobs": 0, "ratio_sum": 0.0, "ratio_max": 0.0, "clipped": 0}
         gap_sum, known_tokens, steps = 0.0, 0, 0
-        flags = torch.tensor(off_policy or [False] * len(traj_tokens), dtype=torch.bool, device=tokens_of.device)
+        flags = torch.tensor(off_policy, dtype=torch.bool, device=tokens_of.device)
         off = {"tokens": 0, "ratio_sum": 0.0, "clipped": 0}  # off-policy members' known tokens
         with self._training_mode(config.gradient_checkpointing):
             refs = [self._reference_logprobs(mb) for mb in batches] if config.beta > 0 else [None] * len(batches)
