@@ -315,9 +315,9 @@ class RunStore:
         with _store(self.db).session() as s:
             self._import_trajectories(s)
             history_db.add_trajectories(s, self.project, self.name, split, step, texts)
-        directory = self.path / "trajectories" / split
-        directory.mkdir(parents=True, exist_ok=True)
-        with self._trajectory_file(split, step).open("a") as f:
+        path = self._trajectory_file(split, step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
             f.write("".join(text + "\n" for text in texts))
 
     def trajectories(self, split: str, step: int | None = None) -> list[Trajectory]:
