@@ -455,10 +455,10 @@ class Loop:
     def specs(self, step: int) -> list[TaskSpec]:
         """The groups of the iteration that trains step ``step`` + 1: ``groups_per_step`` pool items (the seed's
         draw). Their ids carry a random part of their own: no run queues a task id an earlier run did."""
-        config = self.config
+        config, prefix = self.config, self.task_prefixes[0]
         chosen = self._rng.sample(sorted(self.pool), min(config.groups_per_step, len(self.pool)))
         return [
-            TaskSpec(task_id=f"train:{config.name}:{step + 1}:{k}:{secrets.token_hex(4)}", payload=self.pool[k],
+            TaskSpec(task_id=f"{prefix}{step + 1}:{k}:{secrets.token_hex(4)}", payload=self.pool[k],
                      group_size=config.group_size, split="train", model=config.name)
             for k in chosen
         ]  # fmt: skip
