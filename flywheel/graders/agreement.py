@@ -19,9 +19,9 @@ from collections import defaultdict
 
 from pydantic import BaseModel
 
+from flywheel import stats
 from flywheel.store.reviews import LabelledGrade
 
-Z95 = 1.959963984540054
 MIN_BOOTSTRAP = 10  # labels before kappa gets an interval
 RESAMPLES = 2000
 
@@ -53,10 +53,8 @@ def wilson(successes: int, n: int) -> Estimate:
     """A proportion with its Wilson score 95% interval (fit for small n and proportions near 0 or 1)."""
     if n == 0:
         return Estimate(value=None)
-    p = successes / n
-    centre = (p + Z95**2 / (2 * n)) / (1 + Z95**2 / n)
-    half = Z95 * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n)) / (1 + Z95**2 / n)
-    return Estimate(value=p, low=max(0.0, centre - half), high=min(1.0, centre + half))
+    low, high = stats.wilson(successes, n)
+    return Estimate(value=successes / n, low=low, high=high)
 
 
 def cohen_kappa(pairs: list[tuple[bool, bool]]) -> float | None:
@@ -90,7 +88,7 @@ def pearson(xs: list[float], ys: list[float]) -> Estimate:
     r = max(-1.0, min(1.0, sxy / math.sqrt(sxx * syy)))
     if n < 4 or abs(r) == 1:
         return Estimate(value=r)
-    z, half = math.atanh(r), Z95 / math.sqrt(n - 3)
+    z, half = math.atanh(r), stats.Z95 / math.sqrt(n - 3)
     return Estimate(value=r, low=math.tanh(z - half), high=math.tanh(z + half))
 
 

@@ -8,8 +8,6 @@ The interval is Wilson's when every score is 0 or 1 (a pass rate), else a percen
 from __future__ import annotations
 
 import asyncio
-import math
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +26,11 @@ from flywheel.home import default_home
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.model import Model, TrainableModel
 from flywheel.runs import RunStore, model_path
-from flywheel.stats import bootstrap_mean
+from flywheel.stats import bootstrap_mean, wilson
 from flywheel.train.config import TrainedWeights
 from flywheel.types import Trajectory
 
 ROLLOUT_ERROR = "rollout_error"
-_Z95 = statistics.NormalDist().inv_cdf(0.975)
 
 
 class Interval(BaseModel):
@@ -41,16 +38,6 @@ class Interval(BaseModel):
     low: float
     high: float
     method: str  # "wilson" | "bootstrap" | "none" (fewer than 2 values)
-
-
-def wilson(successes: float, n: int, z: float = _Z95) -> tuple[float, float]:
-    """Wilson score interval for a proportion (95% by default); (0, 0) for no trials."""
-    if n == 0:
-        return (0.0, 0.0)
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def mean_interval(values: list[float], resamples: int = 4000, seed: int = 0) -> Interval:
