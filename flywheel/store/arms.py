@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
-from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -30,6 +29,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from flywheel.store.costs import Prices, Usage, usage
+from flywheel.store.db import in_chunks
 from flywheel.store.episodes import EpisodeRecord, EpisodeStatus, Timestamp, _episode, get_episode
 from flywheel.store.schema import AuditEvent, Call, Episode, Feedback
 
@@ -39,7 +39,6 @@ SHADOW_OF_KEY = "flywheel_shadow_of"  # a shadow episode's meta: its production 
 MIXED = "mixed"  # meta[ARM_KEY] of an episode that more than one deployment answered
 SHADOW_SPLIT = "shadow"
 SHADOW_ID_PREFIX = "sh_"  # a shadow episode's id; an episode created through the API has another ("ep_")
-CHUNK = 500  # ids per IN (...) query
 
 
 def mark_arm(s: Session, episode_id: str, arm: str) -> str:
@@ -126,10 +125,6 @@ class ArmsReport(BaseModel):
     mixed: list[ArmEpisode]  # answered by more than one deployment in the window: in no arm
 
 
-def _chunks(ids: list[str]) -> Iterable[list[str]]:
-    return (ids[i : i + CHUNK] for i in range(0, len(ids), CHUNK))
-
-
 def arms(
     s: Session,
     model: str,
@@ -165,7 +160,7 @@ def arms(
     ids = sorted(answered)
     episodes: dict[str, Episode] = {}
     feedback: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for chunk in _chunks(ids):
+    for chunk in in_chunks(ids):
         episodes |= {row.id: row for row in s.scalars(select(Episode).where(Episode.id.in_(chunk)))}
         rows = s.execute(
             select(Feedback.episode_id, Feedback.kind, Feedback.value)

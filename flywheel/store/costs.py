@@ -22,11 +22,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from flywheel.store.db import in_chunks
 from flywheel.store.schema import Call
 
 PRICES_ENV = "FLYWHEEL_PRICES"  # the path of the prices file a gateway reads when it starts
 PER_TOKENS = 1_000_000  # prices are per this many tokens
-CHUNK = 500  # ids per IN (...) query
 
 
 class Price(BaseModel):
@@ -91,13 +91,13 @@ def usage(s: Session, episode_ids: Iterable[str], prices: Prices) -> dict[str, U
     """The usage of each of these episodes (those without calls: zeros), in one query per 500 ids."""
     ids = list(dict.fromkeys(episode_ids))
     out = {i: Usage(currency=prices.currency) for i in ids}
-    for start in range(0, len(ids), CHUNK):
+    for chunk in in_chunks(ids):
         query = (
             select(
                 Call.episode_id, Call.model, Call.deployment, func.count(), func.sum(Call.prompt_tokens),
                 func.sum(Call.completion_tokens), func.sum(Call.latency_ms),
             )
-            .where(Call.episode_id.in_(ids[start : start + CHUNK]))
+            .where(Call.episode_id.in_(chunk))
             .group_by(Call.episode_id, Call.model, Call.deployment)
         )  # fmt: skip
         for episode_id, model, deployment, calls, prompt, completion, latency in s.execute(query):

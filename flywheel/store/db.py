@@ -25,6 +25,7 @@ from flywheel.home import default_home
 T = TypeVar("T")
 MIGRATIONS = Path(__file__).parent / "migrations"
 _migrating = threading.Lock()  # two stores opened at once in one process migrate one after the other
+IN_CHUNK = 500  # ids per IN (...) query
 MIGRATIONS_LOCK = 0x466C7977686565  # PostgreSQL's advisory lock that migrations hold ("Flywhee")
 
 
@@ -138,6 +139,11 @@ def _check_value(where: str, kind: String | JSON, value: Any) -> None:
                 f"{where} cannot be stored: it holds {_bad_number(value)}; JSON has no NaN or infinity"
                 " (send a finite number or null)"
             ) from None
+
+
+def in_chunks(ids: list[str]) -> Iterator[list[str]]:
+    """``ids`` in slices of at most IN_CHUNK, one ``IN (...)`` query each (databases bound a statement's parameters)."""
+    return (ids[i : i + IN_CHUNK] for i in range(0, len(ids), IN_CHUNK))
 
 
 def write_lock(s: Session) -> None:
