@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import threading
 import time
 import warnings
@@ -27,6 +26,7 @@ from flywheel.runs import HISTORY, RunStore, model_path
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
 from flywheel.store import Store
+from flywheel.store.db import default_url
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights, warn_once
 from flywheel.train.trainer import Trainer, load_for_serving
 from flywheel.types import TrainResult, Trajectory, TrajectoryGroup
@@ -124,7 +124,7 @@ class LocalBackend:
     def _serve(self) -> None:
         if self._serve_http and self._server is None:
             # episodes recorded through the gateway: FLYWHEEL_DB, else SQLite in this backend's home
-            self.gateway = Gateway(Store(os.environ.get("FLYWHEEL_DB") or f"sqlite:///{self.path / 'flywheel.db'}"))
+            self.gateway = Gateway(Store(default_url(self.path)))
             app = create_app(self.registry, self.gateway, auth=self._api_keys)
             self._server = BackgroundServer(app, self._host, self._port).start()
 

@@ -51,6 +51,7 @@ from sqlalchemy.orm import Session
 
 from flywheel.store import Store
 from flywheel.store import history as history_db
+from flywheel.store.db import default_url
 from flywheel.train.config import TrainedWeights
 from flywheel.types import Trajectory
 
@@ -137,7 +138,7 @@ class RunStore:
         self._lock_fd: int | None = None
         where = self.path.absolute()
         self.project, self.name = where.parent.parent.name, where.name
-        self.db = db or os.environ.get("FLYWHEEL_DB") or f"sqlite:///{where.parent.parent.parent / 'flywheel.db'}"
+        self.db = db or default_url(where.parent.parent.parent)
 
     # ---- lock --------------------------------------------------------------------------------------------------
 

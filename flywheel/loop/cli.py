@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import getpass
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -104,7 +103,7 @@ def _clear_alarm(loop_config: LoopConfig, source: Path, home: Path | None, actor
     from flywheel.loop.alarm import NoAlarmError, clear
     from flywheel.runs import RunStore, model_path
     from flywheel.store import Store
-    from flywheel.store.db import StoreUnavailableError
+    from flywheel.store.db import StoreUnavailableError, default_url
 
     if not why:
         typer.echo(f"{source}: --clear-alarm needs --why: the reason goes into the audit trail", err=True)
@@ -113,7 +112,7 @@ def _clear_alarm(loop_config: LoopConfig, source: Path, home: Path | None, actor
     models = model_path(root, loop_config.project, loop_config.name)
     step = (RunStore(models).latest() if models.exists() else None) or 0
     try:
-        store = Store(os.environ.get("FLYWHEEL_DB") or f"sqlite:///{root / 'flywheel.db'}")
+        store = Store(default_url(root))
     except StoreUnavailableError as exc:
         typer.echo(f"{source}: {exc}", err=True)
         raise typer.Exit(2) from None

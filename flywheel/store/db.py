@@ -29,9 +29,9 @@ IN_CHUNK = 500  # ids per IN (...) query
 MIGRATIONS_LOCK = 0x466C7977686565  # PostgreSQL's advisory lock that migrations hold ("Flywhee")
 
 
-def default_url() -> str:
-    """``FLYWHEEL_DB`` if set, else SQLite in ``FLYWHEEL_HOME`` (``flywheel.db``)."""
-    return os.environ.get("FLYWHEEL_DB") or f"sqlite:///{default_home() / 'flywheel.db'}"
+def default_url(home: Path | None = None) -> str:
+    """``FLYWHEEL_DB`` if set, else SQLite in ``home`` (default ``FLYWHEEL_HOME``): ``flywheel.db``."""
+    return os.environ.get("FLYWHEEL_DB") or f"sqlite:///{(home or default_home()) / 'flywheel.db'}"
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
