@@ -43,6 +43,7 @@ from rich.table import Table
 from flywheel.backend import LocalBackend
 from flywheel.examples.calculator.agent import rollout
 from flywheel.examples.calculator.task import CALCULATOR_TOOL, Problem, demonstration, generate_problems
+from flywheel.examples.calculator.train import register_new
 from flywheel.gateway.client import EpisodeClient, QueueClient
 from flywheel.gateway.runner import Runner, current_lease
 from flywheel.inference.loading import EMBEDDED_MODEL
@@ -319,9 +320,7 @@ class _Demo:
         sizes = self.sizes
         policy = self.loop(self.policy, steps=sizes.steps, candidate_every=1, lr=sizes.learning_rate)
         model = self.model = policy.model
-        await model.register(self.backend)
-        if await model.get_step() > 0:
-            raise RuntimeError(f"{self.backend.model_dir(model)} already has checkpoints: the demo starts afresh")
+        await register_new(model, self.backend, remedy="the demo starts afresh (give another --out).")
         self.root = self.backend.base_url.removesuffix("/v1")
         self.note(
             "setup", "-",

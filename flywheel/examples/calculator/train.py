@@ -127,13 +127,14 @@ class LevelCurriculum:
         return {f"level_weight/{level}": w for level, w in self.weights().items()}
 
 
-async def register_new(model: TrainableModel, backend: LocalBackend) -> None:
-    """Register a job's model, refusing a name that already has checkpoints (a job starts from its base model)."""
+async def register_new(
+    model: TrainableModel, backend: LocalBackend, remedy: str = "pick another --name or delete that directory."
+) -> None:
+    """Register a job's model, refusing a name that already has checkpoints (a job starts from its base model);
+    the error says ``remedy``."""
     await model.register(backend)
     if await model.get_step() > 0:
-        raise RuntimeError(
-            f"{backend.model_dir(model)} already has checkpoints; pick another --name or delete that directory."
-        )
+        raise RuntimeError(f"{backend.model_dir(model)} already has checkpoints; {remedy}")
 
 
 async def run(config: JobConfig, console: Console | None = None) -> dict:
