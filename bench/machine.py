@@ -3,7 +3,9 @@ on Intel Sapphire Rapids vs AVX512-BF16 only on AMD Zen 4 changes bf16 matmul sp
 
 from __future__ import annotations
 
+import json
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -31,3 +33,11 @@ def describe() -> dict:
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+
+
+def save_result(name: str, result: dict) -> Path:
+    """Write ``result`` to bench/results/<name>-<time>.json and print the path."""
+    out = Path(__file__).parent / "results" / time.strftime(f"{name}-%Y%m%d-%H%M%S.json")
+    out.write_text(json.dumps(result, indent=1))
+    print(out)
+    return out

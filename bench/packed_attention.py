@@ -10,12 +10,10 @@ that tree first on the path: ``git archive <commit> flywheel | tar -x -C /tmp/ol
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
-from machine import describe  # bench/machine.py
+from machine import describe, save_result  # bench/machine.py
 
 from flywheel.inference import kv_attention
 
@@ -58,7 +56,6 @@ def main() -> None:
         seconds = layer_seconds(lengths, context, args.reps)
         rows.append({"layout": name, "lengths": lengths, "context": context, "seconds": seconds})
         print(f"{name:32s} {seconds * 1000:8.1f} ms", flush=True)
-    out = Path(__file__).parent / "results" / time.strftime("packed_attention-%Y%m%d-%H%M%S.json")
     result = {
         "label": args.label,
         "machine": describe(),
@@ -66,8 +63,7 @@ def main() -> None:
         "threads": args.threads,
         "rows": rows,
     }
-    out.write_text(json.dumps(result, indent=1))
-    print(out)
+    save_result("packed_attention", result)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from machine import describe  # bench/machine.py
+from machine import describe, save_result  # bench/machine.py
 from openai.types.chat.chat_completion import Choice
 
 from flywheel.examples.support.agent import expert_rollout
@@ -88,7 +87,6 @@ def main() -> None:
     finally:
         engine.close()
     print(f"RL update: {seconds:.1f} s, {metrics['tokens_trained']:.0f} trained tokens", flush=True)
-    out = Path(__file__).parent / "results" / time.strftime("support_step-%Y%m%d-%H%M%S.json")
     result = {
         "label": args.label,
         "machine": describe(),
@@ -100,8 +98,7 @@ def main() -> None:
         "seconds": seconds,
         "metrics": metrics,
     }
-    out.write_text(json.dumps(result, indent=1))
-    print(out)
+    save_result("support_step", result)
 
 
 if __name__ == "__main__":
