@@ -25,10 +25,12 @@ directory so that their pins (``openpipe`` pins an old ``openai``) do not change
     pip install --no-deps --target /tmp/art-e-deps litellm==1.65.0.post1  # ART-E's lock (newer: no DISK cache)
 
 ART-E runs with ``--deps /tmp/art-e-deps --deps /tmp/art-example-deps`` (the first wins), the others with
-``--deps /tmp/art-example-deps``.
+``--deps /tmp/art-example-deps``. A file the ART copy lacks (a mirror without its large files: temporal-clue's
+``examples/data/temporal-clue/puzzles.json``) can be given with ``--data ART_PATH=FILE``, reported beside the
+overrides; ``bench/temporal_clue_puzzles.py`` builds temporal-clue's from its generator.
 
 Usage: ``python bench/art_examples.py ART_DIR [--commit HEAD] [--only tic-tac-toe 2048 ...] [--timeout 300]
-[--deps /tmp/art-example-deps] [--keep]``; prints a Markdown table and writes
+[--deps /tmp/art-example-deps] [--data ART_PATH=FILE] [--keep]``; prints a Markdown table and writes
 bench/results/art-examples-<time>.json. Waits while ``/tmp/QUIET`` exists (a benchmark that must run alone).
 """
 
@@ -157,6 +159,7 @@ class Result:
     name: str
     commit: str
     overrides: list[str]
+    supplied: list[str]  # files the ART copy lacked, given with --data
     result: str  # ran | failed | timeout | not run
     error: str
     seconds: float
@@ -170,9 +173,12 @@ def art_commit(art_dir: Path, commit: str) -> str:
     ).stdout.strip()
 
 
-def copy_from_art(art_dir: Path, commit: str, paths: tuple[str, ...], into: Path) -> None:
+def copy_from_art(
+    art_dir: Path, commit: str, paths: tuple[str, ...], into: Path, supplied: dict[str, Path]
+) -> list[str]:
     """``paths`` of ART's tree at ``commit`` under ``into``, file by file (a bare directory works too); a file whose
-    contents the copy does not hold (a mirror without its large files) is an error naming it."""
+    contents the copy does not hold (a mirror without its large files) is taken from ``supplied`` (``--data``), else
+    an error naming it. Returns what was supplied, as ``path <- file``."""
     listing = subprocess.run(
         ["git", "-C", str(art_dir), "ls-tree", "-r", "--name-only", commit, "--", *paths],
         check=True,
@@ -181,12 +187,22 @@ def copy_from_art(art_dir: Path, commit: str, paths: tuple[str, ...], into: Path
     ).stdout.split()
     if not listing:
         raise FileNotFoundError(f"ART {commit[:12]} has none of {', '.join(paths)}")
+    used = []
     for name in listing:
         blob = subprocess.run(["git", "-C", str(art_dir), "show", f"{commit}:{name}"], capture_output=True)
-        if blob.returncode != 0:
-            raise FileNotFoundError(f"this ART copy lacks the contents of {name} ({blob.stderr.decode().strip()})")
         (into / name).parent.mkdir(parents=True, exist_ok=True)
-        (into / name).write_bytes(blob.stdout)
+        if blob.returncode == 0:
+            (into / name).write_bytes(blob.stdout)
+        elif name in supplied:
+            shutil.copyfile(supplied[name], into / name)
+            used.append(f"{name} <- {supplied[name]}")
+            print(f"  {name}: not in this ART copy, supplied: {supplied[name]}")
+        else:
+            raise FileNotFoundError(
+                f"this ART copy lacks the contents of {name} ({blob.stderr.decode().strip()}): "
+                f"give it with --data {name}=FILE"
+            )
+    return used
 
 
 def substitute(path: Path, pattern: re.Pattern[str] | str, new: str, *, required: bool) -> None:
@@ -246,11 +262,11 @@ def run(example: Example, art_dir: Path, commit: str, args: argparse.Namespace, 
     root.mkdir()
     print(f"{example.name}: ART {commit[:12]}, {', '.join(example.paths)} -> {root}")
     try:
-        copy_from_art(art_dir, commit, example.paths, root)
+        supplied = copy_from_art(art_dir, commit, example.paths, root, args.data)
     except FileNotFoundError as exc:  # e.g. a mirror without the large files (their data sets)
         error = f"not copied: {exc}"
         print(f"  {error}")
-        return Result(example.name, commit, [], "not run", error, 0.0, "", example.needs)
+        return Result(example.name, commit, [], [], "not run", error, 0.0, "", example.needs)
     overrides = prepare(example, root, args.base_model)
     script = root / example.script
     python_path = [str(root / p) for p in example.python_path] + [str(d) for d in args.deps]
@@ -287,7 +303,7 @@ def run(example: Example, art_dir: Path, commit: str, args: argparse.Namespace, 
     else:
         error = ""
     print(f"  {result} in {seconds:.0f}s{': ' + error if error else ''} (log: {log})")
-    return Result(example.name, commit, overrides, result, error, round(seconds, 1), str(log), example.needs)
+    return Result(example.name, commit, overrides, supplied, result, error, round(seconds, 1), str(log), example.needs)
 
 
 def cpu() -> str:
@@ -298,6 +314,14 @@ def cpu() -> str:
             if key.strip() == "model name":
                 return f"{value.strip()}, {os.cpu_count()} cores"
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def data_file(value: str) -> tuple[str, Path]:
+    """``--data ART_PATH=FILE``: FILE must exist."""
+    name, sep, file = value.partition("=")
+    if not sep or not name or not Path(file).is_file():
+        raise argparse.ArgumentTypeError(f"expected ART_PATH=FILE with an existing FILE, got {value!r}")
+    return name, Path(file)
 
 
 def main() -> None:
@@ -313,9 +337,18 @@ def main() -> None:
         default=[],
         help="a directory of the scripts' own imports (pip install --target); repeat for several, first wins",
     )
+    parser.add_argument(
+        "--data",
+        type=data_file,
+        action="append",
+        default=[],
+        metavar="ART_PATH=FILE",
+        help="the contents of a file this ART copy lacks (e.g. temporal-clue's puzzles.json); repeat for several",
+    )
     parser.add_argument("--base-model", default=EMBEDDED_MODEL)
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (the copies, logs)")
     args = parser.parse_args()
+    args.data = dict(args.data)
     commit = art_commit(args.art, args.commit)
     chosen = [e for name in args.only for e in EXAMPLES if e.name == name] if args.only else list(EXAMPLES)
     work = Path(tempfile.mkdtemp(prefix="art-examples-"))
@@ -329,7 +362,8 @@ def main() -> None:
     for r in results:
         outcome = r.result + (f": `{r.error}`" if r.error else "")
         print(
-            f"| {r.name} | {r.commit[:12]} | {'; '.join(f'`{o}`' for o in r.overrides) or 'none'} | {outcome} | "
+            f"| {r.name} | {r.commit[:12]} | {'; '.join(f'`{o}`' for o in r.overrides + r.supplied) or 'none'} | "
+            f"{outcome} | "
             f"{r.seconds:.0f} s | {machine} |"
         )
     out = Path(__file__).parent / "results" / f"art-examples-{time.strftime('%Y%m%d-%H%M%S')}.json"
