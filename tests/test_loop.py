@@ -363,6 +363,33 @@ async def test_a_shadow_goes_to_canary_or_is_stopped_by_its_answers_paired_with_
         assert audit.verify(s).ok
 
 
+async def test_the_shadow_watch_reads_an_unpaired_episode_again_only_once_a_late_mirror_adds_a_call(
+    backend: LocalBackend, tmp_path, monkeypatch
+):
+    """A shadow episode that missed its finished original's last call is not read again at every iteration (each
+    read: both episodes' calls); once a late mirror adds that call, it is, and pairs."""
+    path = write_config(tmp_path)
+    (tmp_path / "stack.json").write_text(json.dumps(WATCH_STACK))
+    config = LoopConfig.load(path).model_copy(
+        update={"name": "unpaired-agent", "shadow": ShadowPolicy(share=0.5, min_pairs=2)}
+    )
+    loop, store = Loop(config, backend, actor="test"), backend.gateway.store
+    prod, shadow = "unpaired-agent@production", "unpaired-agent@shadow"
+    with store.session() as s:
+        deployments.deploy(s, prod, 1, actor="test")
+        deployments.deploy(s, shadow, 2, actor="test", share=0.5)
+    origin = answered(store, prod, 1, "Your refund is on its way.")
+    missed = mirrored(store, origin, shadow, 2, "Hello.", [{"role": "user", "content": "hi"}])  # an earlier call's
+    read, calls = [], db.calls
+    monkeypatch.setattr(db, "calls", lambda s, episode_id: read.append(episode_id) or calls(s, episode_id))
+    for _ in range(3):
+        assert (await loop.watch_shadow()).pairs == 0
+    assert read.count(missed) == 1
+    mirrored(store, origin, shadow, 2, "Your refund is on its way.")  # the original's last call, mirrored late
+    late = await loop.watch_shadow()
+    assert (late.action, late.pairs, read.count(missed)) == ("wait", 1, 2)
+
+
 def steps(rewards: list[float], holdout: list[float] | None) -> list[dict[str, float]]:
     return [{"reward": r} | ({"holdout/polite": h} if holdout else {}) for r, h in zip(rewards, holdout or rewards)]
 

@@ -170,6 +170,9 @@ class Loop:
         # shadow episodes the shadow watch paired and scored, by the shadow's deploy event and id (one shadow episode
         # per production episode: its calls may come from two shadows deployed one after the other)
         self._pairs: dict[tuple[int, str], Pair] = {}
+        # shadow episodes whose finished original had other last messages (the mirror missed its last call), by the
+        # same key -> their calls then: read again only once a late mirror has added one
+        self._unpaired: dict[tuple[int, str], int] = {}
         self.production: dict[str, list[str]] = {}  # pool key -> its finished production episodes, oldest first
         self.off_policy_used: dict[str, int] = {}  # production episode -> its answering step, once it trained
         self.model = TrainableModel(
@@ -358,14 +361,20 @@ class Loop:
             if shadow is None:
                 return None
             mirrored = arms(s, name, since_event=shadow.event_id).arms.get(f"{name}@shadow")
-            linked = {e.id: e.shadow_of for e in (mirrored.episodes if mirrored else []) if e.shadow_of}
+            episodes = mirrored.episodes if mirrored else []
+            linked = {e.id: (e.shadow_of, e.usage.calls) for e in episodes if e.shadow_of}
             inputs = {}
-            for shadow_id, origin in sorted(linked.items()):
-                if (shadow.event_id, shadow_id) in self._pairs or db.get_episode(s, origin).status != "finished":
+            for shadow_id, (origin, count) in sorted(linked.items()):
+                key = (shadow.event_id, shadow_id)
+                if key in self._pairs or self._unpaired.get(key) == count:  # no new call since it was looked at
+                    continue
+                if db.get_episode(s, origin).status != "finished":
                     continue
                 mirror, answered = db.calls(s, shadow_id), db.calls(s, origin)
                 if mirror and answered and mirror[-1].request.get("messages") == answered[-1].request.get("messages"):
                     inputs[shadow_id] = (origin, last_sample(mirror), last_sample(answered), gdb.item_of(s, origin))
+                else:
+                    self._unpaired[key] = len(mirror)
         scored = []
         for shadow_id, (origin, mirror, answered, item) in inputs.items():
             candidate, current = await score(self.stack, mirror, item), await score(self.stack, answered, item)
