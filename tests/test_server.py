@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import httpx
 import openai
@@ -117,6 +118,32 @@ async def test_context_overflow_is_400_and_says_the_limit(client, engine):
         await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=engine.context_length + 1)
     assert err.value.body["code"] == "context_length_exceeded"
     assert str(engine.context_length) in err.value.body["message"]
+
+
+async def test_context_overflow_says_the_largest_max_tokens_that_fits(client, engine):
+    """ART's scripts written for big models ask max_completion_tokens=8000: refused as OpenAI and vLLM refuse it (not
+    clipped), the message naming the context, the prompt's tokens and the largest max_tokens that fits."""
+    prompt = (await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)).usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_completion_tokens=engine.context_length
+        )
+    message = err.value.body["message"]
+    assert err.value.body["code"] == "context_length_exceeded" and err.value.body["param"] == "messages"
+    assert f"maximum context length is {engine.context_length} tokens" in message
+    assert f"({prompt} in the messages, {engine.context_length} in the completion)" in message
+    assert f"At most {engine.context_length - prompt} completion tokens fit" in message and "max_tokens" in message
+    # messages that alone fill the context (refused before any prefill): no max_tokens fits, say by how much to cut
+    long = [{"role": "user", "content": "day " * engine.context_length}]
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.chat.completions.create(model=MODEL, messages=long)
+    message = err.value.body["message"]
+    assert err.value.body["code"] == "context_length_exceeded"
+    tokens = int(re.search(r"\((\d+) in the messages, 1 in the completion\)", message).group(1))
+    assert (
+        f"The messages alone fill the context: shorten them by at least {tokens - engine.context_length + 1} "
+        in message
+    )
 
 
 @pytest.mark.parametrize(

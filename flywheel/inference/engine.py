@@ -51,14 +51,23 @@ class EngineClosedError(RuntimeError):
 
 
 class ContextOverflowError(ValueError):
-    """Prompt plus requested completion does not fit in the model's context window."""
+    """Prompt plus requested completion does not fit in the model's context window. The message is OpenAI's (and
+    vLLM's), then what to do: the largest ``max_tokens`` that fits after these messages, or how much to shorten them.
+    The request is refused, not clipped to what is left, as they do."""
 
     def __init__(self, limit: int, prompt_tokens: int, max_tokens: int):
         self.limit, self.prompt_tokens, self.max_tokens = limit, prompt_tokens, max_tokens
+        largest = limit - prompt_tokens  # the largest max_tokens that fits; 0 or less: none does
+        remedy = (
+            f"At most {largest} completion tokens fit after these messages: ask max_tokens (or "
+            f"max_completion_tokens) of {largest} or less, or leave it out for whatever the context has left."
+            if largest > 0
+            else f"The messages alone fill the context: shorten them by at least {1 - largest} tokens."
+        )
         super().__init__(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). "
-            "Please reduce the length of the messages or completion."
+            f"Please reduce the length of the messages or completion. {remedy}"
         )
 
 
