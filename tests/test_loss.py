@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flywheel.train.config import TrainConfig
-from flywheel.train.loss import advantages, importance_weights, policy_loss
+from flywheel.train.loss import advantages, importance_weights, policy_loss, ratio_stats
 
 # two sequences: seq 0 has two tokens (A = +1), seq 1 has one token (A = -1)
 LOGP = [-1.0, -2.0, -0.5]
@@ -171,15 +171,21 @@ def test_zero_variance_trajectories_count_in_grpo_means():
 def test_truncated_importance_weights_scale_the_policy_gradient_and_are_capped():
     old = torch.tensor([-1.0, -2.0, -0.5, -0.3])
     sampler = torch.tensor([-1.0 - math.log(1.5), -2.0 + math.log(2.0), math.nan, -0.3 - math.log(5.0)])
-    weights, stats = importance_weights(old, sampler, cap=2.0)
+    weights, ratio = importance_weights(old, sampler, cap=2.0)
     # pi_old / pi_sampler: 1.5, 0.5, unknown -> 1, 5 -> capped at 2
     assert weights.tolist() == pytest.approx([1.5, 0.5, 1.0, 2.0], abs=1e-6)
-    assert stats == {
-        "tokens_with_sampler_logprobs": 3,
+    assert ratio_stats(ratio, 2.0) == {
+        "tokens": 3,
         "ratio_sum": pytest.approx(7.0),
         "ratio_max": pytest.approx(5.0),
         "clipped": 1,
     }
+    # without a cap: no weights, the same ratios (what the trainer reports of off-policy members), none clipped
+    uncapped, same = importance_weights(old, sampler, cap=None)
+    assert uncapped is None and torch.equal(same.isnan(), ratio.isnan()) and ratio_stats(same, None)["clipped"] == 0
+    assert ratio_stats(same[torch.tensor([False, True, True, False])], None) == {
+        "tokens": 1, "ratio_sum": pytest.approx(0.5), "ratio_max": pytest.approx(0.5), "clipped": 0
+    }  # fmt: skip
     lp = old.clone().requires_grad_(True)
     adv, seq = torch.tensor([1.0, 1.0, 1.0, 1.0]), torch.tensor([0, 1, 2, 3])
     loss, _ = policy_loss(lp, old, adv, seq, 4, TrainConfig(loss="dapo"), is_weight=weights)

@@ -21,7 +21,7 @@ from flywheel.train.batch import pack, trajectory_sequences
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 from flywheel.train.credit import set_turn_rewards
 from flywheel.train.trainer import Trainer, lr_multiplier
-from flywheel.types import set_sampled_tokens
+from flywheel.types import OFF_POLICY, set_sampled_tokens
 
 from helpers import lora_b_off_zero
 
@@ -116,11 +116,17 @@ async def test_stale_rollouts_train_with_truncated_importance_weights(trainer: T
     # sampled by these very weights: the ratio is 1 to rounding, and the gap ignores the hand-built tokens
     assert first["is_ratio_mean"] == pytest.approx(1.0, abs=1e-3) and first["sampler_logprob_gap"] < 1e-3
     # the same groups again: sampled by the weights before the step (as groups gathered before a train() are)
+    for t in (t for g in gathered for t in g.trajectories):
+        t.metadata[OFF_POLICY] = True  # all of them: their ratios, reported apart, are all the ratios
     second = trainer.rl_step(gathered, config)
     assert abs(second["is_ratio_mean"] - 1.0) > 1e-3 and second["is_ratio_max"] > 1.0
     assert second["sampler_logprob_gap"] > 1e-3
+    assert second["off_policy_tokens"] == second["tokens_trained"] - second["tokens_without_sampler_logprobs"]
+    assert second["off_policy_is_ratio_mean"] == pytest.approx(second["is_ratio_mean"])
+    assert second["off_policy_is_clipped_fraction"] == pytest.approx(second["is_clipped_fraction"])
     off = trainer.rl_step(gathered, config.model_copy(update={"importance_sampling_cap": None}))
-    assert "is_ratio_mean" not in off
+    assert "is_ratio_mean" not in off and off["off_policy_is_clipped_fraction"] == 0.0
+    assert abs(off["off_policy_is_ratio_mean"] - 1.0) > 1e-3  # reported without a cap too
 
 
 async def test_turn_credit_trains_a_group_whose_total_rewards_tie(trainer: Trainer):

@@ -97,14 +97,19 @@ def policy_loss(
 
 
 def importance_weights(
-    old_logp: torch.Tensor, sampler_logp: torch.Tensor, cap: float
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """TIS: min(pi_old / pi_sampler, cap) per token, 1 where the sampler's log-prob is unknown (NaN); and its
-    metrics over the tokens that have one."""
-    known = ~torch.isnan(sampler_logp)
-    ratio = torch.exp(old_logp - torch.where(known, sampler_logp, old_logp))
-    seen = ratio[known]
-    stats = {"tokens_with_sampler_logprobs": int(known.sum())}
-    if seen.numel():
-        stats |= {"ratio_sum": float(seen.sum()), "ratio_max": float(seen.max()), "clipped": int((seen > cap).sum())}
-    return ratio.clamp(max=cap), stats
+    old_logp: torch.Tensor, sampler_logp: torch.Tensor, cap: float | None
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """TIS per token: the weight min(pi_old / pi_sampler, cap), 1 where the sampler's log-prob is unknown (NaN), None
+    without a cap; and the ratio pi_old / pi_sampler itself, NaN where unknown (its metrics: ``ratio_stats``)."""
+    ratio = torch.exp(old_logp - sampler_logp)
+    weight = None if cap is None else torch.where(torch.isnan(sampler_logp), 1.0, ratio).clamp(max=cap)
+    return weight, ratio
+
+
+def ratio_stats(ratio: torch.Tensor, cap: float | None) -> dict[str, float]:
+    """Over the tokens whose ratio is known (not NaN): how many, the ratios' sum and max, how many the cap clips."""
+    seen = ratio[~torch.isnan(ratio)]
+    if not seen.numel():
+        return {"tokens": 0, "ratio_sum": 0.0, "ratio_max": 0.0, "clipped": 0}
+    clipped = int((seen > cap).sum()) if cap is not None else 0
+    return {"tokens": seen.numel(), "ratio_sum": float(seen.sum()), "ratio_max": float(seen.max()), "clipped": clipped}

@@ -27,7 +27,7 @@ from flywheel.train.batch import MicroBatch, TrainingSequence, pack, trajectory_
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 from flywheel.train.credit import credit_advantages, has_signal, total_reward
 from flywheel.train.logprobs import token_logprobs
-from flywheel.train.loss import importance_weights, policy_loss
+from flywheel.train.loss import importance_weights, policy_loss, ratio_stats
 from flywheel.types import OFF_POLICY, Trajectory, TrajectoryGroup
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((name, np_keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _add_stats(total: dict[str, float], part: dict[str, float]) -> None:
+    """``ratio_stats`` of one micro-batch added into the step's: sums, and the max of ``ratio_max``."""
+    for k, v in part.items():
+        total[k] = max(total[k], v) if k == "ratio_max" else total[k] + v
 
 
 class Trainer:
@@ -308,10 +314,11 @@ class Trainer:
         lr = config.learning_rate * lr_multiplier(config, self.rl_steps)
         optimizer = self._optimizer(lr, config.weight_decay)
         stats: dict[str, float] = {}
-        tis = {"tokens_with_sampler_logprobs": 0, "ratio_sum": 0.0, "ratio_max": 0.0, "clipped": 0}
-        gap_sum, known_tokens, steps = 0.0, 0, 0
+        cap = config.importance_sampling_cap
+        tis = ratio_stats(torch.empty(0), cap)  # over every token with a sampler log-prob
+        off = ratio_stats(torch.empty(0), cap)  # over off-policy members' such tokens
+        gap_sum, steps = 0.0, 0
         flags = torch.tensor(off_policy, dtype=torch.bool, device=tokens_of.device)
-        off = {"tokens": 0, "ratio_sum": 0.0, "clipped": 0}  # off-policy members' known tokens
         with self._training_mode(config.gradient_checkpointing):
             refs = [self._reference_logprobs(mb) for mb in batches] if config.beta > 0 else [None] * len(batches)
             # epoch 0 is on-policy for the PPO ratio: old log-probs = current ones (exact, immune to rounding);
@@ -327,19 +334,9 @@ class Trainer:
                         olds[i] = logp.detach()
                         known = ~torch.isnan(mb.sampler_logprobs)
                         gap_sum += float((olds[i] - mb.sampler_logprobs)[known].abs().sum())
-                        known_tokens += int(known.sum())
-                        if bool((mask := known & flags[mb.traj]).any()):
-                            ratio = torch.exp(olds[i][mask] - mb.sampler_logprobs[mask])
-                            off["tokens"] += int(mask.sum())
-                            off["ratio_sum"] += float(ratio.sum())
-                            cap = config.importance_sampling_cap
-                            off["clipped"] += int((ratio > cap).sum()) if cap is not None else 0
-                        if config.importance_sampling_cap is not None:
-                            is_weights[i], s = importance_weights(
-                                olds[i], mb.sampler_logprobs, config.importance_sampling_cap
-                            )
-                            for k, v in s.items():
-                                tis[k] = max(tis[k], v) if k == "ratio_max" else tis[k] + v
+                        is_weights[i], ratio = importance_weights(olds[i], mb.sampler_logprobs, cap)
+                        _add_stats(tis, ratio_stats(ratio, cap))
+                        _add_stats(off, ratio_stats(ratio[flags[mb.traj]], cap))
                     loss, s = policy_loss(
                         logp,
                         olds[i],
@@ -375,15 +372,15 @@ class Trainer:
             "micro_batches": len(batches),
             "optimizer_steps": steps,
             "learning_rate": lr,
-            "tokens_without_sampler_logprobs": n_tokens - known_tokens,
+            "tokens_without_sampler_logprobs": n_tokens - tis["tokens"],
         }
-        if known_tokens:  # how far the sampler's log-probs sit from the trainer's: a health signal
-            out["sampler_logprob_gap"] = gap_sum / known_tokens
-        if tis["tokens_with_sampler_logprobs"]:
+        if tis["tokens"]:  # how far the sampler's log-probs sit from the trainer's: a health signal
+            out["sampler_logprob_gap"] = gap_sum / tis["tokens"]
+        if tis["tokens"] and cap is not None:
             out |= {
-                "is_ratio_mean": tis["ratio_sum"] / tis["tokens_with_sampler_logprobs"],
+                "is_ratio_mean": tis["ratio_sum"] / tis["tokens"],
                 "is_ratio_max": tis["ratio_max"],
-                "is_clipped_fraction": tis["clipped"] / tis["tokens_with_sampler_logprobs"],
+                "is_clipped_fraction": tis["clipped"] / tis["tokens"],
             }
         if off["tokens"]:
             out |= {
