@@ -139,6 +139,9 @@ class RunStore:
         where = self.path.absolute()
         self.project, self.name = where.parent.parent.name, where.name
         self.db = db or default_url(where.parent.parent.parent)
+        # whether the files are known to be in the store (imported, or written through this instance): looked up
+        # once, not at every step; this class empties the store's line only together with its files
+        self._rows_imported = self._trajectories_imported = False
 
     # ---- lock --------------------------------------------------------------------------------------------------
 
@@ -280,7 +283,11 @@ class RunStore:
 
     def _import_rows(self, s: Session) -> None:
         """``history.jsonl``'s rows, when the store has none of the run's (written before it kept them, or pulled)."""
-        if not history_db.has_rows(s, self.project, self.name):
+        if self._rows_imported:
+            return
+        if history_db.has_rows(s, self.project, self.name):
+            self._rows_imported = True  # committed before this unit of work
+        else:
             history_db.add(s, self.project, self.name, self._exported())
 
     def _exported(self) -> list[Row]:
@@ -292,6 +299,7 @@ class RunStore:
         with _store(self.db).session() as s:
             history_db.replace(s, self.project, self.name, self._exported())
             history_db.drop_trajectories_above(s, self.project, self.name, -1)
+            self._trajectories_imported = False  # none left: the files go in again
             self._import_trajectories(s)
 
     def append(self, rows: list[Row]) -> None:
@@ -301,6 +309,7 @@ class RunStore:
         with _store(self.db).session() as s:
             self._import_rows(s)  # a file not imported yet goes in first
             history_db.add(s, self.project, self.name, rows)
+        self._rows_imported = True  # committed
         created = not self._history.exists()
         self.path.mkdir(parents=True, exist_ok=True)
         with self._history.open("a") as f:
@@ -316,6 +325,7 @@ class RunStore:
         with _store(self.db).session() as s:
             self._import_trajectories(s)
             history_db.add_trajectories(s, self.project, self.name, split, step, texts)
+        self._trajectories_imported = True  # committed
         path = self._trajectory_file(split, step)
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as f:
@@ -333,7 +343,10 @@ class RunStore:
 
     def _import_trajectories(self, s: Session) -> None:
         """Trajectory files, when the store has none of the run's (written before it kept them, or pulled)."""
+        if self._trajectories_imported:
+            return
         if history_db.has_trajectories(s, self.project, self.name):
+            self._trajectories_imported = True  # committed before this unit of work
             return
         for f in sorted(self._trajectory_files(above=-1)):
             history_db.add_trajectories(s, self.project, self.name, f.parent.name, int(f.stem), _complete_lines(f))

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from sqlalchemy import event
 
 from flywheel import runs as runs_module
 from flywheel.runs import HISTORY, OPEN_STORES, Checkpoint, CheckpointState, RunStore, model_path
@@ -123,6 +124,33 @@ def test_trajectories_are_the_stores_and_their_files_the_export(store: Store, db
     (elsewhere.path / "trajectories" / "train").mkdir(parents=True)
     (elsewhere.path / "trajectories" / "train" / "0003.jsonl").write_text(a.model_dump_json() + "\n" + '{"id": "to')
     assert elsewhere.trajectories("train") == [a]  # imported, the torn last line left out
+
+
+def test_a_writer_asks_the_store_for_the_runs_rows_once_not_at_every_step(store: Store, db_url: str, tmp_path):
+    """Whether files from before the store are still to be imported is one query per run (per RunStore), not one per
+    step's rows and one per step's trajectories; a pulled run's files still replace the store's."""
+    run = RunStore(model_path(tmp_path, "p", "once"), db=db_url)
+    a, b = (Trajectory(messages_and_choices=[{"role": "user", "content": n}], reward=0.5) for n in "ab")
+    queries: list[str] = []
+
+    def count(_conn, _cursor, statement, *_args) -> None:
+        queries.append(statement)
+
+    engine = runs_module._store(db_url).engine
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        for step in (1, 2, 3):
+            run.append([row(step)])
+            run.save_trajectories("train", step, [a])
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+    looks = [q for q in queries if q.lstrip().upper().startswith("SELECT") and "run_" in q]
+    assert len(looks) == 2, looks  # rows, trajectories: at the first step only
+    assert [r["step"] for r in stored(store, "p", "once")] == [1, 2, 3]
+
+    (run.path / "trajectories" / "train" / "0003.jsonl").write_text(b.model_dump_json() + "\n")  # pulled
+    run.import_history()
+    assert run.trajectories("train") == [a, a, b]
 
 
 def test_a_process_keeps_few_stores_open_and_one_closed_for_another_still_serves(tmp_path):
