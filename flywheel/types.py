@@ -362,3 +362,15 @@ class TrainResult:
 
     step: int
     metrics: dict[str, float]
+
+
+class Usage(BaseModel):
+    """An episode's calls added up, as the episode API returns it (``usage``): what the episode took and what it
+    cost at the gateway's prices (``flywheel.store.costs`` computes it; ``flywheel.gateway.client`` reads it)."""
+
+    calls: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    latency_ms: float = 0.0
+    cost: float = 0.0
+    currency: str = "USD"

@@ -16,6 +16,7 @@ from flywheel.store import Store
 from flywheel.store import episodes as db
 from flywheel.store.arms import arms
 from flywheel.store.costs import Price, Prices, usage
+from flywheel.types import Usage
 
 PRICES = Prices(
     currency="EUR",
@@ -104,13 +105,15 @@ async def test_the_episode_api_reports_an_episodes_usage_and_cost(backend: Local
     root = backend.base_url.removesuffix("/v1")
     async with EpisodeClient(root) as episodes:
         created = await episodes.create("cost-task", split="production")
-        assert created.usage == {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0, "latency_ms": 0.0,
-                                 "cost": 0.0, "currency": "EUR"}  # fmt: skip
+        assert created.usage == Usage(currency="EUR")  # typed: calls, tokens, latency and cost all 0
         with gateway.store.session() as s:
             call(s, created.id, "calc@production", "calc@canary", 1_000_000, 1_000_000)
         finished = await episodes.finish(created.id, 1.0)
         listed = [e for e in await episodes.list(task_id="cost-task") if e.id == created.id]
-    assert finished.usage["cost"] == 3.0 and finished.usage["calls"] == 1
+    assert finished.usage is not None and (finished.usage.cost, finished.usage.calls) == (3.0, 1)
     assert [e.usage for e in listed] == [finished.usage]
-    async with httpx.AsyncClient(base_url=root) as http:
-        assert (await http.get(f"/episodes/{created.id}")).json()["usage"]["cost"] == 3.0
+    async with httpx.AsyncClient(base_url=root) as http:  # on the wire, as before: a plain object
+        wire = (await http.get(f"/episodes/{created.id}")).json()["usage"]
+    assert wire == {"calls": 1, "prompt_tokens": 1_000_000, "completion_tokens": 1_000_000, "latency_ms": 2.5,
+                    "cost": 3.0, "currency": "EUR"}  # fmt: skip
+    assert wire == finished.usage.model_dump()

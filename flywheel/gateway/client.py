@@ -27,7 +27,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel
 
-from flywheel.types import Trajectory, TrajectoryGroup
+from flywheel.types import Trajectory, TrajectoryGroup, Usage
 
 TextOnly = Literal["refuse", "allow"]  # episodes with text-only calls: refused (for RL) or allowed (SFT, evaluation)
 
@@ -52,7 +52,7 @@ class Episode(BaseModel):
     created_at: datetime
     finished_at: datetime | None
     base_url: str  # point the agent's OpenAI client here
-    usage: dict[str, Any] | None = None  # calls, prompt/completion tokens, latency_ms, cost, currency (store/costs.py)
+    usage: Usage | None = None  # its calls, tokens, latency and cost (None: from a gateway that predates it)
 
 
 class EpisodeClient:

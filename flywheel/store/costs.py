@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 
 from flywheel.store.db import in_chunks
 from flywheel.store.schema import Call
+from flywheel.types import Usage
 
 PRICES_ENV = "FLYWHEEL_PRICES"  # the path of the prices file a gateway reads when it starts
 PER_TOKENS = 1_000_000  # prices are per this many tokens
@@ -74,17 +75,6 @@ class Prices(BaseModel):
         """``FLYWHEEL_PRICES``'s file, or no prices (every call costs 0)."""
         path = os.environ.get(PRICES_ENV)
         return cls.load(path) if path else cls()
-
-
-class Usage(BaseModel):
-    """An episode's calls added up: what it took and what it cost at ``Prices``."""
-
-    calls: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    latency_ms: float = 0.0
-    cost: float = 0.0
-    currency: str = "USD"
 
 
 def usage(s: Session, episode_ids: Iterable[str], prices: Prices) -> dict[str, Usage]:
