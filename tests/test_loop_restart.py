@@ -1,10 +1,12 @@
 """The loop killed and started again comes back to the same decisions (flywheel/loop/driver.py, ``Loop.resume``): the
 tasks an earlier run left open are cancelled (``store.tasks.cancel``) and runners' late results for them change
 nothing; the reward-hacking alarm is the audit trail's, raised until an audited clearing (``flywheel loop CONFIG
---clear-alarm``); and a real ``flywheel loop`` process SIGKILLed at random moments and restarted (slow)."""
+--clear-alarm``); and a real ``flywheel loop`` process SIGKILLed at random moments and restarted (slow), with a
+shadow stage, while simulated users' production episodes flow through a gateway of the test's own."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -12,6 +14,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from contextlib import closing
@@ -22,17 +25,25 @@ import yaml
 from pydantic import ValidationError
 from test_loop import NOISY, write_config
 from typer.testing import CliRunner
+from users import Users, differences
 
 from flywheel.backend import LocalBackend
 from flywheel.cli import app
+from flywheel.gateway.recorder import Gateway
+from flywheel.inference.engine import InferenceEngine
+from flywheel.inference.loading import EMBEDDED_MODEL, load_model
+from flywheel.inference.registry import ModelRegistry, ServedModel
 from flywheel.loop import alarm as alarms
 from flywheel.loop.driver import GATE_ACTIONS, Loop, LoopConfig
 from flywheel.model import TrainableModel
 from flywheel.runs import RunStore
+from flywheel.server.app import create_app
+from flywheel.server.background import BackgroundServer
 from flywheel.store import Store, audit, deployments
 from flywheel.store import episodes as db
 from flywheel.store import tasks as queue
 from flywheel.store.tasks import LeaseLostError, TaskStatus
+from flywheel.train.trainer import load_for_serving
 
 REASON = "cancelled: its loop restarted"
 
@@ -219,13 +230,60 @@ def _wait_for(condition, timeout: float, proc: subprocess.Popen) -> bool:
     return False
 
 
+MODEL = "restart-agent"
+
+
+def _deployed(database: Path) -> dict[str, int]:
+    """The loop's deployments, alias -> step (read-only: the loop's process writes them)."""
+    if not database.exists():
+        return {}
+    with closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True, timeout=5)) as connection:
+        try:
+            return dict(connection.execute("SELECT name, step FROM deployments WHERE model = ?", (MODEL,)))
+        except sqlite3.OperationalError:  # not migrated yet
+            return {}
+
+
+class _Checkpoints:
+    """The registry of the test's own gateway: the base model, and the loop's checkpoints on demand
+    (``restart-agent@<step>``: the base model with that checkpoint's weights, as a gateway that serves the loop's
+    deployments from another process loads them). What the users' calls to the aliases reach."""
+
+    def __init__(self, engine: InferenceEngine, run: RunStore):
+        self.run, self.engines, self.lock = run, [], threading.Lock()
+        self.registry = ModelRegistry(loader=self.load)
+        self.registry.add(EMBEDDED_MODEL, engine)
+
+    def load(self, name: str) -> ServedModel | None:
+        model, _, step = name.rpartition("@")
+        if model != MODEL or not step.isdigit():
+            return None
+        with self.lock:  # one load at a time; a second request for it waits and finds it
+            try:
+                return self.registry.get(name)
+            except LookupError:
+                pass
+            if int(step) not in self.run.steps():
+                return None
+            base, tokenizer, _ = load_model(EMBEDDED_MODEL)
+            load_for_serving(base, self.run.read(int(step), optimizer=False))
+            self.engines.append(InferenceEngine(base, tokenizer, max_batch=8))
+            self.registry.add(name, self.engines[-1], owned_by="tests", step=int(step))
+            return self.registry.get(name)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_the_loop_killed_at_random_moments_comes_back_to_the_same_decisions(tmp_path):
-    """``flywheel loop`` SIGKILLed while it starts, collects groups, trains or evaluates a candidate, and started
-    again each time; then one run to its end. The audit chain verifies, no checkpoint is decided twice and every
-    due one is decided, deployments point at checkpoints, the step never goes back, no task is left open, and a
-    raised alarm holds every candidate after it (runs differ: the reward is a coin)."""
+@pytest.mark.timeout(300 + 150 * KILLS)  # on a loaded 2-core machine a kill and its restart took 2 minutes
+def test_the_loop_killed_at_random_moments_comes_back_to_the_same_decisions(tmp_path, engine: InferenceEngine):
+    """``flywheel loop`` (with a shadow stage) SIGKILLed while it starts, collects groups, trains or evaluates a
+    candidate, or watches a shadow, and started again each time; then one run to its end. Meanwhile simulated users
+    run production episodes through a gateway of the test's own on the same database (not the loop's: it is not
+    killed), calling ``restart-agent@production`` once it exists, so that the shadow gets mirrored calls and the
+    canary a share of the episodes. Every episode a user was answered for is stored once (none lost); the audit
+    chain verifies; no checkpoint is decided twice and every due one is decided; deployments point at checkpoints
+    after every kill, and each stage's switch (a shadow to canary or stopped, a canary promoted or rolled back) is
+    whole; the step never goes back, no task is left open, and a raised alarm holds every candidate after it (runs
+    differ: the reward is a coin)."""
     seed = int(os.environ.get("FLYWHEEL_CRASH_SEED", time.time_ns() % 2**32))
     rng = random.Random(seed)
     path = write_config(tmp_path)
@@ -233,52 +291,82 @@ def test_the_loop_killed_at_random_moments_comes_back_to_the_same_decisions(tmp_
                                           "reference": "never said", "operation": "eq"}}}  # fmt: skip
     (tmp_path / "stack.json").write_text(json.dumps(stack))
     (tmp_path / "tasks.jsonl").write_text('{"id": "t1", "question": "Name a colour.", "fail": false}\n')
+    # the alarm rarely rises (a coin's 4-step rise of 0.4), so that candidates usually reach the shadow and canary
     config = yaml.safe_load(path.read_text()) | {
-        "name": "restart-agent", "runners": 2, "steps": 3, "candidate_every": 2, "group_size": 2,
-        "groups_per_step": 1, "tasks": "tasks.jsonl", "alarm": {"window": 2, "min_rise": 0.25},
+        "name": MODEL, "runners": 2, "steps": 3, "candidate_every": 2, "group_size": 2, "groups_per_step": 1,
+        "tasks": "tasks.jsonl", "alarm": {"window": 4, "min_rise": 0.4}, "shadow": {"share": 1.0, "min_pairs": 2},
+        "canary": {"share": 0.5, "min_episodes": 2},
     }  # fmt: skip
     path.write_text(yaml.safe_dump(config))
     home = tmp_path / "home"
-    run = RunStore(home / "tests" / "models" / "restart-agent")
-    started, kills, latest = time.monotonic(), [], [0]
-    for n in range(2 * KILLS):
-        if len(kills) == KILLS:
-            break
-        proc = _spawn(path, home, tmp_path / f"run-{n}.log")
-        before = run.latest() or 0
-        where = rng.choice(["start", "collecting", "after a step", "after a step"])
-        if where == "start":  # imports, the model, resuming
-            ready = True
-            time.sleep(rng.uniform(1, 15))
-        elif where == "collecting":  # while runners run the groups it queued (not those a killed run left)
-            left = _collecting(home / "flywheel.db")
-            ready = _wait_for(lambda: bool(_collecting(home / "flywheel.db") - left), 300, proc)
-            time.sleep(rng.uniform(0, 1.5))
-        else:  # once it has trained a step: collecting the next groups, training, or deciding a candidate
-            ready = _wait_for(lambda b=before: (run.latest() or 0) > b, 300, proc)
-            time.sleep(rng.uniform(0, 8))
-        if ready and proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            kills.append((where, run.latest() or 0))
-        assert proc.wait(timeout=300) in (0, -signal.SIGKILL), (tmp_path / f"run-{n}.log").read_text()[-3000:]
-        latest.append(run.latest() or 0)
-    final = _spawn(path, home, tmp_path / "final.log")
-    assert final.wait(timeout=400) == 0, (tmp_path / "final.log").read_text()[-3000:]
-    latest.append(run.latest() or 0)
-    seconds = time.monotonic() - started
+    database = home / "flywheel.db"
+    run = RunStore(home / "tests" / "models" / MODEL)
+    store = Store(f"sqlite:///{database}")
+    served = _Checkpoints(engine, run)
+    gateway = Gateway(store)
+    server = BackgroundServer(create_app(served.registry, gateway)).start()
+    production = f"{MODEL}@production"
 
+    def asked() -> str:  # the production alias once the loop's first candidate is deployed, the base model before
+        return production if production in _deployed(database) else EMBEDDED_MODEL
+
+    users = Users(server.base_url.removesuffix("/v1"), asked, users=2, pause=0.5)
+    stop = threading.Event()
+    traffic = threading.Thread(target=lambda: asyncio.run(users.run(stop)), name="users", daemon=True)
+    traffic.start()
+    started, kills, latest = time.monotonic(), [], [0]
+    try:
+        for n in range(2 * KILLS):
+            if len(kills) == KILLS:
+                break
+            proc = _spawn(path, home, tmp_path / f"run-{n}.log")
+            before = run.latest() or 0
+            places = ["start", "collecting", "after a step", "after a step"]
+            where = rng.choice(places + ["shadow"] * 2 if production in _deployed(database) else places)
+            if where == "start":  # imports, the model, resuming
+                ready = True
+                time.sleep(rng.uniform(1, 15))
+            elif where == "collecting":  # while runners run the groups it queued (not those a killed run left)
+                left = _collecting(database)
+                ready = _wait_for(lambda: bool(_collecting(database) - left), 300, proc)
+                time.sleep(rng.uniform(0, 1.5))
+            elif where == "shadow":  # while a shadow serves: pairing its episodes, deciding, switching to canary
+                ready = _wait_for(lambda: f"{MODEL}@shadow" in _deployed(database), 300, proc)
+                time.sleep(rng.uniform(0, 6))
+            else:  # once it has trained a step: collecting the next groups, training, or deciding a candidate
+                ready = _wait_for(lambda b=before: (run.latest() or 0) > b, 300, proc)
+                time.sleep(rng.uniform(0, 8))
+            if ready and proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                kills.append((where, run.latest() or 0))
+            assert proc.wait(timeout=300) in (0, -signal.SIGKILL), (tmp_path / f"run-{n}.log").read_text()[-3000:]
+            latest.append(run.latest() or 0)
+            steps = set(run.steps())  # whatever the kill interrupted, every alias points at a checkpoint
+            assert all(step in steps for step in _deployed(database).values()), (_deployed(database), steps)
+        final = _spawn(path, home, tmp_path / "final.log")
+        assert final.wait(timeout=400) == 0, (tmp_path / "final.log").read_text()[-3000:]
+        latest.append(run.latest() or 0)
+        seconds = time.monotonic() - started
+    finally:
+        stop.set()
+        traffic.join(timeout=300)
+        server.stop()  # the calls it answered are committed first
+        for checkpoint in served.engines:
+            checkpoint.close()
+
+    assert users.errors == [] and gateway.lost_calls == 0, users.errors[:5]
+    assert differences(store, users) == []  # every episode a user was answered for, stored once: none lost
     assert latest == sorted(latest) and latest[-1] > 0, latest  # the step only grows
     assert [r["step"] for r in run.history()] == list(range(1, latest[-1] + 1))  # each step recorded once
     trained = [json.loads(line)["metadata"]["task_id"] for p in (run.path / "trajectories" / "train").iterdir()
                for line in p.read_text().splitlines()]  # fmt: skip
-    store = Store(f"sqlite:///{home / 'flywheel.db'}")
     try:
         with store.session() as s:
             assert audit.verify(s).ok
-            gate = [e for e in audit.events(s, actions=GATE_ACTIONS) if e.subject.startswith("restart-agent@")]
+            gate = [e for e in audit.events(s, actions=GATE_ACTIONS) if e.subject.startswith(f"{MODEL}@")]
             decided = Counter(int(e.subject.rpartition("@")[2]) for e in gate)
             assert all(n == 1 for n in decided.values()), decided  # none decided twice
-            raised = audit.events(s, subject="restart-agent", actions=(alarms.RAISED,))
+            raised = audit.events(s, subject=MODEL, actions=(alarms.RAISED,))
             due = set(range(2, latest[-1] + 1, 2))
             if raised:  # it held every candidate after it (nothing cleared it), across the restarts
                 assert len(raised) == 1 and all(e.id < raised[0].id for e in gate)
@@ -286,15 +374,53 @@ def test_the_loop_killed_at_random_moments_comes_back_to_the_same_decisions(tmp_
             else:  # every due checkpoint was decided: those a kill left undecided, after the restart
                 assert set(decided) == due, (decided, latest)
             steps = set(run.steps())
-            for deployment in deployments.list_deployments(s, "restart-agent"):
+            for deployment in deployments.list_deployments(s, MODEL):
                 assert deployment.step in steps, deployment
-            left = [t.id for t in queue.list_tasks(s, status=TaskStatus.open, limit=1000) if "restart-agent" in t.id]
+            stages = _whole_switches(s)
+            left = [t.id for t in queue.list_tasks(s, status=TaskStatus.open, limit=1000) if MODEL in t.id]
             assert left == []
-            cancelled = [t for e in audit.events(s, subject="restart-agent", actions=("loop.cancel",))
+            cancelled = [t for e in audit.events(s, subject=MODEL, actions=("loop.cancel",))
                          for t in e.details["tasks"]]  # fmt: skip
             assert all(queue.get_task(s, t)[0].status != TaskStatus.open for t in cancelled)
             assert not set(cancelled) & set(trained)  # what a killed run's runners did later trained nothing
+            shadows = len(db.list_episodes(s, split="shadow", limit=100_000))
     finally:
         store.close()
-    print(json.dumps({"seed": seed, "kills": kills, "latest": latest, "decided": sorted(decided),
-                      "alarm": bool(raised), "cancelled": len(cancelled), "seconds": round(seconds)}))  # fmt: skip
+    places = Counter(where for where, _ in kills)
+    print(json.dumps({"seed": seed, "kills": kills, "where": places, "latest": latest, "decided": sorted(decided),
+                      "alarm": bool(raised), "cancelled": len(cancelled), "episodes": len(users.sent),
+                      "calls": sum(e.calls for e in users.sent.values()), "shadow_episodes": shadows,
+                      "checkpoints_served": len(served.engines), **stages, "seconds": round(seconds)}))  # fmt: skip
+
+
+def _whole_switches(s) -> dict[str, int]:
+    """Each stage's decision and the switch it made are one unit of work, so a kill leaves all of it or none: a
+    shadow sent to canary has its canary deployed and its alias removed, one stopped its alias removed, a canary
+    promoted has production at its step and its alias removed, one rolled back its alias removed; a passing
+    candidate is deployed (to shadow, or production for the first). Returns the decisions, counted."""
+    every = audit.events(s)
+
+    def by_reason(action: str, subject: str, event_id: int) -> list[audit.AuditEventRecord]:
+        """The events of ``action`` on ``subject`` whose reason names event ``event_id`` (what made them)."""
+        said = f"(audit event {event_id})"
+        return [e for e in every if (e.action, e.subject) == (action, subject) and said in (e.reason or "")]
+
+    counts: Counter[str] = Counter()
+    for event in every:
+        if event.action in ("shadow.pass", "shadow.stop"):
+            counts[event.action] += 1
+            assert len(by_reason("remove", f"{MODEL}@shadow", event.id)) == 1, event
+            canaries = [e for e in every if e.action == "deploy" and e.details.get("shadow_event") == event.id]
+            assert len(canaries) == (event.action == "shadow.pass"), event
+        elif event.action in ("canary.promote", "canary.rollback"):
+            counts[event.action] += 1
+            assert len(by_reason("remove", f"{MODEL}@canary", event.id)) == 1, event
+            promoted = by_reason("promote", f"{MODEL}@production", event.id)
+            assert len(promoted) == (event.action == "canary.promote"), event
+        elif event.action == "gate.pass" and event.subject.startswith(f"{MODEL}@"):
+            counts[event.action] += 1
+            (deployed,) = [e for e in every if e.action == "deploy" and e.details.get("gate_event") == event.id]
+            assert deployed.subject in (f"{MODEL}@shadow", f"{MODEL}@production"), deployed
+        elif event.action == "deploy" and event.subject == f"{MODEL}@shadow" and event.details["previous_step"]:
+            counts["shadow.replaced"] += 1  # a newer candidate passed the gate while a shadow was still pairing
+    return dict(counts)
