@@ -1,43 +1,56 @@
-"""The flywheel demonstration (flywheel/examples/calculator/flywheel_demo.py, ``flywheel demo flywheel``) end to end at
-its quick sizes, on the session's backend: simulated users send episodes to production, the loop trains on them, a
-candidate is gated, becomes the canary and is promoted; an unsafe candidate is stopped at the gate; a canary
-deployed past the gate is rolled back; the audit chain verifies and the plot is written."""
+"""The flywheel demonstration (flywheel/examples/calculator/flywheel_demo.py, ``flywheel demo flywheel``): its answer
+grader is the calculator's own check; and end to end at its quick sizes, on a backend of its own: simulated users
+send episodes to production, the loop trains on them, a candidate is gated, becomes the canary and is promoted; an
+unsafe candidate is stopped at the gate; a canary deployed past the gate is rolled back; the audit chain verifies
+and the plot is written."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
-import os
 
 import pytest
 from rich.console import Console
 
 from flywheel.backend import LocalBackend
-from flywheel.examples.calculator.flywheel_demo import run_demo
+from flywheel.examples.calculator.flywheel_demo import POLICY_STACK, run_demo
+from flywheel.examples.calculator.task import Problem, reward
+from flywheel.graders import grade, parse_grader
+from flywheel.runs import OPTIMIZER, model_path
 from flywheel.store import audit, deployments
 
 
-@pytest.mark.skipif(
-    not os.environ.get("FLYWHEEL_SLOW_TESTS"),
-    reason="the flywheel demo's quick path is not reliable yet (its unsafe reward may train no step; issue #25): set"
-    " FLYWHEEL_SLOW_TESTS=1 to run it (~10 min); not in CI until it passes there",
-)
+async def test_the_demos_answer_grader_agrees_with_the_calculators_reward():
+    """The policy stack's 'correct' grader (run in the grader sandbox) scores a reply as the calculator task's own
+    reward does: integers exact (a float within 1e-6 of a large one is wrong), the last 'Answer:', signs, commas."""
+    grader = parse_grader(POLICY_STACK["reward"]["graders"]["correct"])
+    cases = [("Answer: 107", 107), ("Answer: 1,234", 1234), ("**Answer:** -$5", -5), ("Answer: 1000000.5", 1000001),
+             ("answer: 2.5", 2.5), ("The answer is 7", 7), ("Answer: 7\nAnswer: 8", 8), ("Answer: 8\nAnswer: 7", 8),
+             ("Answer: 12.0", 12), ("Answer:", 3)]  # fmt: skip
+    results = await asyncio.gather(*(grade(grader, text, {"answer": answer}) for text, answer in cases))
+    for (text, answer), result in zip(cases, results, strict=True):
+        problem = Problem(id="p", question="?", expression=str(answer), answer=answer, level=1, split="test")
+        assert result.reward == reward(problem, text), (text, answer, result)
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(
-    1800
-)  # a warm start, three training steps, three gates and two canaries: ~10 min on 2 loaded cores
+@pytest.mark.timeout(1200)  # ~3 min alone on 2 cores; several times that on loaded ones
 async def test_the_flywheel_demo_promotes_stops_the_unsafe_candidate_and_rolls_back_a_regressing_canary(
-    backend: LocalBackend, tmp_path
+    fresh_backend: LocalBackend, tmp_path
 ):
-    out = tmp_path / "demo"
+    """On a backend of its own (its home in tmp_path, closed after): a failure leaves nothing in the session's."""
+    backend = fresh_backend
+    out = tmp_path / "out"  # beside the backend's home (tmp_path), not in it
     printed = io.StringIO()
     report = await run_demo(
         out, quick=True, backend=backend, name="demo-calc", console=Console(file=printed, width=200)
     )
     stages = [row.stage for row in report.timeline]
     by_stage = {stage: [row for row in report.timeline if row.stage == stage] for stage in stages}
-    release, good, unsafe = by_stage["gate"]
-    assert release.evidence.startswith("PASS vs the base model") and good.evidence.startswith("PASS vs demo-calc@")
+    *warm_starts, good, unsafe = by_stage["gate"]  # a warm start the gate holds gets another round
+    assert warm_starts[-1].evidence.startswith("PASS vs the base model"), warm_starts[-1].evidence
+    assert good.evidence.startswith("PASS vs demo-calc@"), good.evidence
     assert unsafe.evidence.startswith("STOPPED") and "FAILED safety" in unsafe.evidence, unsafe.evidence
     (promoted,) = by_stage["canary promote"]
     (rolled_back,) = by_stage["canary rollback"]
@@ -45,6 +58,13 @@ async def test_the_flywheel_demo_promotes_stops_the_unsafe_candidate_and_rolls_b
     assert stages.index("canary promote") < stages.index("unsafe training") < stages.index("canary rollback")
     assert report.audit_ok and report.plot.stat().st_size > 0
     assert json.loads((out / "timeline.json").read_text())["audit_ok"] is True
+    # checkpoints kept: production's (weights only) and the latest (training goes on from it); the others pruned
+    checkpoints = model_path(backend.path, "demo", "demo-calc") / "checkpoints"
+    kept = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    assert kept == [good.step, unsafe.step], kept
+    assert not (checkpoints / f"{good.step:04d}" / OPTIMIZER).exists()
+    assert (checkpoints / f"{unsafe.step:04d}" / OPTIMIZER).exists()
+    assert 0 < report.disk_final <= report.disk_peak
     assert "flywheel audit verify" in printed.getvalue() and "canary rollback" in printed.getvalue()
     with backend.gateway.store.session() as s:
         # every event the timeline names is in the chain, and production is the promoted canary's step

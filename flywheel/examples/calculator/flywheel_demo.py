@@ -4,14 +4,18 @@ the loop training on its users' episodes, the gate, the canary and the audit tra
 What happens, in order (each stage a line of the timeline, with its evidence and audit event ids):
 
 1. Release 1: a short SFT warm start of the base model (the model cannot use the tool before it), sent through the
-   promotion gate against the base model on a frozen held-out set; passing, it becomes ``calc@production``.
+   promotion gate against the base model on a frozen held-out set; passing, it becomes ``calc@production``. It is
+   short on purpose: a release that already solves nearly every problem leaves the loop's groups all correct, with
+   nothing to learn from.
 2. Simulated users send problems through the gateway to ``calc@production`` for the rest of the demo (episodes of
    split ``production``, each finished with whether its answer was right).
 3. The loop (``flywheel.loop.driver.Loop``, the same as ``flywheel loop``) takes their problems into its pool and
    trains on groups of rollouts scored by the policy's grader stack: the reward is a correct answer; the safety
    grader requires the final reply to be at most ``MAX_REPLY`` characters (an answer buried in chatter is unsafe
-   for whatever parses it). Its candidate meets production at the gate and, passing, becomes ``calc@canary``; the
-   loop's canary watch promotes it once its users' episodes score no worse than production's.
+   for whatever parses it). It runs until it has taken its training steps (an iteration whose groups all tie takes
+   none). Its candidate meets production at the gate and, passing (the lift's 95% lower bound above 0, safe on
+   every item), becomes ``calc@canary``; the loop's canary watch promotes it once its users' episodes score no
+   worse than production's. A candidate the gate holds is printed as held, with its evidence.
 4. An unsafe candidate: the same loop, trained with a reward that ignores the safety rule and pays for longer
    replies (correct answer + up to 1 for length), goes to the same gate with the policy's stack, and is stopped.
 5. A regressing canary: that stopped checkpoint is deployed as ``calc@canary`` on purpose, past the gate (as a
@@ -20,6 +24,9 @@ What happens, in order (each stage a line of the timeline, with its evidence and
 
 It writes the timeline (``timeline.json``), a plot of the training reward per step with the stages marked
 (``flywheel.png``), the stacks and the held-out set it used, and the store and checkpoints (``home/``) to ``--out``.
+Of the full-weight checkpoints (weights and optimizer state: ~1.6 GB each) it keeps, as it goes, only the latest
+(where training goes on) and the deployed ones (their weights alone): superseded steps and candidates decided
+against are deleted after each iteration.
 
 It lives with the calculator example, not in ``flywheel/loop``: it is this agent's graders, problems and users
 around the loop, which stays agent-agnostic.
@@ -29,8 +36,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +50,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flywheel.backend import LocalBackend
+from flywheel.examples.calculator import task
 from flywheel.examples.calculator.agent import rollout
 from flywheel.examples.calculator.task import CALCULATOR_TOOL, Problem, demonstration, generate_problems
 from flywheel.examples.calculator.train import register_new
@@ -48,33 +58,36 @@ from flywheel.gateway.client import EpisodeClient, QueueClient
 from flywheel.gateway.runner import Runner, current_lease
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.loop.canary import CanaryPolicy, CanaryVerdict
-from flywheel.loop.driver import Candidate, Loop, LoopConfig
+from flywheel.loop.driver import Candidate, Loop, LoopConfig, LoopReport
 from flywheel.loop.gate import GatePolicy
 from flywheel.model import Model
+from flywheel.runs import OPTIMIZER
 from flywheel.store import audit, deployments
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 from flywheel.types import Trajectory
 
 MAX_REPLY = 100  # characters: the safety rule (a final reply longer than this is unsafe: an answer, not an essay)
-TEMPERATURE = 0.7  # training rollouts; held-out evaluations and the users' agent are greedy
+# training rollouts (a release is sure of most answers: groups with mixed outcomes need it); held-out evaluations
+# and the users' agent are greedy
+TEMPERATURE = 1.0
 NAME = "calc"
 
-# the answer checker of flywheel/examples/calculator/task.py (extract_answer, reward), as a python grader
-_CORRECT = """
-import math, re
 
-def grade(sample, item):
-    text = sample["output_text"]
-    start = text.lower().rfind("answer:")
-    if start < 0:
-        return 0.0
-    m = re.compile(r"[\\s*]*(-?)\\s*\\$?\\s*(-?)\\s*(\\d[\\d,]*(?:\\.\\d+)?|\\.\\d+)").match(text, start + 7)
-    if m is None:
-        return 0.0
-    value = float(m.group(3).replace(",", ""))
-    value = -value if m.group(1) or m.group(2) else value
-    return 1.0 if math.isclose(value, float(item["answer"]), rel_tol=1e-6) else 0.0
-"""
+def _answer_grader() -> str:
+    """The calculator's own answer check as a python grader: the source of task.py's ``extract_answer`` and
+    ``answer_is`` (what its ``reward`` runs), since the grader's sandbox imports nothing of flywheel."""
+    return "\n".join([
+        "import math, re",
+        f"_ANSWER_NUMBER = re.compile({task._ANSWER_NUMBER.pattern!r})",
+        inspect.getsource(task.extract_answer),
+        inspect.getsource(task.answer_is),
+        "def grade(sample, item):",
+        "    return 1.0 if answer_is(item['answer'], sample['output_text']) else 0.0",
+        "",
+    ])  # fmt: skip
+
+
+_CORRECT = _answer_grader()
 _SHORT = f"def grade(sample, item):\n    return 1.0 if len(sample['output_text'].strip()) <= {MAX_REPLY} else 0.0\n"
 _LONGER = "def grade(sample, item):\n    return min(len(sample['output_text'].strip()) / 300, 1.0)\n"
 
@@ -112,14 +125,17 @@ UNSAFE_STACK = {
 
 
 class DemoSizes(BaseModel):
-    """How big each stage is. ``FULL`` is sized for about 10 minutes on 2 cores; ``QUICK`` for a test."""
+    """How big each stage is. ``FULL`` is sized for about 11 minutes on 2 cores; ``QUICK`` for a test."""
 
-    sft_examples: int  # demonstrations of the warm start (batches of 8, one epoch)
+    sft_examples: int  # demonstrations of a warm-start round (batches of 8, one epoch)
+    sft_rounds: int  # warm-start rounds at most: each trains on new demonstrations, then meets the gate
     sft_learning_rate: float
     heldout: int  # held-out problems (levels 1-2, the test split)
     min_items: int  # the gate's: held-out items needed
     min_lift: float  # the gate's: the lift's lower bound must exceed it
-    steps: int  # the loop's training steps before its candidate
+    steps: int  # the loop's training steps before each candidate
+    candidates: int  # candidates at most: the loop goes on after one the gate holds
+    max_iterations: int  # iterations each training phase may take to reach its steps (equal rewards: no step)
     unsafe_steps: int
     groups_per_step: int
     group_size: int
@@ -134,18 +150,20 @@ class DemoSizes(BaseModel):
 
 
 FULL = DemoSizes(
-    sft_examples=48, sft_learning_rate=1.5e-4, heldout=20, min_items=20, min_lift=0.0, steps=3, unsafe_steps=2,
-    groups_per_step=3, group_size=4, learning_rate=3e-5, unsafe_learning_rate=3e-4, users=2, canary_share=0.5,
-    canary_episodes=6, canary_max_drop=0.1, canary_wait=600.0, runners=8,
+    sft_examples=8, sft_rounds=3, sft_learning_rate=1.5e-4, heldout=40, min_items=40, min_lift=0.0, steps=3,
+    candidates=2, max_iterations=5, unsafe_steps=2, groups_per_step=4, group_size=4, learning_rate=5e-5,
+    unsafe_learning_rate=3e-4, users=2, canary_share=0.5, canary_episodes=8, canary_max_drop=0.15, canary_wait=600.0,
+    runners=16,
 )  # fmt: skip
 # a test's: every stage runs, on a handful of items, so the gate asks only that the lift's interval is above -1 and
-# the canary watch only that the canary is safe (4 items or 2 episodes prove nothing about a lift); the warm start
-# is FULL's (a shorter, steeper one gave runaway replies on some items), and the unsafe reward trains at a learning
-# rate that breaks the model in one step
+# the canary watch only that the canary is safe (4 items or 2 episodes prove nothing about a lift); one training step
+# each (an iteration whose groups all tie takes none: up to 4 iterations for it), and the unsafe reward trains at a
+# learning rate that breaks the model in one step
 QUICK = DemoSizes(
-    sft_examples=48, sft_learning_rate=1.5e-4, heldout=4, min_items=2, min_lift=-1.0, steps=2, unsafe_steps=2,
-    groups_per_step=3, group_size=4, learning_rate=3e-5, unsafe_learning_rate=1e-2, users=2, canary_share=0.5,
-    canary_episodes=2, canary_max_drop=1.0, canary_wait=300.0, runners=8,
+    sft_examples=16, sft_rounds=2, sft_learning_rate=1.5e-4, heldout=4, min_items=4, min_lift=-1.0, steps=1,
+    candidates=1, max_iterations=4, unsafe_steps=1, groups_per_step=2, group_size=4, learning_rate=3e-5,
+    unsafe_learning_rate=1e-2, users=2, canary_share=0.5, canary_episodes=2, canary_max_drop=1.0, canary_wait=300.0,
+    runners=8,
 )  # fmt: skip
 
 
@@ -168,6 +186,10 @@ class DemoReport(BaseModel):
     audit_message: str
     plot: Path
     wall_seconds: float
+    # bytes in the model's directory (its checkpoints): the most seen (a checkpoint just written, its predecessor
+    # not yet pruned) and at the end
+    disk_peak: int
+    disk_final: int
 
 
 async def agent(task: dict[str, Any], base_url: str) -> dict[str, Any]:
@@ -233,12 +255,13 @@ def _write_inputs(out: Path, sizes: DemoSizes, seed: int) -> tuple[Path, Path, P
     return paths
 
 
-def _config(sizes: DemoSizes, name: str, stack: Path, heldout: Path, *, steps: int, candidate_every: int,
-            lr: float, seed: int) -> LoopConfig:  # fmt: skip
+def _config(sizes: DemoSizes, name: str, stack: Path, heldout: Path, *, candidate_every: int, lr: float,
+            seed: int) -> LoopConfig:  # fmt: skip
     return LoopConfig(
         name=name, project="demo", base_model=EMBEDDED_MODEL, trained_weights=TrainedWeights(mode="full"),  # decodes as fast as the base
         agent="flywheel.examples.calculator.flywheel_demo:agent", runners=0, stack=stack, heldout=heldout,
-        group_size=sizes.group_size, groups_per_step=sizes.groups_per_step, steps=steps,
+        # one iteration a run: the demo prunes checkpoints between iterations (_Demo.train)
+        group_size=sizes.group_size, groups_per_step=sizes.groups_per_step, steps=1,
         candidate_every=candidate_every, train=TrainConfig(learning_rate=lr, loss="dapo", micro_batch_tokens=1024),
         gate=GatePolicy(min_items=sizes.min_items, min_lift=sizes.min_lift,
                         # no limit on tool calls (the agent is meant to call its tool; the base model never does)
@@ -277,6 +300,8 @@ class _Demo:
         self.root = ""  # the gateway's, once the model is registered (its HTTP server starts then)
         self.users: _Users | None = None
         self.model = None  # the loop's model, once registered
+        self.unsafe_from: int | None = None  # the model's step when the unsafe reward's training began
+        self.disk_peak = 0
 
     @property
     def store(self):
@@ -292,10 +317,42 @@ class _Demo:
         ids = f" [audit {', '.join(map(str, row.events))}]" if row.events else ""
         self.console.print(f"{_clock(row.at)}  {stage:<16} {checkpoint:<16} {evidence}{ids}", highlight=False)
 
-    def loop(self, stack: Path, *, steps: int, candidate_every: int, lr: float) -> Loop:
-        config = _config(self.sizes, self.name, stack, self.heldout, steps=steps, candidate_every=candidate_every, lr=lr,
+    def loop(self, stack: Path, *, candidate_every: int, lr: float) -> Loop:
+        config = _config(self.sizes, self.name, stack, self.heldout, candidate_every=candidate_every, lr=lr,
                          seed=self.seed)  # fmt: skip
         return Loop(config, self.backend, actor="demo")
+
+    async def train(self, loop: Loop, steps: int) -> LoopReport:
+        """``loop`` one iteration at a time (each ``run`` resumes where the last one ended) until it has taken
+        ``steps`` training steps or run ``max_iterations`` iterations; the checkpoints pruned after each. Its
+        iterations' reports, merged."""
+        start = await loop.model.get_step()
+        merged = LoopReport(steps=[], intake=0, candidates=[], canary=[])
+        for _ in range(self.sizes.max_iterations):
+            report = await loop.run()
+            merged.steps += report.steps
+            merged.intake += report.intake
+            merged.candidates += report.candidates
+            merged.canary += report.canary
+            await asyncio.to_thread(self.prune)
+            if await loop.model.get_step() - start >= steps:
+                break
+        return merged
+
+    def prune(self) -> None:
+        """Keep the checkpoints the gate and the deployments need: the latest (a candidate, or where training goes
+        on: with its optimizer state) and each deployed one (its weights alone); delete the others (superseded
+        steps, candidates decided against). The disk's peak is read first: a new checkpoint is written then and
+        its predecessor not yet deleted."""
+        run = self.backend.run(self.model)
+        self.disk_peak = max(self.disk_peak, _disk(run.path))
+        with self.store.session() as s:
+            deployed = {d.step for d in deployments.list_deployments(s, self.name)}
+        for step in run.steps()[:-1]:
+            if step in deployed:
+                (run.checkpoint_dir(step) / OPTIMIZER).unlink(missing_ok=True)
+            else:
+                run.delete(step)
 
     async def watch(self, loop: Loop, stage: str, users: _Users) -> CanaryVerdict:
         """The loop's canary watch, every few seconds, until it promotes or rolls back the canary."""
@@ -318,7 +375,7 @@ class _Demo:
 
     async def run(self) -> list[Stage]:
         sizes = self.sizes
-        policy = self.loop(self.policy, steps=sizes.steps, candidate_every=1, lr=sizes.learning_rate)
+        policy = self.loop(self.policy, candidate_every=1, lr=sizes.learning_rate)
         model = self.model = policy.model
         await register_new(model, self.backend, remedy="the demo starts afresh (give another --out).")
         self.root = self.backend.base_url.removesuffix("/v1")
@@ -336,53 +393,62 @@ class _Demo:
         users_task: asyncio.Task | None = None
         try:
             async with QueueClient(self.root) as queue:
-                # 1. release 1: the warm start, through the gate against the base model
-                train = generate_problems("train", sizes.sft_examples + 200, levels=(1, 2), seed=self.seed)
-                demos = [Trajectory(messages_and_choices=demonstration(p), tools=[CALCULATOR_TOOL])
-                         for p in train[: sizes.sft_examples]]  # fmt: skip
-                history = await model.train_sft(demos, SFTConfig(learning_rate=sizes.sft_learning_rate, epochs=1,
-                                                                 batch_size=8, micro_batch_tokens=1024))  # fmt: skip
-                release = await model.get_step()
-                self.note("warm start", model.get_inference_name(release),
-                          f"SFT on {len(demos)} demonstrations, {len(history)} steps, loss "
-                          f"{history[0]['loss']:.2f} -> {history[-1]['loss']:.2f}", release)  # fmt: skip
-                first = await policy.consider(queue, release)
-                self.note("gate", model.get_inference_name(release),
-                          f"{'PASS' if first.decision.promote else 'HOLD'} vs the base model: {_gate_evidence(first)}",
-                          release, [first.event_id], mark="release 1 gated")  # fmt: skip
-                if first.deployed != f"{self.name}@production":
-                    raise RuntimeError(f"release 1 did not pass the gate: {_gate_evidence(first)}")
+                # 1. release 1: the warm start, through the gate against the base model (held: another round)
+                used = sizes.sft_examples * sizes.sft_rounds
+                train = generate_problems("train", used + 200, levels=(1, 2), seed=self.seed)
+                for n in range(sizes.sft_rounds):
+                    demos = [Trajectory(messages_and_choices=demonstration(p), tools=[CALCULATOR_TOOL])
+                             for p in train[n * sizes.sft_examples : (n + 1) * sizes.sft_examples]]  # fmt: skip
+                    history = await model.train_sft(demos, SFTConfig(learning_rate=sizes.sft_learning_rate, epochs=1,
+                                                                     batch_size=8, micro_batch_tokens=1024))  # fmt: skip
+                    release = await model.get_step()
+                    self.note("warm start", model.get_inference_name(release),
+                              f"SFT on {len(demos)} {'more ' if n else ''}demonstrations, {len(history)} steps, loss "
+                              f"{history[0]['loss']:.2f} -> {history[-1]['loss']:.2f}", release)  # fmt: skip
+                    first = await policy.consider(queue, release)
+                    self.note("gate", model.get_inference_name(release),
+                              f"{'PASS' if first.decision.promote else 'HOLD'} vs the base model: "
+                              f"{_gate_evidence(first)}", release, [first.event_id],
+                              mark="release 1" if first.decision.promote else "warm start held")  # fmt: skip
+                    if first.deployed == f"{self.name}@production":
+                        break
+                else:
+                    raise RuntimeError(f"release 1 did not pass the gate in {sizes.sft_rounds} warm-start rounds")
                 self.note("deploy", f"{self.name}@production", f"step {release} is production (release 1)", release,
                           [_deploy_event(self.store, f"{self.name}@production")])  # fmt: skip
 
                 # 2. users
-                users = self.users = _Users(self.root, self.name, train[sizes.sft_examples :], sizes.users)
+                users = self.users = _Users(self.root, self.name, train[used:], sizes.users)
                 users_task = asyncio.create_task(users.run())
                 await users.wait_for(sizes.groups_per_step, within=600)
                 self.note("users", f"{self.name}@production", f"{sizes.users} simulated users sending problems; "
                           f"{users.finished} episodes finished", release)  # fmt: skip
 
-                # 3. the loop: production problems -> training -> its candidate through the gate -> canary
-                policy.config.candidate_every = release + sizes.steps  # only its last step is due at the gate
-                report = await policy.run()
-                step = await model.get_step()
-                self.note("loop", model.get_inference_name(step),
-                          f"{len(report.steps)} iterations, {step - release} training steps, on {report.intake} "
-                          f"problems from production episodes ({sizes.groups_per_step} groups of "
-                          f"{sizes.group_size} rollouts an iteration); steps {report.steps}", step)  # fmt: skip
-                if report.candidates:
-                    candidate = report.candidates[-1]
-                elif step > release:  # an iteration took no step (equal rewards in every group): its last one
-                    candidate = await policy.consider(queue, step)
-                else:
-                    raise RuntimeError(
-                        "the loop took no training step: every group's rewards were equal, so there "
-                        "is no candidate (a stronger warm start gives groups mixed outcomes)"
-                    )
-                passed = candidate.decision.promote
-                self.note("gate", model.get_inference_name(candidate.step),
-                          f"{'PASS' if passed else 'HOLD'} vs {candidate.production}: {_gate_evidence(candidate)}",
-                          step, [candidate.event_id], mark="gate pass" if passed else "gate hold")  # fmt: skip
+                # 3. the loop: production problems -> training -> its candidate through the gate (held: it goes on)
+                for _ in range(sizes.candidates):
+                    begin = await model.get_step()
+                    policy.config.candidate_every = begin + sizes.steps  # only the round's last step is due
+                    report = await self.train(policy, sizes.steps)
+                    step = await model.get_step()
+                    self.note("loop", model.get_inference_name(step),
+                              f"{len(report.steps)} iterations, {step - begin} training steps, {report.intake} new "
+                              f"problems from production episodes ({sizes.groups_per_step} groups of "
+                              f"{sizes.group_size} rollouts an iteration); steps {report.steps}", step)  # fmt: skip
+                    if report.candidates:
+                        candidate = report.candidates[-1]
+                    elif step > begin:  # an iteration took no step (equal rewards in every group): its last one
+                        candidate = await policy.consider(queue, step)
+                    else:
+                        raise RuntimeError(
+                            f"the loop took no training step in {len(report.steps)} iterations: every group's "
+                            "rewards were equal, so there is no candidate"
+                        )
+                    passed = candidate.decision.promote
+                    self.note("gate", model.get_inference_name(candidate.step),
+                              f"{'PASS' if passed else 'HOLD'} vs {candidate.production}: {_gate_evidence(candidate)}",
+                              step, [candidate.event_id], mark="gate pass" if passed else "gate hold")  # fmt: skip
+                    if passed:
+                        break
                 if candidate.deployed == f"{self.name}@canary":
                     with self.store.session() as s:
                         canary = deployments.get(s, f"{self.name}@canary")
@@ -392,20 +458,23 @@ class _Demo:
                     self.note(f"canary {verdict.action}", model.get_inference_name(candidate.step),
                               _canary_evidence(verdict), step, [self.canary_event()],
                               mark=f"canary {verdict.action}")  # fmt: skip
+                    await asyncio.to_thread(self.prune)
 
                 # 4. the unsafe candidate: the same loop with a reward that ignores the safety rule
-                start = await model.get_step()
-                unsafe = self.loop(self.unsafe, steps=sizes.unsafe_steps, candidate_every=10**9,
-                                   lr=sizes.unsafe_learning_rate)  # fmt: skip
+                start = self.unsafe_from = await model.get_step()
+                unsafe = self.loop(self.unsafe, candidate_every=10**9, lr=sizes.unsafe_learning_rate)
                 self.marks.append((start, "unsafe reward from here"))
-                unsafe_report = await unsafe.run()
+                unsafe_report = await self.train(unsafe, sizes.unsafe_steps)
                 step = await model.get_step()
                 self.note("unsafe training", model.get_inference_name(step),
-                          f"{len(unsafe_report.steps)} steps with reward 'correct + length/300' (no safety grader; "
-                          f"learning rate {sizes.unsafe_learning_rate:g}); steps {unsafe_report.steps}",
-                          step)  # fmt: skip
+                          f"{len(unsafe_report.steps)} iterations, {step - start} training steps with reward 'correct "
+                          f"+ length/300' (no safety grader; learning rate {sizes.unsafe_learning_rate:g}); steps "
+                          f"{unsafe_report.steps}", step)  # fmt: skip
                 if step == start:
-                    raise RuntimeError("the unsafe reward trained no step: every group's rewards were equal")
+                    raise RuntimeError(
+                        f"the unsafe reward trained no step in {len(unsafe_report.steps)} iterations: "
+                        "every group's rewards were equal"
+                    )
                 stopped = await policy.consider(queue, step)
                 self.note("gate", model.get_inference_name(step),
                           f"{'PASS' if stopped.decision.promote else 'STOPPED'} vs {stopped.production}: "
@@ -425,6 +494,11 @@ class _Demo:
                 verdict = await self.watch(policy, "regressing canary", users)
                 self.note(f"canary {verdict.action}", model.get_inference_name(step), _canary_evidence(verdict),
                           step, [self.canary_event()], mark=f"canary {verdict.action}")  # fmt: skip
+                await asyncio.to_thread(self.prune)
+                run = self.backend.run(model)
+                kept = ", ".join(f"step {k} ({_gb(_disk(run.checkpoint_dir(k)))})" for k in run.steps())
+                self.note("disk", "-", f"checkpoints kept: {kept} (production's weights, the latest with its "
+                          f"optimizer state); the model's directory held at most {_gb(self.disk_peak)}", step)  # fmt: skip
                 self.note("users", f"{self.name}@production", f"{users.finished} production episodes finished "
                           f"({users.failed} failed)", step)  # fmt: skip
         finally:
@@ -443,6 +517,20 @@ class _Demo:
 def _deploy_event(store, alias: str) -> int:
     with store.session() as s:
         return deployments.get(s, alias).event_id
+
+
+def _disk(path: Path) -> int:
+    """Bytes in the files under ``path``."""
+    total = 0
+    for folder, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(FileNotFoundError):  # a temporary file gone meanwhile
+                total += os.stat(os.path.join(folder, f)).st_size
+    return total
+
+
+def _gb(size: int) -> str:
+    return f"{size / 1e9:.1f} GB"
 
 
 def _clock(seconds: float) -> str:
@@ -509,19 +597,21 @@ async def run_demo(
             timeline = await demo.run()
         finally:
             history = backend.history(demo.model) if demo.model is not None else []
-            unsafe_from = next((step for step, label in demo.marks if label.startswith("unsafe reward")), None)
-            plot(history, demo.marks, unsafe_from, out / "flywheel.png")
+            plot(history, demo.marks, demo.unsafe_from, out / "flywheel.png")
         with backend.gateway.store.session() as s:
             verdict = audit.verify(s)
         demo.note("audit verify", "-", f"flywheel audit verify: {verdict.message}", timeline[-1].step)
         report = DemoReport(
             out=out, timeline=demo.timeline, production_episodes=demo.users.finished if demo.users else 0, audit_ok=verdict.ok,
             audit_message=verdict.message, plot=out / "flywheel.png", wall_seconds=time.monotonic() - started,
+            disk_peak=max(demo.disk_peak, final := _disk(backend.run(demo.model).path) if demo.model else 0),
+            disk_final=final,
         )  # fmt: skip
         (out / "timeline.json").write_text(report.model_dump_json(indent=2))
         print_timeline(console, demo.timeline)
         console.print(f"plot: {report.plot}  timeline: {out / 'timeline.json'}  store and checkpoints: "
-                      f"{backend.path}  ({report.wall_seconds / 60:.1f} min)", highlight=False)  # fmt: skip
+                      f"{backend.path}  ({report.wall_seconds / 60:.1f} min; checkpoints {_gb(report.disk_final)}, at "
+                      f"most {_gb(report.disk_peak)})", highlight=False)  # fmt: skip
         return report
     finally:
         if own:

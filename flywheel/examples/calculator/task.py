@@ -201,16 +201,19 @@ def extract_answer(text: str) -> float | None:
     return -value if sign_before_dollar or sign_after_dollar else value
 
 
-def reward(problem: Problem, final_text: str) -> float:
-    """1.0 if the reply's final answer is right (exact for integers), else 0.0."""
+def answer_is(expected: int | float, final_text: str) -> bool:
+    """Whether the reply's final answer (``extract_answer``) is ``expected``: exact for integers, else within 1e-6."""
     predicted = extract_answer(final_text)
     if predicted is None:
-        return 0.0
-    if isinstance(problem.answer, int):
-        correct = predicted == problem.answer
-    else:
-        correct = math.isclose(predicted, problem.answer, rel_tol=1e-6)
-    return 1.0 if correct else 0.0
+        return False
+    if isinstance(expected, int):
+        return predicted == expected
+    return math.isclose(predicted, expected, rel_tol=1e-6)
+
+
+def reward(problem: Problem, final_text: str) -> float:
+    """1.0 if the reply's final answer is right (exact for integers), else 0.0."""
+    return 1.0 if answer_is(problem.answer, final_text) else 0.0
 
 
 def demonstration(problem: Problem) -> list[dict[str, Any]]:
