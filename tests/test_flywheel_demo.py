@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 
 import pytest
 from rich.console import Console
@@ -34,8 +35,13 @@ async def test_the_demos_answer_grader_agrees_with_the_calculators_reward():
         assert result.reward == reward(problem, text), (text, answer, result)
 
 
+@pytest.mark.skipif(
+    not os.environ.get("FLYWHEEL_SLOW_TESTS"),
+    reason="the flywheel demo's quick path end to end (a warm start and three full-weight training steps: ~4 CPU-"
+    "minutes per core on 2 cores, over the ~3 minutes a CI slow test may take): set FLYWHEEL_SLOW_TESTS=1 to run it",
+)
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # ~3 min alone on 2 cores; several times that on loaded ones
+@pytest.mark.timeout(1800)  # ~4 min alone on 2 cores; several times that on loaded ones
 async def test_the_flywheel_demo_promotes_stops_the_unsafe_candidate_and_rolls_back_a_regressing_canary(
     fresh_backend: LocalBackend, tmp_path
 ):
