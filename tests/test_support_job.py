@@ -20,13 +20,14 @@ from openai.types.chat.chat_completion import Choice
 from openai.types.chat.chat_completion_message_tool_call import Function
 from rich.console import Console
 
-from flywheel.agents import run_agent
-from flywheel.agents.tools import ToolError
+from flywheel.agents import AIRConfig, run_agent
+from flywheel.agents.tools import TOOL_STATUSES, ToolError
 from flywheel.examples.support.agent import ExpertClient, expert_rollout, rollout, task_messages
 from flywheel.examples.support.db import AGENT_REFUND_LIMIT, HOLD_FLAGS, build_database
 from flywheel.examples.support.grading import episode_metrics, grade_episode, support_stack
 from flywheel.examples.support.tickets import generate_tickets, split_of
 from flywheel.examples.support.tools import TRANSIENT_503, SupportDesk
+from flywheel.train.credit import turn_rewards
 
 TABLES = ("customers", "account_flags", "orders", "payments", "past_tickets", "refund_policy", "settings")
 
@@ -230,6 +231,53 @@ async def test_transient_failures_are_seeded_and_never_end_an_episode(db_path, s
     assert (
         metrics["resolved"] == metrics["hit_failure"] == metrics["retried_after_failure"] == metrics["recovered"] == 1
     )
+
+
+async def test_air_counts_a_transient_failure_as_a_call_that_did_not_execute(db_path, stack):
+    # bench/credit_support.py's AIR arms: a timeout or a 503 earns its turn less than a call that ran, and a rollout
+    # samples with its own seed on every turn
+    ticket = ticket_where(db_path, resolution="refund")
+    air = AIRConfig(well_formed=0.01, executed=0.03, repeated=0.01, cap=0.45)  # never reached here
+    expert, seeds = ExpertClient(ticket), []
+    create = expert.chat.completions.create
+
+    async def recording(**request):
+        seeds.append(request.get("seed"))
+        return await create(**request)
+
+    expert.chat.completions.create = recording
+    traj = await rollout(
+        "expert",
+        ticket,
+        db_path,
+        stack,
+        client=expert,
+        failure_rate=0.5,
+        seed=3,
+        max_turns=40,
+        sampling_seed=11,
+        air=air,
+    )
+    assert seeds and set(seeds) == {11}
+    replies = {m["tool_call_id"]: m["content"] for m in traj.messages() if m["role"] == "tool"}
+    turns = [c for c in traj.messages_and_choices if isinstance(c, Choice)]
+    seen, expected, statuses = set(), [], []
+    for turn in turns:
+        if not turn.message.tool_calls:
+            expected.append(0.0)
+            continue
+        (call,) = turn.message.tool_calls
+        transient = replies[call.id].startswith("Error:") and (
+            TRANSIENT_503 in replies[call.id] or "did not answer" in replies[call.id]
+        )
+        statuses.append((transient, getattr(turn, TOOL_STATUSES)[0]))
+        key = (call.function.name, call.function.arguments)
+        expected.append(0.01 + (0.0 if transient else 0.03) - (0.01 if key in seen else 0.0))
+        seen.add(key)
+    assert {"timeout", "error", "ok"} == {status for _, status in statuses}  # seed 3: both kinds of failure
+    assert all((status != "ok") == transient for transient, status in statuses)
+    assert turn_rewards(traj) == pytest.approx(expected)
+    assert traj.metrics["air_reward"] == pytest.approx(sum(expected)) and traj.metrics["resolved"] == 1
 
 
 class ScriptedModel:

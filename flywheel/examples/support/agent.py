@@ -21,6 +21,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionMessage, ChatComplet
 from openai.types.chat.chat_completion import Choice
 from openai.types.chat.chat_completion_message_tool_call import Function
 
+from flywheel.agents.air import AIRConfig
 from flywheel.agents.loop import run_agent
 from flywheel.examples.support.db import HOLD_FLAGS
 from flywheel.examples.support.grading import episode_metrics, grade_episode
@@ -59,9 +60,14 @@ async def rollout(
     temperature: float = 1.0,
     max_turns: int = MAX_TURNS,
     max_tokens: int = 160,
+    sampling_seed: int | None = None,
+    air: AIRConfig | None = None,
 ) -> Trajectory:
     """One episode on ``ticket``; reward from ``stack``, metrics from ``grading.episode_metrics``. ``client``: an
-    OpenAI client (default: the model's) or the expert's."""
+    OpenAI client (default: the model's) or the expert's. ``seed`` draws the desk's transient failures,
+    ``sampling_seed`` (None: unseeded) the model's tokens; ``air``: automatic intermediate rewards on the turns
+    (``flywheel.agents.air``: a transient failure is a call that did not execute)."""
+    sampling = {} if sampling_seed is None else {"seed": sampling_seed}
     with SupportDesk(db_path, ticket, failure_rate=failure_rate, seed=seed) as desk:
         traj = await run_agent(
             client,
@@ -72,7 +78,9 @@ async def rollout(
             temperature=temperature,
             max_tokens=max_tokens,
             tool_timeout=30.0,
+            air=air,
             metadata={"ticket_id": ticket.id, "kind": ticket.kind, "resolution": ticket.resolution},
+            **sampling,
         )
         record = desk.record(int(traj.metrics["tool_calls"]))
     result = await grade_episode(stack, ticket, record)

@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm.auto import tqdm
 
+from flywheel.agents.air import AIRConfig
 from flywheel.backend import LocalBackend
 from flywheel.examples.calculator.train import peak_rss_gb, register_new, rl_rounds, warm_start
 from flywheel.examples.support.agent import MAX_TURNS, demonstration, expert_rollout, rollout
@@ -87,8 +88,16 @@ class Job:
     def __init__(self, config: JobConfig, model: TrainableModel, db_path: Path, stack: GraderStack) -> None:
         self.config, self.model, self.db_path, self.stack = config, model, db_path, stack
 
-    def rollout(self, ticket: Ticket, *, seed: int, temperature: float) -> Coroutine[Any, Any, Trajectory]:
-        """One episode (not yet started: ``gather`` runs it)."""
+    def rollout(
+        self,
+        ticket: Ticket,
+        *,
+        seed: int,
+        temperature: float,
+        sampling_seed: int | None = None,
+        air: AIRConfig | None = None,
+    ) -> Coroutine[Any, Any, Trajectory]:
+        """One episode (not yet started: ``gather`` runs it); ``agent.rollout`` says what the arguments do."""
         c = self.config
         return rollout(
             self.model,
@@ -100,7 +109,20 @@ class Job:
             temperature=temperature,
             max_turns=c.max_turns,
             max_tokens=c.max_tokens,
+            sampling_seed=sampling_seed,
+            air=air,
         )
+
+    async def demonstrations(self, tickets: list[Ticket]) -> tuple[list[Trajectory], list[Trajectory]]:
+        """The scripted expert's episodes on ``tickets`` (ticket i's failures seeded by i), and those it resolved
+        as SFT demonstrations."""
+        expert = await asyncio.gather(
+            *(
+                expert_rollout(t, self.db_path, self.stack, failure_rate=self.config.failure_rate, seed=i)
+                for i, t in enumerate(tickets)
+            )
+        )
+        return list(expert), [demonstration(t) for t in expert if t.metrics["resolved"]]
 
     async def evaluate(self, tickets: list[Ticket], desc: str) -> list[Trajectory]:
         """Greedy episodes; ticket i's failures are seeded by i, so every arm meets the same ones."""
@@ -110,6 +132,17 @@ class Job:
             max_exceptions=len(tickets),
         )
         return [t for g in groups for t in g.trajectories]
+
+
+def job_tickets(db_path: Path, config: JobConfig) -> tuple[list[Ticket], list[Ticket], list[Ticket]]:
+    """(train, validation, test) tickets: the first ``sft_examples`` of train are the demonstrations' tickets, the
+    rest RL's (``rl_steps`` x ``groups_per_step``). Each split's first n tickets are the same for any larger count."""
+    train = generate_tickets(
+        db_path, "train", config.sft_examples + config.rl_steps * config.groups_per_step, seed=config.seed
+    )
+    val = generate_tickets(db_path, "val", config.val_tickets, seed=config.seed)
+    test = generate_tickets(db_path, "test", config.test_tickets, seed=config.seed)
+    return train, val, test
 
 
 def _interval(values: list[float]) -> dict:
@@ -154,21 +187,11 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
         stack = support_stack(config.tool_budget, config.efficiency_penalty)
         report |= {"database": db.rows, "grader_stack": stack.version}
         job = Job(config, model, db.path, stack)
-        train = generate_tickets(
-            db.path, "train", config.sft_examples + config.rl_steps * config.groups_per_step, seed=config.seed
-        )
-        val = generate_tickets(db.path, "val", config.val_tickets, seed=config.seed)
-        test = generate_tickets(db.path, "test", config.test_tickets, seed=config.seed)
+        train, val, test = job_tickets(db.path, config)
         arms: dict[str, list[Trajectory]] = {"base": await job.evaluate(test, "baseline (test)")}
         console.print(f"baseline test resolution accuracy: {_accuracy(arms['base']):.1%}")
 
-        expert = await asyncio.gather(
-            *(
-                expert_rollout(t, db.path, stack, failure_rate=config.failure_rate, seed=i)
-                for i, t in enumerate(train[: config.sft_examples])
-            )
-        )
-        demos = [demonstration(t) for t in expert if t.metrics["resolved"]]
+        expert, demos = await job.demonstrations(train[: config.sft_examples])
         report["expert"] = behaviour(expert)
         console.print(f"expert demonstrations: {len(demos)} of {len(expert)} tickets resolved")
         sft_step, sft_vals, val_seconds = await sft_best_epoch(model, backend, job, demos, val, config)
