@@ -160,7 +160,7 @@ FULL = DemoSizes(
 # each (an iteration whose groups all tie takes none: up to 4 iterations for it), and the unsafe reward trains at a
 # learning rate that breaks the model in one step
 QUICK = DemoSizes(
-    sft_examples=16, sft_rounds=2, sft_learning_rate=1.5e-4, heldout=4, min_items=4, min_lift=-1.0, steps=1,
+    sft_examples=24, sft_rounds=2, sft_learning_rate=1.5e-4, heldout=4, min_items=4, min_lift=-1.0, steps=1,
     candidates=1, max_iterations=4, unsafe_steps=1, groups_per_step=2, group_size=4, learning_rate=3e-5,
     unsafe_learning_rate=1e-2, users=2, canary_share=0.5, canary_episodes=2, canary_max_drop=1.0, canary_wait=300.0,
     runners=8,
