@@ -8,14 +8,15 @@ github.com/bradhilton/temporal-clue (OR-Tools' CP-SAT picks the clues), which pu
 script writes, in ART's order: the published validation and test puzzles, then ``--train`` training puzzles made by
 the generator's own ``TemporalClueScenario(min_players=, max_players=).create_puzzle().json_data()`` with
 ``random.seed(--seed)``: ``--players 1 2`` (the default) are the settings of the generator's example notebook,
-small puzzles (2-5 suspects) whose answers a 135M model sometimes gets partly right, so that the rewards of a group
-differ and a step trains.
+small puzzles (2-5 suspects, 3-26 clues; the published ones have up to 10 suspects and 100 clues), the easiest to
+answer for a small model and the shortest prompts for a CPU.
 
-The generator needs Python 3.12 (its f-strings), ``ortools==9.11.4210`` (its lock) and ``black``, none of them
-Flywheel's: it runs in a subprocess of ``--python``, with those installed beside the environment (``--deps``)::
+The generator needs Python 3.12 (its f-strings), ``ortools==9.11.4210`` (its lock), ``black`` and ``pillow``,
+none of them Flywheel's: it runs in a subprocess of ``--python``, with those installed beside the environment
+(``--deps``)::
 
-    python3.12 -m pip install --target /tmp/temporal-clue-deps ortools==9.11.4210 black
-    python bench/temporal_clue_puzzles.py GENERATOR_CHECKOUT --python python3.12 --deps /tmp/temporal-clue-deps \
+    python3.12 -m pip install --target /tmp/temporal-clue-deps ortools==9.11.4210 black pillow
+    python bench/temporal_clue_puzzles.py GENERATOR_CHECKOUT --python python3.12 --deps /tmp/temporal-clue-deps \\
         --out /tmp/puzzles.json
     python bench/art_examples.py ART_CHECKOUT --only temporal-clue \\
         --data examples/data/temporal-clue/puzzles.json=/tmp/puzzles.json --deps /tmp/art-example-deps
