@@ -8,6 +8,7 @@ serialization failures and deadlocks), and the audit chain verifies."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -55,6 +56,10 @@ async def test_users_write_production_episodes_while_the_loop_trains_and_gates(d
         with store.session() as s:
             assert deployments.get(s, "busy-agent@production").step == 1
             assert audit.verify(s).ok
+        calls = sum(e.calls for e in users.sent.values())
+        print(json.dumps({"database": db_url.partition(":")[0], "episodes": len(users.sent), "calls": calls,
+                          "while_the_loop_ran": after, "intake": report.intake,
+                          "loop_seconds": round(time.monotonic() - started)}))  # fmt: skip
     finally:
         stop.set()
         await backend.close()
