@@ -3,10 +3,11 @@
 Any fsspec URL works: ``s3://bucket`` (with the ``s3fs`` package), ``gs://``, ``file:///mnt/share``... A bucket name
 without a scheme is S3's, as in ART, and ``$BACKUP_BUCKET`` is the default. The remote layout is ART's:
 ``<bucket>/<prefix>/<project>/models/<name>/``, the same files as the local directory (checkpoints, history,
-trajectories), never its lock or its temporaries (dot-names). A file is copied when the other side lacks it or has
-another size (checkpoint files never change once written; the history only grows). A push copies the history last,
-so a reader never sees a row whose checkpoint is not there yet; a pull copies it first, so the rows of checkpoints
-it copies are there (``recover`` at ``register`` drops rows past the latest checkpoint).
+trajectories), never its lock, its run id or its temporaries (dot-names: a pulled copy is a run of its own). A file
+is copied when the other side lacks it or has another size (checkpoint files never change once written; the history
+only grows). A push copies the history last, so a reader never sees a row whose checkpoint is not there yet; a pull
+copies it first, so the rows of checkpoints it copies are there (``recover`` at ``register`` drops rows past the
+latest checkpoint).
 """
 
 from __future__ import annotations

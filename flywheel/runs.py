@@ -10,12 +10,16 @@ format, durable atomic writes, listing, pruning), recovery after a crash, and th
                                          model.safetensors (full fine-tuning), optimizer.pt, rng.pt
       abandoned/<time>-after-<step>/     a branch given up by training on from an earlier checkpoint
       .lock                              held (flock) while a backend has the model registered; holds its pid
+      .run                               the run's id in the store, made when the directory is first used
 
 History rows and trajectories live in the store (``$FLYWHEEL_DB``, else SQLite in the home: ``<home>/flywheel.db``,
-the database the gateway records episodes in; ``flywheel.store.history``), keyed by project and model name;
-``history.jsonl`` and ``trajectories/`` are their export, rewritten or appended after each change, for people,
-scripts, transitions exports and checkpoint sync. Files the store has nothing of (written before the store kept
-them) are imported once, when first read; ``import_history`` makes pulled files the store's.
+the database the gateway records episodes in; ``flywheel.store.history``), keyed by project, model name and the
+directory's run id: two machines that train one name into a shared store keep their rows apart, and a directory
+made anew (deleted and trained again, or pulled: checkpoint sync leaves dot-names) is a run of its own. A directory
+from before run ids adopts the rows of its name stored without one. ``history.jsonl`` and ``trajectories/`` are
+their export, rewritten or appended after each change, for people, scripts, transitions exports and checkpoint
+sync. Files the store has nothing of (written before the store kept them, or pulled) are imported once, when first
+read; ``import_history`` makes pulled files the store's.
 
 Crash safety (a kill at any instant; fsync also covers a power loss): a checkpoint is written into a temporary
 directory, its files and the directory fsynced, then renamed into place (one already there is renamed aside first,
@@ -39,6 +43,7 @@ import shutil
 import tempfile
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +57,7 @@ from sqlalchemy.orm import Session
 from flywheel.store import Store
 from flywheel.store import history as history_db
 from flywheel.store.db import default_url
+from flywheel.store.history import RunKey
 from flywheel.train.config import TrainedWeights
 from flywheel.types import Trajectory
 
@@ -63,6 +69,7 @@ RNG = "rng.pt"
 STATE = "trainer_state.json"
 HISTORY = "history.jsonl"
 LOCK = ".lock"
+RUN = ".run"
 TMP, ASIDE, DELETING = ".tmp-", ".old-", ".del-"  # checkpoints/ entries in flight (all dot-names are temporary)
 
 Row = dict[str, Any]
@@ -139,6 +146,7 @@ class RunStore:
         where = self.path.absolute()
         self.project, self.name = where.parent.parent.name, where.name
         self.db = db or default_url(where.parent.parent.parent)
+        self._key: RunKey | None = None
         # whether the files are known to be in the store (imported, or written through this instance): looked up
         # once, not at every step; this class empties the store's line only together with its files
         self._rows_imported = self._trajectories_imported = False
@@ -271,24 +279,60 @@ class RunStore:
 
     # ---- history and trajectories ------------------------------------------------------------------------------
 
+    @property
+    def key(self) -> RunKey:
+        """The run in the store: project, model name and the id in ``.run`` (made when first needed)."""
+        if self._key is None:
+            self._key = RunKey(self.project, self.name, self._run_id())
+        return self._key
+
+    def _run_id(self) -> str:
+        """The directory's run id; a new one when it has none (made once: a process that races this one to it gets
+        the same). A directory from before run ids adopts its name's rows stored without one."""
+        path = self.path / RUN
+        if path.exists():
+            return path.read_text().strip()
+        older = self._history.exists() or self.checkpoints.is_dir() or (self.path / "trajectories").is_dir()
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f"{RUN}-", dir=self.path)
+        try:
+            os.write(fd, f"{uuid.uuid4().hex}\n".encode())
+            os.fsync(fd)
+            os.link(tmp, path)  # fails if another process made it first: then it is theirs
+            made = True
+        except FileExistsError:
+            made = False
+        finally:
+            os.close(fd)
+            os.unlink(tmp)
+        run = path.read_text().strip()
+        if made:
+            _fsync_dir(self.path)
+            if older:
+                with _store(self.db).session() as s:
+                    history_db.adopt(s, RunKey(self.project, self.name, run))
+        return run
+
     def history(self) -> list[Row]:
-        """The rows, in order."""
+        """The rows, in order (none for a directory that does not exist)."""
+        if not self.path.is_dir():
+            return []
         with _store(self.db).session() as s:
             return self._rows(s)
 
     def _rows(self, s: Session) -> list[Row]:
         """The store's rows (``history.jsonl``'s imported first if it has none)."""
         self._import_rows(s)
-        return history_db.rows(s, self.project, self.name)
+        return history_db.rows(s, self.key)
 
     def _import_rows(self, s: Session) -> None:
         """``history.jsonl``'s rows, when the store has none of the run's (written before it kept them, or pulled)."""
         if self._rows_imported:
             return
-        if history_db.has_rows(s, self.project, self.name):
+        if history_db.has_rows(s, self.key):
             self._rows_imported = True  # committed before this unit of work
         else:
-            history_db.add(s, self.project, self.name, self._exported())
+            history_db.add(s, self.key, self._exported())
 
     def _exported(self) -> list[Row]:
         """The rows of ``history.jsonl`` (a last line cut short by a kill is not a row)."""
@@ -297,8 +341,8 @@ class RunStore:
     def import_history(self) -> None:
         """Make the store's rows and trajectories those of the files (after a pull brought another machine's)."""
         with _store(self.db).session() as s:
-            history_db.replace(s, self.project, self.name, self._exported())
-            history_db.drop_trajectories_above(s, self.project, self.name, -1)
+            history_db.replace(s, self.key, self._exported())
+            history_db.drop_trajectories_above(s, self.key, -1)
             self._trajectories_imported = False  # none left: the files go in again
             self._import_trajectories(s)
 
@@ -308,7 +352,7 @@ class RunStore:
             return
         with _store(self.db).session() as s:
             self._import_rows(s)  # a file not imported yet goes in first
-            history_db.add(s, self.project, self.name, rows)
+            history_db.add(s, self.key, rows)
         self._rows_imported = True  # committed
         created = not self._history.exists()
         self.path.mkdir(parents=True, exist_ok=True)
@@ -324,7 +368,7 @@ class RunStore:
         texts = [t.model_dump_json() for t in trajectories]
         with _store(self.db).session() as s:
             self._import_trajectories(s)
-            history_db.add_trajectories(s, self.project, self.name, split, step, texts)
+            history_db.add_trajectories(s, self.key, split, step, texts)
         self._trajectories_imported = True  # committed
         path = self._trajectory_file(split, step)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -333,9 +377,11 @@ class RunStore:
 
     def trajectories(self, split: str, step: int | None = None) -> list[Trajectory]:
         """The trajectories saved with ``split`` (at ``step``), in the order saved."""
+        if not self.path.is_dir():
+            return []
         with _store(self.db).session() as s:
             self._import_trajectories(s)
-            found = history_db.trajectories(s, self.project, self.name, split, step)
+            found = history_db.trajectories(s, self.key, split, step)
         return [Trajectory.model_validate_json(text) for _, text in found]
 
     def _trajectory_file(self, split: str, step: int) -> Path:
@@ -345,11 +391,11 @@ class RunStore:
         """Trajectory files, when the store has none of the run's (written before it kept them, or pulled)."""
         if self._trajectories_imported:
             return
-        if history_db.has_trajectories(s, self.project, self.name):
+        if history_db.has_trajectories(s, self.key):
             self._trajectories_imported = True  # committed before this unit of work
             return
         for f in sorted(self._trajectory_files(above=-1)):
-            history_db.add_trajectories(s, self.project, self.name, f.parent.name, int(f.stem), _complete_lines(f))
+            history_db.add_trajectories(s, self.key, f.parent.name, int(f.stem), _complete_lines(f))
 
     # ---- recovery and branches ---------------------------------------------------------------------------------
 
@@ -385,8 +431,8 @@ class RunStore:
             self._export(kept)  # a kill between the store's commit and the export, or a torn last line
         with _store(self.db).session() as s:
             self._import_trajectories(s)
-            history_db.drop_trajectories_above(s, self.project, self.name, top)
-            last = history_db.last_saved(s, self.project, self.name)
+            history_db.drop_trajectories_above(s, self.key, top)
+            last = history_db.last_saved(s, self.key)
         for f in self._trajectory_files(above=top):
             f.unlink()
         if last is not None:  # a kill between the store's commit of the last trajectories and their export
@@ -395,7 +441,7 @@ class RunStore:
             text = path.read_text() if path.exists() else ""
             if len(_complete_lines(path)) != count or (text and not text.endswith("\n")):
                 with _store(self.db).session() as s:
-                    found = history_db.trajectories(s, self.project, self.name, split, step)
+                    found = history_db.trajectories(s, self.key, split, step)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text("".join(line + "\n" for _, line in found))
 
@@ -420,7 +466,7 @@ class RunStore:
             _fsync_dir(self.checkpoints)
         (archive / HISTORY).write_text("".join(json.dumps(r) + "\n" for r in dropped))
         with _store(self.db).session() as s:
-            history_db.abandon_above(s, self.project, self.name, step, f"{archive.parent.name}/{archive.name}")
+            history_db.abandon_above(s, self.key, step, f"{archive.parent.name}/{archive.name}")
         self._export([r for r in rows if r.get("step", 0) <= step])
         for f in files:
             (archive / "trajectories" / f.parent.name).mkdir(parents=True, exist_ok=True)
@@ -433,7 +479,7 @@ class RunStore:
     def _rewrite_history(self, rows: list[Row]) -> None:
         """Make the run's rows exactly ``rows``, in the store and its export."""
         with _store(self.db).session() as s:
-            history_db.replace(s, self.project, self.name, rows)
+            history_db.replace(s, self.key, rows)
         self._export(rows)
 
     def _export(self, rows: list[Row]) -> None:

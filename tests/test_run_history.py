@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
-from sqlalchemy import event
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import event, text
 
 from flywheel import runs as runs_module
-from flywheel.runs import HISTORY, OPEN_STORES, Checkpoint, CheckpointState, RunStore, model_path
+from flywheel.runs import HISTORY, OPEN_STORES, RUN, Checkpoint, CheckpointState, RunStore, model_path
 from flywheel.store import Store
+from flywheel.store import db as store_db
 from flywheel.store import history as history_db
+from flywheel.store.db import MIGRATIONS
 from flywheel.train.config import TrainedWeights
 from flywheel.types import Trajectory
 
@@ -36,9 +41,9 @@ def store(db_url: str):
     store.close()
 
 
-def stored(store: Store, project: str, model: str, branch: str | None = None) -> list[dict]:
+def stored(store: Store, run: RunStore, branch: str | None = None) -> list[dict]:
     with store.session() as s:
-        return history_db.rows(s, project, model, branch=branch)
+        return history_db.rows(s, run.key, branch=branch)
 
 
 def exported(run: RunStore) -> list[dict]:
@@ -53,7 +58,7 @@ def test_history_rows_are_the_stores_and_the_file_is_their_export(store: Store, 
     run.append([val])
     run.write(tiny(2, [r2]))
     run.write(tiny(3, [r3]))
-    rows = stored(store, "p", "m")
+    rows = stored(store, run)
     assert [(r["step"], r["split"]) for r in rows] == [(1, "train"), (1, "val"), (2, "train"), (3, "train")]
     assert math.isnan(rows[1]["val/reward"]) and exported(run)[1]["step"] == 1 and len(exported(run)) == 4
     (run.path / HISTORY).unlink()  # the export is gone: the rows are not
@@ -67,8 +72,8 @@ def test_history_rows_are_the_stores_and_the_file_is_their_export(store: Store, 
     archive = run.abandon_after(1)  # training goes on from step 1: steps 2 and 3 are another branch
     assert archive is not None
     branch = f"abandoned/{archive.name}"
-    assert [r["step"] for r in stored(store, "p", "m")] == [1, 1] and [r["step"] for r in exported(run)] == [1, 1]
-    assert stored(store, "p", "m", branch=branch) == [r2, r3]
+    assert [r["step"] for r in stored(store, run)] == [1, 1] and [r["step"] for r in exported(run)] == [1, 1]
+    assert stored(store, run, branch=branch) == [r2, r3]
     assert RunStore(model_path(tmp_path, "other", "m"), db=db_url).history() == []  # another project's model
 
 
@@ -81,12 +86,12 @@ def test_a_history_written_before_the_store_is_imported_once_and_a_pulled_one_re
     (path / HISTORY).write_text("".join(json.dumps(r) + "\n" for r in before))
     run = RunStore(path, db=db_url)
     run.append([row(3)])  # the old rows go in first, in order
-    assert stored(store, "p", "old") == [*before, row(3)] and exported(run) == [*before, row(3)]
+    assert stored(store, run) == [*before, row(3)] and exported(run) == [*before, row(3)]
     assert RunStore(path, db=db_url).history() == [*before, row(3)]  # imported once: nothing twice
     pulled = [row(1), row(2), row(3), row(4)]  # checkpoint sync brought another machine's file
     (path / HISTORY).write_text("".join(json.dumps(r) + "\n" for r in pulled))
     run.import_history()
-    assert run.history() == pulled and stored(store, "p", "old") == pulled
+    assert run.history() == pulled and stored(store, run) == pulled
 
 
 def saved(run: RunStore, split: str, step: int) -> list[str]:
@@ -102,7 +107,7 @@ def test_trajectories_are_the_stores_and_their_files_the_export(store: Store, db
     run.save_trajectories("train", 1, [a, b])
     run.save_trajectories("val", 1, [c])
     with store.session() as s:
-        assert [k for k, _ in history_db.trajectories(s, "p", "t", "train")] == [1, 1]
+        assert [k for k, _ in history_db.trajectories(s, run.key, "train")] == [1, 1]
     assert run.trajectories("train", 1) == [a, b] and run.trajectories("val") == [c]
     assert saved(run, "train", 1) == [a.id, b.id] and saved(run, "val", 1) == [c.id]
     (run.path / "trajectories" / "val" / "0001.jsonl").write_text("")  # killed between the store's commit and export
@@ -116,7 +121,7 @@ def test_trajectories_are_the_stores_and_their_files_the_export(store: Store, db
     archive = run.abandon_after(1)
     assert archive is not None and run.trajectories("train") == [a, b]
     with store.session() as s:
-        (moved,) = history_db.trajectories(s, "p", "t", "train", branch=f"abandoned/{archive.name}")
+        (moved,) = history_db.trajectories(s, run.key, "train", branch=f"abandoned/{archive.name}")
     assert moved[0] == 2 and Trajectory.model_validate_json(moved[1]) == e
     assert saved(run, "train", 1) == [a.id, b.id] and (archive / "trajectories" / "train" / "0002.jsonl").exists()
 
@@ -146,11 +151,81 @@ def test_a_writer_asks_the_store_for_the_runs_rows_once_not_at_every_step(store:
         event.remove(engine, "before_cursor_execute", count)
     looks = [q for q in queries if q.lstrip().upper().startswith("SELECT") and "run_" in q]
     assert len(looks) == 2, looks  # rows, trajectories: at the first step only
-    assert [r["step"] for r in stored(store, "p", "once")] == [1, 2, 3]
+    assert [r["step"] for r in stored(store, run)] == [1, 2, 3]
 
     (run.path / "trajectories" / "train" / "0003.jsonl").write_text(b.model_dump_json() + "\n")  # pulled
     run.import_history()
     assert run.trajectories("train") == [a, a, b]
+
+
+def test_two_machines_training_one_name_into_one_store_keep_their_runs_apart(store: Store, db_url: str, tmp_path):
+    """Two homes (machines) each train a model of the same project and name into one database: each directory is a
+    run of its own (its id in ``.run``), so neither reads the other's rows nor drops them in its recovery; a directory
+    made anew where one was deleted is a new run."""
+    here = RunStore(model_path(tmp_path / "a", "p", "m"), db=db_url)
+    there = RunStore(model_path(tmp_path / "b", "p", "m"), db=db_url)
+    t = Trajectory(messages_and_choices=[{"role": "user", "content": "q"}], reward=1.0)
+    here.write(tiny(1, [row(1)]))
+    there.write(tiny(1, [row(1, loss=9.0)]))
+    there.write(tiny(2, [row(2)]))
+    there.save_trajectories("train", 2, [t])
+    here.recover()  # its latest checkpoint is 1: rows above it go, its own only
+    assert here.history() == [row(1)] and there.history() == [row(1, loss=9.0), row(2)]
+    assert here.trajectories("train") == [] and there.trajectories("train") == [t]
+    assert here.key.run != there.key.run and (here.path / RUN).read_text().strip() == here.key.run
+
+    shutil.rmtree(there.path)
+    again = RunStore(there.path, db=db_url)
+    assert again.history() == [] and again.trajectories("train") == []  # nothing read back from a deleted run
+    again.append([row(1)])
+    assert again.history() == [row(1)] and again.key.run != there.key.run
+
+
+def _at_revision(url: str, revision: str, inserts: list[tuple[str, list[dict]]]) -> None:
+    """A database migrated up to ``revision`` only, with rows inserted as they were stored then."""
+    engine = store_db._engine(url)
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    try:
+        with engine.begin() as connection:
+            config.attributes["connection"] = connection
+            command.upgrade(config, revision)
+            for statement, rows in inserts:
+                connection.execute(text(statement), rows)
+    finally:
+        engine.dispose()
+
+
+def test_rows_stored_before_run_ids_are_kept_and_their_directory_adopts_them(db_url: str, tmp_path):
+    """Migration 0010 keeps the rows stored by project and model (their run is ""); the directory that wrote them,
+    opened for the first time since, adopts them, branches and trajectories included (the export has neither);
+    a new directory of that name elsewhere is a run of its own."""
+    r1, r2, r3 = row(1), row(2), row(3)
+    t = Trajectory(messages_and_choices=[{"role": "user", "content": "q"}], reward=1.0)
+    history = 'INSERT INTO run_history (project, model, step, split, time, "row", branch) VALUES '
+    _at_revision(db_url, "0009", [
+        (history + "('p', 'm', :step, 'train', :time, :row, :branch)", [
+            {"step": r["step"], "time": r["time"], "row": json.dumps(r), "branch": b}
+            for r, b in ((r1, None), (r2, "abandoned/x"), (r3, None))
+        ]),
+        ("INSERT INTO run_trajectories (project, model, split, step, trajectory) VALUES ('p', 'm', 'train', 3, :t)",
+         [{"t": t.model_dump_json()}]),
+    ])  # fmt: skip
+    store = Store(db_url)  # migrated to the latest revision
+    try:
+        with store.session() as s:
+            assert s.scalars(text("SELECT run FROM run_history")).all() == ["", "", ""]
+        path = model_path(tmp_path, "p", "m")
+        path.mkdir(parents=True)
+        (path / HISTORY).write_text("".join(json.dumps(r) + "\n" for r in (r1, r3)))
+        old = RunStore(path, db=db_url)
+        assert old.history() == [r1, r3] and old.trajectories("train") == [t]
+        assert stored(store, old, branch="abandoned/x") == [r2]  # adopted: the files never had these
+        elsewhere = RunStore(model_path(tmp_path / "b", "p", "m"), db=db_url)
+        elsewhere.append([row(7)])
+        assert elsewhere.history() == [row(7)] and RunStore(path, db=db_url).history() == [r1, r3]
+    finally:
+        store.close()
 
 
 def test_a_process_keeps_few_stores_open_and_one_closed_for_another_still_serves(tmp_path):

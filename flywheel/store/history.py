@@ -1,8 +1,11 @@
-"""A run's history: the rows of metrics of each training step and evaluation of a model, ``(project, model)``, in
-the order they were written, and the trajectories saved with a step (the trained ones, an evaluation's).
-``flywheel.runs.RunStore`` writes them here and exports them to the model's ``history.jsonl`` and
-``trajectories/<split>/<step>.jsonl``; what its crash recovery keeps or drops, and the branches a restore gives
-up, are changed here.
+"""A run's history: the rows of metrics of each training step and evaluation of a model, in the order they were
+written, and the trajectories saved with a step (the trained ones, an evaluation's). ``flywheel.runs.RunStore``
+writes them here and exports them to the model's ``history.jsonl`` and ``trajectories/<split>/<step>.jsonl``; what
+its crash recovery keeps or drops, and the branches a restore gives up, are changed here.
+
+A run is a ``RunKey``: the project, the model's name and the id its directory keeps, so that two machines training
+one name into a shared store keep their rows apart. Rows stored before runs had ids have the run "" until their
+directory adopts them (``adopt``).
 
 Rows are JSON objects with at least ``step`` (0 when absent) and usually ``split`` and ``time``; they are stored
 whole as JSON text, NaN and infinities included (a metric may be NaN; the file has always held them so).
@@ -12,7 +15,7 @@ Trajectories are stored as the JSON text they are exported as.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session
@@ -23,102 +26,124 @@ from flywheel.store.schema import RunHistoryRow, RunTrajectory
 HISTORY = RunHistoryRow.__table__
 TRAJECTORIES = RunTrajectory.__table__
 Row = dict[str, Any]
+BEFORE_IDS = ""  # the run of rows stored before runs had ids
 
 
-def _line(table: type[RunHistoryRow | RunTrajectory], project: str, model: str, branch: str | None = None):
+class RunKey(NamedTuple):
+    """A run: a model's project and name, and the id its directory keeps (``flywheel.runs.RunStore``)."""
+
+    project: str
+    model: str
+    run: str
+
+
+def _run(table: type[RunHistoryRow | RunTrajectory], key: RunKey):
+    """The conditions that pick the run's rows in ``table`` (its live line and its branches)."""
+    return table.project == key.project, table.model == key.model, table.run == key.run
+
+
+def _line(table: type[RunHistoryRow | RunTrajectory], key: RunKey, branch: str | None = None):
     """The conditions that pick one line of the run in ``table``: its live line, or an abandoned ``branch``."""
-    return (
-        table.project == project,
-        table.model == model,
-        table.branch.is_(None) if branch is None else table.branch == branch,
-    )
+    return *_run(table, key), table.branch.is_(None) if branch is None else table.branch == branch
 
 
-def rows(s: Session, project: str, model: str, *, branch: str | None = None) -> list[Row]:
+def rows(s: Session, key: RunKey, *, branch: str | None = None) -> list[Row]:
     """The run's rows in order: its live line, or those of an abandoned ``branch``."""
-    query = select(RunHistoryRow.row).where(*_line(RunHistoryRow, project, model, branch))
+    query = select(RunHistoryRow.row).where(*_line(RunHistoryRow, key, branch))
     return [json.loads(text) for text in s.scalars(query.order_by(RunHistoryRow.id))]
 
 
-def has_rows(s: Session, project: str, model: str) -> bool:
+def has_rows(s: Session, key: RunKey) -> bool:
     """Whether the store holds any row of the run (its live line or a branch)."""
-    query = select(RunHistoryRow.id).where(RunHistoryRow.project == project, RunHistoryRow.model == model).limit(1)
+    query = select(RunHistoryRow.id).where(*_run(RunHistoryRow, key)).limit(1)
     return s.scalars(query).first() is not None
 
 
-def add(s: Session, project: str, model: str, new: list[Row]) -> None:
+def add(s: Session, key: RunKey, new: list[Row]) -> None:
     """Append rows to the run's live line, in order (one insert)."""
     if not new:
         return
     write_lock(s)
     values = [
         {
-            "project": project, "model": model, "step": int(r.get("step", 0)), "split": r.get("split"),
-            "time": r.get("time"), "row": json.dumps(r), "branch": None,
+            "project": key.project, "model": key.model, "run": key.run, "step": int(r.get("step", 0)),
+            "split": r.get("split"), "time": r.get("time"), "row": json.dumps(r), "branch": None,
         }
         for r in new
     ]  # fmt: skip
     s.execute(insert(HISTORY), values)
 
 
-def replace(s: Session, project: str, model: str, kept: list[Row]) -> None:
+def replace(s: Session, key: RunKey, kept: list[Row]) -> None:
     """Make the run's live line exactly ``kept`` (recovery after a crash: rows of steps being redone go)."""
     write_lock(s)
-    s.execute(delete(RunHistoryRow).where(*_line(RunHistoryRow, project, model)))
-    add(s, project, model, kept)
+    s.execute(delete(RunHistoryRow).where(*_line(RunHistoryRow, key)))
+    add(s, key, kept)
 
 
-def abandon_above(s: Session, project: str, model: str, step: int, branch: str) -> None:
+def abandon_above(s: Session, key: RunKey, step: int, branch: str) -> None:
     """Move the live rows and trajectories of steps above ``step`` to ``branch`` (training goes on from ``step``)."""
     write_lock(s)
     for table in (RunHistoryRow, RunTrajectory):
-        s.execute(update(table).where(*_line(table, project, model), table.step > step).values(branch=branch))
+        s.execute(update(table).where(*_line(table, key), table.step > step).values(branch=branch))
 
 
-def has_trajectories(s: Session, project: str, model: str) -> bool:
+def has_trajectories(s: Session, key: RunKey) -> bool:
     """Whether the store holds any trajectory of the run (its live line or a branch)."""
-    query = select(RunTrajectory.id).where(RunTrajectory.project == project, RunTrajectory.model == model).limit(1)
+    query = select(RunTrajectory.id).where(*_run(RunTrajectory, key)).limit(1)
     return s.scalars(query).first() is not None
 
 
-def add_trajectories(s: Session, project: str, model: str, split: str, step: int, texts: list[str]) -> None:
+def add_trajectories(s: Session, key: RunKey, split: str, step: int, texts: list[str]) -> None:
     """Save trajectories (their JSON text) with a step of the run's live line, in order (one insert)."""
     if not texts:
         return
     write_lock(s)
     values = [
-        {"project": project, "model": model, "split": split, "step": step, "trajectory": text, "branch": None}
+        {
+            "project": key.project, "model": key.model, "run": key.run, "split": split, "step": step,
+            "trajectory": text, "branch": None,
+        }
         for text in texts
-    ]
+    ]  # fmt: skip
     s.execute(insert(TRAJECTORIES), values)
 
 
 def trajectories(
-    s: Session, project: str, model: str, split: str, step: int | None = None, *, branch: str | None = None
+    s: Session, key: RunKey, split: str, step: int | None = None, *, branch: str | None = None
 ) -> list[tuple[int, str]]:
     """``(step, JSON text)`` of the run's trajectories of ``split`` (of one ``step``), in the order saved."""
-    query = select(RunTrajectory.step, RunTrajectory.trajectory).where(*_line(RunTrajectory, project, model, branch))
+    query = select(RunTrajectory.step, RunTrajectory.trajectory).where(*_line(RunTrajectory, key, branch))
     query = query.where(RunTrajectory.split == split)
     if step is not None:
         query = query.where(RunTrajectory.step == step)
     return [(k, text) for k, text in s.execute(query.order_by(RunTrajectory.id))]
 
 
-def last_saved(s: Session, project: str, model: str) -> tuple[str, int, int] | None:
+def last_saved(s: Session, key: RunKey) -> tuple[str, int, int] | None:
     """The split and step of the live line's last saved trajectories, and how many that step of that split has:
     what a kill may have left the export without."""
-    query = select(RunTrajectory.split, RunTrajectory.step).where(*_line(RunTrajectory, project, model))
+    query = select(RunTrajectory.split, RunTrajectory.step).where(*_line(RunTrajectory, key))
     last = s.execute(query.order_by(RunTrajectory.id.desc()).limit(1)).first()
     if last is None:
         return None
     split, step = last
     count = select(func.count()).where(
-        *_line(RunTrajectory, project, model), RunTrajectory.split == split, RunTrajectory.step == step
+        *_line(RunTrajectory, key), RunTrajectory.split == split, RunTrajectory.step == step
     )
     return split, step, s.scalar(count) or 0
 
 
-def drop_trajectories_above(s: Session, project: str, model: str, step: int) -> None:
+def drop_trajectories_above(s: Session, key: RunKey, step: int) -> None:
     """Delete the live line's trajectories of steps above ``step`` (recovery: those steps are redone)."""
     write_lock(s)
-    s.execute(delete(RunTrajectory).where(*_line(RunTrajectory, project, model), RunTrajectory.step > step))
+    s.execute(delete(RunTrajectory).where(*_line(RunTrajectory, key), RunTrajectory.step > step))
+
+
+def adopt(s: Session, key: RunKey) -> None:
+    """Give the run the rows and trajectories of its project and model stored before runs had ids (its directory
+    is from then: they are its own, unless another machine trained that name into this store too)."""
+    write_lock(s)
+    before = key._replace(run=BEFORE_IDS)
+    for table in (RunHistoryRow, RunTrajectory):
+        s.execute(update(table).where(*_run(table, before)).values(run=key.run))

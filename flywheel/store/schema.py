@@ -212,15 +212,18 @@ class Review(Base):
 class RunHistoryRow(Base):
     """One history row of a model's run (a training step's or an evaluation's metrics), as ``flywheel.runs`` writes
     it: the row itself is JSON text (it may hold NaN, as ``history.jsonl`` does), its step, split and time columns
-    are there to query by. ``branch`` is None on the run's live line; rows of a branch given up (training went on
-    from an earlier checkpoint) keep the name of the ``abandoned/`` directory they were archived to."""
+    are there to query by. ``run`` is the id the model's directory keeps (two machines training one name are two
+    runs; "" for rows stored before runs had ids). ``branch`` is None on the run's live line; rows of a branch given
+    up (training went on from an earlier checkpoint) keep the name of the ``abandoned/`` directory they were
+    archived to."""
 
     __tablename__ = "run_history"
-    __table_args__ = (Index("ix_run_history_run", "project", "model", "branch", "step"),)
+    __table_args__ = (Index("ix_run_history_run", "project", "model", "run", "branch", "step"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)  # the rows' order
     project: Mapped[str] = mapped_column(String(256))
     model: Mapped[str] = mapped_column(String(256))
+    run: Mapped[str] = mapped_column(String(64), server_default="")
     step: Mapped[int]
     split: Mapped[str | None] = mapped_column(String(64))
     time: Mapped[float | None] = mapped_column(Float)
@@ -230,14 +233,15 @@ class RunHistoryRow(Base):
 
 class RunTrajectory(Base):
     """One trajectory a model's run saved with a step (the trained ones, an evaluation's), as JSON text;
-    ``branch`` as for ``RunHistoryRow``."""
+    ``run`` and ``branch`` as for ``RunHistoryRow``."""
 
     __tablename__ = "run_trajectories"
-    __table_args__ = (Index("ix_run_trajectories_run", "project", "model", "branch", "split", "step"),)
+    __table_args__ = (Index("ix_run_trajectories_run", "project", "model", "run", "branch", "split", "step"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)  # the order they were saved in
     project: Mapped[str] = mapped_column(String(256))
     model: Mapped[str] = mapped_column(String(256))
+    run: Mapped[str] = mapped_column(String(64), server_default="")
     split: Mapped[str] = mapped_column(String(64))
     step: Mapped[int]
     trajectory: Mapped[str] = mapped_column(Text)
