@@ -259,22 +259,21 @@ async def sft_best_epoch(
     """SFT one epoch at a time, each validated, until ``sft_converged`` or ``sft_epochs``; the best epoch's weights
     are restored: (its step, every epoch's val reward, the slowest validation's seconds)."""
     one_epoch = config.sft.model_copy(update={"epochs": 1})
-    best = (-1.0, 0)
-    rewards: list[float] = []
+    epochs: list[tuple[float, int]] = []  # each epoch's val reward and step
     val_seconds = 0.0
     for epoch in range(config.sft_epochs):
         await warm_start(model, demos, one_epoch)
         started = time.perf_counter()
         metrics = await model.log(await job.evaluate(val, f"SFT epoch {epoch + 1} val"), split="val")
         val_seconds = max(val_seconds, time.perf_counter() - started)
-        rewards.append(metrics["val/reward"])
-        best = max(best, (metrics["val/reward"], await model.get_step()))
+        epochs.append((metrics["val/reward"], await model.get_step()))
         await model.delete_checkpoints("val/reward")
-        if sft_converged(rewards, config.sft_patience):
+        if sft_converged([reward for reward, _ in epochs], config.sft_patience):
             break
-    if best[1] != await model.get_step():
-        await backend.restore(model, best[1])
-    return best[1], rewards, val_seconds
+    best = max(epochs)[1]  # the best reward's step; of equal ones the later, as delete_checkpoints keeps
+    if best != await model.get_step():
+        await backend.restore(model, best)
+    return best, [reward for reward, _ in epochs], val_seconds
 
 
 async def reinforce(
