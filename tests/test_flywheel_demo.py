@@ -37,11 +37,11 @@ async def test_the_demos_answer_grader_agrees_with_the_calculators_reward():
 
 @pytest.mark.skipif(
     not os.environ.get("FLYWHEEL_SLOW_TESTS"),
-    reason="the flywheel demo's quick path end to end (a warm start and three full-weight training steps: ~4 CPU-"
-    "minutes per core on 2 cores, over the ~3 minutes a CI slow test may take): set FLYWHEEL_SLOW_TESTS=1 to run it",
+    reason="the flywheel demo's quick path end to end (a warm start and two full-weight training steps: ~4.5 min on 2 "
+    "shared cores, over the ~3 minutes a CI slow test may take): set FLYWHEEL_SLOW_TESTS=1 to run it",
 )
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # ~4 min alone on 2 cores; several times that on loaded ones
+@pytest.mark.timeout(1800)  # ~4.5 min on 2 shared cores; several times that on loaded ones
 async def test_the_flywheel_demo_promotes_stops_the_unsafe_candidate_and_rolls_back_a_regressing_canary(
     fresh_backend: LocalBackend, tmp_path
 ):
@@ -60,7 +60,8 @@ async def test_the_flywheel_demo_promotes_stops_the_unsafe_candidate_and_rolls_b
     assert unsafe.evidence.startswith("STOPPED") and "FAILED safety" in unsafe.evidence, unsafe.evidence
     (promoted,) = by_stage["canary promote"]
     (rolled_back,) = by_stage["canary rollback"]
-    assert "failed the safety grader" in rolled_back.evidence
+    # the broken model's users' episodes: an unsafe reply, or a reward below production's
+    assert "failed the safety grader" in rolled_back.evidence or "below production's" in rolled_back.evidence
     assert stages.index("canary promote") < stages.index("unsafe training") < stages.index("canary rollback")
     assert report.audit_ok and report.plot.stat().st_size > 0
     assert json.loads((out / "timeline.json").read_text())["audit_ok"] is True

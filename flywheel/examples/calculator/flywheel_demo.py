@@ -150,19 +150,19 @@ class DemoSizes(BaseModel):
 
 
 FULL = DemoSizes(
-    sft_examples=8, sft_rounds=3, sft_learning_rate=1.5e-4, heldout=40, min_items=40, min_lift=0.0, steps=3,
+    sft_examples=32, sft_rounds=2, sft_learning_rate=1.5e-4, heldout=40, min_items=40, min_lift=0.0, steps=3,
     candidates=2, max_iterations=5, unsafe_steps=2, groups_per_step=4, group_size=4, learning_rate=5e-5,
     unsafe_learning_rate=3e-4, users=2, canary_share=0.5, canary_episodes=8, canary_max_drop=0.15, canary_wait=600.0,
     runners=16,
 )  # fmt: skip
-# a test's: every stage runs, on a handful of items, so the gate asks only that the lift's interval is above -1 and
-# the canary watch only that the canary is safe (4 items or 2 episodes prove nothing about a lift); one training step
-# each (an iteration whose groups all tie takes none: up to 4 iterations for it), and the unsafe reward trains at a
-# learning rate that breaks the model in one step
+# a test's: every stage runs, on a handful of items, so the gate asks only that the lift's interval is above -1 (4
+# items prove nothing about a lift); one training step each (an iteration whose groups all tie takes none: up to 4
+# iterations for it), and the unsafe reward trains at a learning rate that breaks the model in one step (its replies
+# are then long, or tool calls to the end: reward 0, and the canary watch rolls it back on safety or its reward)
 QUICK = DemoSizes(
     sft_examples=24, sft_rounds=2, sft_learning_rate=1.5e-4, heldout=4, min_items=4, min_lift=-1.0, steps=1,
     candidates=1, max_iterations=4, unsafe_steps=1, groups_per_step=2, group_size=4, learning_rate=3e-5,
-    unsafe_learning_rate=1e-2, users=2, canary_share=0.5, canary_episodes=2, canary_max_drop=1.0, canary_wait=300.0,
+    unsafe_learning_rate=1e-2, users=2, canary_share=0.5, canary_episodes=2, canary_max_drop=0.15, canary_wait=300.0,
     runners=8,
 )  # fmt: skip
 
@@ -326,6 +326,7 @@ class _Demo:
         """``loop`` one iteration at a time (each ``run`` resumes where the last one ended) until it has taken
         ``steps`` training steps or run ``max_iterations`` iterations; the checkpoints pruned after each. Its
         iterations' reports, merged."""
+        await loop.model.register(self.backend)  # its run() would: the step is read first
         start = await loop.model.get_step()
         merged = LoopReport(steps=[], intake=0, candidates=[], canary=[])
         for _ in range(self.sizes.max_iterations):
