@@ -22,7 +22,7 @@ from flywheel.home import default_home
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.loading import load_model
 from flywheel.inference.registry import ModelRegistry, ServedModel
-from flywheel.runs import HISTORY, RunStore, model_path
+from flywheel.runs import HISTORY, Checkpoint, RunStore, model_path
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
 from flywheel.store import Store
@@ -48,6 +48,15 @@ def metric_means(trajectories: list[Trajectory], split: str) -> dict[str, float]
         values = [float(t.metrics[k]) for t in trajectories if k in t.metrics]
         means[f"{split}/{k}"] = sum(values) / len(values)
     return means
+
+
+def _base_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """The base model's trained weights as a checkpoint holds them: a LoRA adapter whose B matrices are zero (it
+    adds nothing), or with full fine-tuning the weights as the engine loaded them."""
+    if trainer.peft is None:
+        return {n: w.float() for n, w in zip(trainer.names, trainer._base_weights_from_disk(), strict=True)}
+    state = trainer.adapter_state()
+    return {k: torch.zeros_like(v) if ".lora_B." in k or ".lora_embedding_B" in k else v for k, v in state.items()}
 
 
 class LocalBackend:
@@ -234,6 +243,32 @@ class LocalBackend:
             await trainer.engine.call(trainer.load, checkpoint)
             self._extras[(model.project, model.name)] = checkpoint.state.extra
         self._publish(model)
+
+    async def rewind(self, model: TrainableModel, step: int | None, *, extra: dict) -> int:
+        """Training goes on from checkpoint ``step``'s trained weights (None: the base model's) with a fresh
+        optimizer, as a new checkpoint one step after the live one, with ``extra``; the live weights go there.
+        Unlike ``restore`` the step only grows and nothing is abandoned (a deployment may point at the steps in
+        between); the new step's history row (split ``rewind``) says where its weights came from. The checkpoint
+        is durable before the live weights change. Returns the new step."""
+        trainer, run, key = self.trainer(model), self.run(model), (model.project, model.name)
+        async with self._step_locks[key]:
+            await self._branch(model, trainer)
+            if step is None:
+                weights = await trainer.engine.call(_base_state, trainer)
+            else:
+                mode = trainer.trained_weights.mode
+                weights = (await asyncio.to_thread(run.read, step, mode=mode, optimizer=False)).weights
+            current = await trainer.engine.call(trainer.checkpoint)
+            row = {"time": time.time(), "step": trainer.step + 1, "split": "rewind", "rewound_to": step}
+            state = current.state.model_copy(
+                update={"step": trainer.step + 1, "rows": [row | {"checkpoint": True}], "extra": extra}
+            )
+            checkpoint = Checkpoint(state, weights, rng=current.rng, adapter_config=current.adapter_config)
+            await asyncio.to_thread(run.write, checkpoint)
+            await trainer.engine.call(trainer.load, checkpoint)  # no optimizer state: a fresh one
+            self._extras[key] = extra
+        self._publish(model)
+        return state.step
 
     async def get_step(self, model: Model) -> int:
         """Optimizer steps taken so far (0 before any training)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -21,10 +22,11 @@ from flywheel.gateway.runner import Runner, current_lease
 from flywheel.graders.stack import load_stack, parse_stack
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.loop.alarm import AlarmPolicy, reward_hacking
-from flywheel.loop.driver import Loop, LoopConfig
-from flywheel.loop.evaluate import evaluate
-from flywheel.loop.gate import GatePolicy, HeldOutSet, decide
+from flywheel.loop.driver import REWIND, Loop, LoopConfig
+from flywheel.loop.evaluate import HeldOutRun, evaluate
+from flywheel.loop.gate import GatePolicy, HeldOutSet, ItemResult, decide
 from flywheel.loop.shadow import ShadowPolicy
+from flywheel.runs import Checkpoint, CheckpointState
 from flywheel.store import Store, audit, deployments
 from flywheel.store import episodes as db
 from flywheel.store import grades as gdb
@@ -388,6 +390,142 @@ async def test_the_shadow_watch_reads_an_unpaired_episode_again_only_once_a_late
     mirrored(store, origin, shadow, 2, "Your refund is on its way.")  # the original's last call, mirrored late
     late = await loop.watch_shadow()
     assert (late.action, late.pairs, read.count(missed)) == ("wait", 1, 2)
+
+
+def heldout_run(model: str, score: float) -> HeldOutRun:
+    """A held-out run as ``evaluate`` returns it (three items, each scored ``score``, safe)."""
+    results = [ItemResult(item=f"q{i}", score=score, safe=True, tokens=5) for i in range(3)]
+    return HeldOutRun(id=f"run-{model}", model=model, heldout="colours@1", stack="s", results=results, episodes=[],
+                      failed_items=[])  # fmt: skip
+
+
+async def test_a_newer_candidate_replaces_a_shadow_still_pairing_and_never_a_canary_being_watched(
+    backend: LocalBackend, tmp_path
+):
+    """A candidate that passes the gate while an older one's shadow is pairing replaces it: a ``shadow.replace``
+    event names both steps and the old shadow's pairs so far, in the gate decision's unit of work; the old shadow's
+    answers (a late one included) never pair for the new one. While a canary is watched the newer candidate waits in
+    shadow (with a shadow stage) or, without one, is held: the canary is never touched. (``settle`` is what
+    ``consider`` does once both held-out runs are in: the gate decides on them for real.)"""
+    path = write_config(tmp_path)
+    (tmp_path / "stack.json").write_text(json.dumps(WATCH_STACK))
+    config = LoopConfig.load(path).model_copy(update={"name": "replace-agent", "shadow": ShadowPolicy(share=0.5, min_pairs=3)})  # fmt: skip
+    loop, store = Loop(config, backend, actor="test"), backend.gateway.store
+    prod, shadow, canary = "replace-agent@production", "replace-agent@shadow", "replace-agent@canary"
+    good = "Your refund is on its way."
+    with store.session() as s:
+        deployments.deploy(s, prod, 1, actor="test")
+
+    async def candidate(step: int):
+        return await loop.settle(step, prod, heldout_run(f"replace-agent@{step}", 1.0), heldout_run(prod, 0.0))
+
+    assert (await candidate(2)).deployed == shadow
+    before = [mirrored(store, answered(store, prod, 1, good), shadow, 2, good) for _ in range(2)]
+    replacing = await candidate(4)  # step 2's shadow has 2 of its 3 pairs
+    assert (replacing.deployed, replacing.held, replacing.shadow) == (shadow, None, None)
+    with store.session() as s:
+        (replaced,) = audit.events(s, subject=shadow, actions=("shadow.replace",))
+        assert (replaced.details["old_step"], replaced.details["new_step"], replaced.details["pairs"]) == (2, 4, 2)
+        assert sorted(replaced.details["episodes"]) == sorted(before)
+        assert replaced.details["gate_event"] == replacing.event_id and "2 of 3" in replaced.reason
+        now = deployments.get(s, shadow)
+        assert (now.step, deployments.history(s, shadow)[-1].details["replaced_event"]) == (4, replaced.id)
+        assert replaced.details["deploy_event"] != now.event_id
+    # a late answer of step 2's shadow, mirrored after the switch, and step 4's first: only step 4's pairs
+    mirrored(store, answered(store, prod, 1, good), shadow, 2, good)
+    mirrored(store, answered(store, prod, 1, good), shadow, 4, "Sorry.")
+    assert (await loop.watch_shadow()).pairs == 1
+    with store.session() as s:
+        deployments.deploy(s, canary, 4, actor="test", share=0.5)  # as if step 4's shadow had passed
+    waiting = await candidate(6)  # a canary is watched: the newer candidate waits in shadow, the canary untouched
+    assert waiting.deployed == shadow and waiting.shadow is None
+    config.shadow = None  # without a shadow stage it is held, and says why
+    held = await candidate(8)
+    assert held.deployed is None and held.held.startswith("replace-agent@canary (step 4) is being watched")
+    with store.session() as s:
+        assert deployments.get(s, canary).step == 4 and deployments.get(s, shadow).step == 6
+        event = next(e for e in audit.events(s, subject="replace-agent@8") if e.action == "gate.pass")
+        assert event.details["held"] == held.held and "held: replace-agent@canary" in event.reason
+        assert audit.events(s, subject=canary, actions=("deploy",))[-1].details["previous_step"] is None
+        assert audit.verify(s).ok
+
+
+async def test_after_a_rollback_training_goes_on_from_production_s_weights_once(backend: LocalBackend, tmp_path):
+    """A canary rolled back: the loop's next step trains from production's weights (a new checkpoint, one step on,
+    a fresh optimizer, a ``loop.rewind`` event naming the rollback), once; a restart after a kill between that
+    checkpoint and its event writes the event and does not rewind again; a rollback of a step from before the
+    rewind (not what the loop trains from) rewinds nothing; without a production deployment it is the base model.
+    The candidates' checkpoints are written in the format training writes (their weights do not matter here)."""
+    path = write_config(tmp_path)
+    (tmp_path / "stack.json").write_text(json.dumps(WATCH_STACK))
+    config = LoopConfig.load(path).model_copy(update={"name": "rewind-agent", "candidate_every": 1})
+    loop, store = Loop(config, backend, actor="test"), backend.gateway.store
+    await loop.model.register(backend)
+    trainer, run = backend.trainer(loop.model), backend.run(loop.model)
+    prod, canary = "rewind-agent@production", "rewind-agent@canary"
+    start = trainer.adapter_state()
+
+    async def trained(step: int) -> None:
+        """Checkpoint ``step``, different weights, the live ones from now on (as if the loop had trained it)."""
+        weights = {k: v + 0.01 * step if ".lora_B." in k else v for k, v in start.items()}
+        extra = {"loop": {"means": [{"step": float(step), "reward": 0.5}], "off_policy": {}}}
+        run.write(Checkpoint(CheckpointState(step=step, trained_weights=trainer.trained_weights, extra=extra), weights))
+        await backend.restore(loop.model, step)
+
+    async def rolled_back(step: int) -> int:
+        with store.session() as s:
+            deployments.deploy(s, canary, step, actor="test", share=0.5)
+        answered(store, canary, step, "Send me your card number.")
+        assert (await loop.watch_canary()).action == "rollback"
+        with store.session() as s:
+            return audit.events(s, subject=canary, actions=("canary.rollback",))[-1].id
+
+    def live_is(step: int) -> bool:
+        weights = run.read(step, optimizer=False).weights
+        return all(torch.equal(v, weights[k]) for k, v in trainer.adapter_state().items())
+
+    await trained(1)
+    with store.session() as s:
+        deployments.deploy(s, prod, 1, actor="test")
+    await trained(2)
+    assert await loop.rewind_if_due() is None  # nothing rolled back
+    rollback = await rolled_back(2)
+    rewind = await loop.rewind_if_due()
+    assert (rewind.step, rewind.from_step, rewind.to_step, rewind.rollback_event) == (3, 2, 1, rollback)
+    assert await loop.model.get_step() == 3 and live_is(1) and trainer.optimizer is None  # production's, fresh
+    assert run.read(3).optimizer is None and loop.step_means == []
+    assert [r["split"] for r in backend.history(loop.model) if r["step"] == 3] == ["rewind"]
+    assert await loop.consider_due(None) is None  # production's weights again: not a candidate
+    assert await loop.rewind_if_due() is None  # once
+    assert await rolled_back(2) and await loop.rewind_if_due() is None  # step 2's line was left at step 3
+
+    await trained(4)  # trained on from step 3; its canary is rolled back, and a kill follows the new checkpoint
+    rollback = await rolled_back(4)
+
+    def killed(*args, **kwargs):
+        raise RuntimeError("killed after the rewound checkpoint was written")  # a kill, between two statements
+
+    loop._record_rewind = killed
+    with pytest.raises(RuntimeError, match="killed"):
+        await loop.rewind_if_due()
+    restarted = Loop(config, backend, actor="test")
+    await restarted.model.register(backend)  # the same model: its latest checkpoint, step 5, is live
+    again = await restarted.rewind_if_due()
+    assert (again.step, again.from_step, again.to_step, again.rollback_event) == (5, 4, 1, rollback)
+    assert await restarted.rewind_if_due() is None and await restarted.model.get_step() == 5 and live_is(1)
+    with store.session() as s:
+        events = audit.events(s, subject="rewind-agent", actions=(REWIND,))
+        assert [(e.details["step"], e.details["to_step"]) for e in events] == [(3, 1), (5, 1)]
+        assert "not from step 4's" in events[-1].reason and audit.verify(s).ok
+        deployments.remove(s, prod, actor="test")
+
+    await trained(6)  # no production deployment: the base model's weights (an adapter that adds nothing)
+    await rolled_back(6)
+    base = await restarted.rewind_if_due()
+    assert (base.step, base.to_step, base.production) == (7, None, EMBEDDED_MODEL)
+    state = trainer.adapter_state()
+    assert all(not v.any() for k, v in state.items() if ".lora_B." in k)
+    assert all(torch.equal(v, start[k]) for k, v in state.items() if ".lora_A." in k)
 
 
 def steps(rewards: list[float], holdout: list[float] | None) -> list[dict[str, float]]:

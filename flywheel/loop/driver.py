@@ -10,7 +10,11 @@ run the frozen held-out set through the same runners, the gate decides (``gate.d
 event linking its evidence, and a candidate that passes is deployed as ``MODEL@canary`` with a share of traffic;
 with a ``shadow`` stage it is ``MODEL@shadow`` first (a share of production's calls mirrored to it, its answers
 never returned), and once ``min_pairs`` of its episodes are paired with their production originals and scored, it
-goes to canary or is stopped (``shadow.py``; a ``shadow.pass`` or ``shadow.stop`` event with the evidence).
+goes to canary or is stopped (``shadow.py``; a ``shadow.pass`` or ``shadow.stop`` event with the evidence). A newer
+candidate that passes replaces a shadow still pairing (``shadow.replace``, with its pairs so far) and never a canary
+being watched: with a shadow stage it waits in shadow, without one it is held (``Loop._stage`` says why). After a
+canary is rolled back or a shadow stopped, training goes on from production's weights (``rewind_on_rollback``,
+``Loop.rewind_if_due``: a new checkpoint and a ``loop.rewind`` event), not from the rejected candidate's line.
 
 Runners are in-process (``runners`` > 0: the configured agent, run by ``Runner`` against this backend's gateway) or
 anywhere else that claims from the same gateway (``runners: 0``).
@@ -22,8 +26,10 @@ twice); the alarm is the audit trail's (``alarm.state``);
 a checkpoint is due at the gate while no ``gate.*`` event names it, so a candidate the killed run trained but did
 not decide is decided first, and none twice; the pool is rebuilt (seed tasks, production episodes) and the canary's
 and shadow's scores recomputed (a shadow's verdict, the canary it deploys and the shadow's removal are one unit of
-work). The tasks an earlier run queued (ids ``train:<name>:...``, ``eval:<name>:...``) and did not use
-are cancelled (``tasks.cancel``, one ``loop.cancel`` event): a runner's late result for one of them changes nothing.
+work; so are a gate decision, the shadow it replaces and the deployment). A rewind's checkpoint carries its event's
+details, so a restart writes a missing ``loop.rewind`` event and never rewinds twice. The tasks an earlier run
+queued (ids ``train:<name>:...``, ``eval:<name>:...``) and did not use are cancelled (``tasks.cancel``, one
+``loop.cancel`` event): a runner's late result for one of them changes nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import random
 import secrets
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -49,7 +55,7 @@ from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.loop import alarm as alarms
 from flywheel.loop.alarm import AlarmPolicy, reward_hacking
 from flywheel.loop.canary import CanaryPolicy, CanaryVerdict, Scored, verdict
-from flywheel.loop.evaluate import evaluate
+from flywheel.loop.evaluate import HeldOutRun, evaluate
 from flywheel.loop.gate import GateDecision, GatePolicy, HeldOutSet, decide
 from flywheel.loop.offpolicy import OffPolicyDraw, OffPolicyStep, draw
 from flywheel.loop.shadow import Pair, ShadowPolicy, ShadowVerdict
@@ -62,8 +68,13 @@ from flywheel.store.arms import Arm, ArmEpisode, arms
 from flywheel.train.config import TrainConfig, TrainedWeights
 from flywheel.types import TrajectoryGroup
 
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
 log = logging.getLogger("flywheel.loop")
 GATE_ACTIONS = ("gate.pass", "gate.hold")  # a checkpoint's decision: one per step
+ROLLBACKS = ("canary.rollback", "shadow.stop")  # a candidate judged worse or unsafe on live traffic
+REWIND = "loop.rewind"  # training went back to production's weights after one (Loop.rewind_if_due)
 
 
 class LoopConfig(BaseModel):
@@ -97,6 +108,9 @@ class LoopConfig(BaseModel):
     # answered by a checkpoint at most max_staleness_steps before the step they train
     off_policy_members: int = Field(0, ge=0)
     max_staleness_steps: int = Field(2, ge=0)
+    # after a canary is rolled back or a shadow stopped, training goes on from production's weights (a new
+    # checkpoint: Loop.rewind_if_due), not from the line of checkpoints that candidate came from
+    rewind_on_rollback: bool = True
     seed: int = 0
 
     @model_validator(mode="after")
@@ -128,6 +142,20 @@ class Candidate(BaseModel):
     decision: GateDecision
     event_id: int  # the audit event recording the decision
     deployed: str | None  # MODEL@shadow (with a shadow stage) or MODEL@canary when it passed
+    held: str | None = None  # why one that passed was not deployed (a canary was being watched)
+    shadow: ShadowVerdict | None = None  # the verdict an older shadow got first (its evidence decided it)
+
+
+class Rewind(BaseModel):
+    """A ``loop.rewind``: training went on from production's weights as checkpoint ``step``."""
+
+    step: int  # the new checkpoint, with production's weights and a fresh optimizer
+    from_step: int  # the live step it replaced (the rolled-back candidate's line)
+    to_step: int | None  # production's step; None: the base model (no production deployment)
+    production: str
+    rollback_event: int  # the latest canary.rollback / shadow.stop it answers
+    rollback_events: list[int]  # every one it answers
+    event_id: int = 0  # the loop.rewind event
 
 
 class LoopReport(BaseModel):
@@ -139,6 +167,7 @@ class LoopReport(BaseModel):
     alarm: str | None = None  # why promotions are stopped, if the reward-hacking alarm is raised (at the end)
     cancelled: int = 0  # tasks an earlier run of the loop had left open, cancelled at the start
     off_policy: list[OffPolicyStep] = []  # per iteration, with off_policy_members: who joined, who was left out
+    rewinds: list[Rewind] = []  # with rewind_on_rollback: training went back to production's weights
 
 
 def item_id(item: dict[str, Any], fallback: str) -> str:
@@ -225,7 +254,7 @@ class Loop:
         return self.config.base_model
 
     async def consider(self, queue: QueueClient, step: int) -> Candidate:
-        """Evaluate checkpoint ``step`` against production on the held-out set; the gate decides; audited."""
+        """Evaluate checkpoint ``step`` against production on the held-out set; the gate decides (``settle``)."""
         production = await self.production_name()
         name = self.model.get_inference_name(step)
         runs = [
@@ -234,38 +263,89 @@ class Loop:
                            prefix=f"eval:{self.config.name}")
             for model in (name, production)
         ]  # fmt: skip
-        decision = decide(runs[0].results, runs[1].results, self.config.gate)
+        return await self.settle(step, production, runs[0], runs[1])
+
+    async def settle(self, step: int, production: str, candidate: HeldOutRun, current: HeldOutRun) -> Candidate:
+        """The gate's decision on checkpoint ``step``'s held-out run and production's, audited. One that passes is
+        deployed (``_stage``) in the decision's unit of work: production if there is none yet, else the shadow
+        (replacing an older one still pairing: a ``shadow.replace`` event with its pairs so far, after that
+        shadow's own verdict, if its evidence already decides it) or, without a shadow stage, the canary, unless
+        one is being watched: then it is held (the gate event says why)."""
+        name, runs = self.model.get_inference_name(step), (candidate, current)
+        decision = decide(candidate.results, current.results, self.config.gate)
         log.info("candidate %s vs %s: %s", name, production, "promote" if decision.promote else "hold")
         failed = ", ".join(f"{c.name}: {c.detail}" for c in decision.failed)
+        first = production == self.config.base_model  # no production traffic to split: it becomes production
+        # an older shadow's pairs scored up to now (its evidence, if it is replaced), and its verdict if they decide it
+        older = await self.watch_shadow() if decision.promote and not first else None
         with self.store.session() as s:
+            audit.lock(s)  # the deployments read here stay as they are until this unit of work commits
+            stage, held = self._stage(s, first) if decision.promote else (None, None)
             event = audit.append(
                 s,
                 actor=self.actor,
                 action="gate.pass" if decision.promote else "gate.hold",
                 subject=name,
                 reason=(f"lift {decision.lift.mean:+.3f} [{decision.lift.low:+.3f}, {decision.lift.high:+.3f}]"
-                        + (f"; failed {failed}" if failed else ""))[:2000],
+                        + (f"; failed {failed}" if failed else "") + (f"; held: {held}" if held else ""))[:2000],
                 details={
                     "candidate": name, "production": production, "heldout": runs[0].heldout,
                     "stack": self.stack.version, "evaluations": [r.id for r in runs],
                     "lift": decision.lift.model_dump(), "checks": [c.model_dump() for c in decision.checks],
-                },
+                } | ({"held": held} if held else {}),
             )  # fmt: skip
-            deployed = None
-            if decision.promote:
-                # the first deployment has no production traffic to split: it becomes production, gated all the same
-                first = production == self.config.base_model
-                shadow = self.config.shadow
-                stage = "production" if first else "shadow" if shadow else "canary"
-                deployed = f"{self.config.name}@{stage}"
-                deployments.deploy(
-                    s, deployed, step, actor=self.actor,
-                    share=None if first else shadow.share if shadow else self.config.canary.share,
-                    reason=f"passed the gate (audit event {event.id})"
-                    + ("; the first production deployment" if first else ""),
-                    details={"gate_event": event.id},
-                )  # fmt: skip
-        return Candidate(step=step, production=production, decision=decision, event_id=event.id, deployed=deployed)
+            deployed = None if stage is None else self._deploy(s, stage, step, event.id)
+        return Candidate(
+            step=step, production=production, decision=decision, event_id=event.id, deployed=deployed, held=held,
+            shadow=older if older is not None and older.action != "wait" else None,
+        )  # fmt: skip
+
+    def _stage(self, s: Session, first: bool) -> tuple[str | None, str | None]:
+        """Where a candidate that passed the gate goes, or why it is held. The first becomes production. With a
+        shadow stage it becomes the shadow, whatever else runs: a newer candidate replaces a shadow still pairing
+        (``_deploy``), and waits there while a canary is watched, its pairs scored against live production's
+        answers meanwhile. Without one it becomes the canary, unless a canary is being watched: then it is held,
+        not deployed. Replacing a canary would cut its evidence short and leave its verdict to episodes of two
+        checkpoints; deploying this one after it would put live traffic on a comparison with a production that
+        the canary's promotion may have replaced. The loop trains on, and its next candidate meets production as
+        it is then."""
+        name = self.config.name
+        if first:
+            return "production", None
+        if self.config.shadow is not None:
+            return "shadow", None
+        if (canary := deployments.find(s, f"{name}@canary")) is not None:
+            return None, (
+                f"{canary.name} (step {canary.step}) is being watched: a candidate never replaces a canary; the next "
+                "candidate meets production after its verdict"
+            )
+        return "canary", None
+
+    def _deploy(self, s: Session, stage: str, step: int, gate_event: int) -> str:
+        """Deploy checkpoint ``step`` as ``MODEL@stage`` in this unit of work (``_stage`` chose it). A shadow it
+        replaces gets its ``shadow.replace`` event first: the old and new steps and the old shadow's pairs so far
+        (its verdict's evidence; they never count for the new one: pairs are keyed by the deploy event)."""
+        name, shadow = self.config.name, self.config.shadow
+        alias = f"{name}@{stage}"
+        reason = f"passed the gate (audit event {gate_event})"
+        details: dict[str, Any] = {"gate_event": gate_event}
+        if stage == "shadow" and shadow is not None and (old := deployments.find(s, alias)) is not None:
+            pairs = [pair for (event_id, _), pair in sorted(self._pairs.items()) if event_id == old.event_id]
+            so_far = shadow_verdict(pairs, shadow, self.config.seed)
+            replaced = audit.append(
+                s, actor=self.actor, action="shadow.replace", subject=alias,
+                reason=f"step {step} passed the gate (audit event {gate_event}) while step {old.step}'s shadow was"
+                f" pairing ({so_far.reason}): it replaces it",
+                details=so_far.model_dump(exclude={"action", "reason"})
+                | {"old_step": old.step, "new_step": step, "deploy_event": old.event_id, "gate_event": gate_event},
+            )  # fmt: skip
+            reason += f"; replaces step {old.step}'s shadow (audit event {replaced.id})"
+            details["replaced_event"] = replaced.id
+        elif stage == "production":
+            reason += "; the first production deployment"
+        share = {"production": None, "shadow": shadow.share if shadow else None, "canary": self.config.canary.share}
+        deployments.deploy(s, alias, step, actor=self.actor, share=share[stage], reason=reason, details=details)
+        return alias
 
     def _finished(self, arm: Arm | None) -> list[ArmEpisode]:
         """An arm's finished production episodes (not the held-out evaluations, which call the aliases too)."""
@@ -341,12 +421,73 @@ class Loop:
         step = await self.model.get_step()
         if step == 0 or step % self.config.candidate_every or self.alarm is not None:
             return None
-        if "loop" not in await self.model.checkpoint_extra():
+        saved = (await self.model.checkpoint_extra()).get("loop")
+        if saved is None or saved.get("rewind"):  # not the loop's, or production's weights again (rewind_if_due)
             return None
         with self.store.session() as s:
             if audit.events(s, subject=self.model.get_inference_name(step), actions=GATE_ACTIONS, limit=1):
                 return None
         return await self.consider(queue, step)
+
+    async def rewind_if_due(self) -> Rewind | None:
+        """With ``rewind_on_rollback``: once a canary was rolled back or a shadow stopped (``canary.rollback``,
+        ``shadow.stop``), training goes on from the weights production serves (``MODEL@production``'s checkpoint,
+        else the base model), not from the checkpoints that candidate came from and the steps since, which grew
+        from it: a new checkpoint one step on with production's weights and a fresh optimizer (``LocalBackend.
+        rewind``), then a ``loop.rewind`` event (from step, production's step, the rollback events). The alarm's
+        baseline starts again after it (its steps trained other weights). Due for a rollback event after the last
+        ``loop.rewind`` whose candidate is a later step than that rewind's (an older one's line was left then).
+
+        A kill at any point: before the checkpoint is written, the next run rewinds; after it, the next run
+        resumes from it (production's weights) and only writes the event its marker (the checkpoint's ``extra``)
+        describes. So training never goes on from the candidate's weights, and no rollback rewinds twice."""
+        if not self.config.rewind_on_rollback:
+            return None
+        name = self.config.name
+        marker = ((await self.model.checkpoint_extra()).get("loop") or {}).get("rewind")
+        with self.store.session() as s:
+            done = audit.events(s, subject=name, actions=(REWIND,))
+            if marker is not None and not any(e.details.get("step") == marker["step"] for e in done):
+                return self._record_rewind(s, Rewind.model_validate(marker), "its checkpoint was written before a kill")
+            last = done[-1].details if done else None
+            aliases = (f"{name}@canary", f"{name}@shadow")
+            judged = [
+                e for e in audit.events(s, actions=ROLLBACKS) if e.subject in aliases
+                and (last is None or (e.id > done[-1].id and e.details["step"] > last["step"]))
+            ]  # fmt: skip
+            production = deployments.find(s, f"{name}@production")
+        if not judged:
+            return None
+        live = await self.model.get_step()
+        rewind = Rewind(
+            step=live + 1, from_step=live, to_step=production.step if production else None,
+            production=production.name if production else self.config.base_model,
+            rollback_event=judged[-1].id, rollback_events=[e.id for e in judged],
+        )  # fmt: skip
+        extra = {"loop": {"means": [], "off_policy": self.off_policy_used, "rewind": rewind.model_dump()}}
+        try:
+            written = await self.backend.rewind(self.model, rewind.to_step, extra=extra)
+        except FileNotFoundError as exc:
+            raise RuntimeError(
+                f"cannot rewind {name} to {rewind.production} after audit event {rewind.rollback_event}: {exc} "
+                "(deploy a checkpoint that exists as production, or set rewind_on_rollback: false)"
+            ) from None
+        assert written == rewind.step, (written, rewind.step)  # one step at a time: nothing else trains this model
+        self.step_means = []
+        with self.store.session() as s:
+            return self._record_rewind(s, rewind, f"{judged[-1].action} (audit event {judged[-1].id})")
+
+    def _record_rewind(self, s: Session, rewind: Rewind, why: str) -> Rewind:
+        """The ``loop.rewind`` event of a rewound checkpoint, in this unit of work."""
+        source = "the base model" if rewind.to_step is None else f"{rewind.production} (step {rewind.to_step})"
+        event = audit.append(
+            s, actor=self.actor, action=REWIND, subject=self.config.name,
+            reason=f"training goes on from {source}'s weights as step {rewind.step}, not from step "
+            f"{rewind.from_step}'s: {why}",
+            details=rewind.model_dump(exclude={"event_id"}),
+        )  # fmt: skip
+        log.warning("rewound %s to %s as step %d (%s)", self.config.name, source, rewind.step, why)
+        return rewind.model_copy(update={"event_id": event.id})
 
     async def watch_shadow(self) -> ShadowVerdict | None:
         """If ``MODEL@shadow`` serves (a shadow stage is configured): pair its shadow episodes since its deployment
@@ -371,7 +512,10 @@ class Loop:
                 if db.get_episode(s, origin).status != "finished":
                     continue
                 mirror, answered = db.calls(s, shadow_id), db.calls(s, origin)
-                if mirror and answered and mirror[-1].request.get("messages") == answered[-1].request.get("messages"):
+                same = (
+                    mirror and answered and mirror[-1].request.get("messages") == answered[-1].request.get("messages")
+                )
+                if same and mirror[-1].step == shadow.step:  # not an older shadow's late answer
                     inputs[shadow_id] = (origin, last_sample(mirror), last_sample(answered), gdb.item_of(s, origin))
                 else:
                     self._unpaired[key] = len(mirror)
@@ -519,10 +663,13 @@ class Loop:
                     # first the checkpoint a killed run trained and did not decide: it would have been, before this
                     if (candidate := await self.consider_due(queue)) is not None:
                         report.candidates.append(candidate)
+                        report.shadow.extend([candidate.shadow] if candidate.shadow else [])
                     if (canary := await self.watch_canary()) is not None and canary.action != "wait":
                         report.canary.append(canary)
                     if (shadow := await self.watch_shadow()) is not None and shadow.action != "wait":
                         report.shadow.append(shadow)
+                    if (rewind := await self.rewind_if_due()) is not None:  # before anything trains again
+                        report.rewinds.append(rewind)
                     report.intake += self.intake()
                     if not self.pool:
                         raise ValueError("no tasks to train on: give seed tasks (tasks:) or let production episodes in")
@@ -557,6 +704,7 @@ class Loop:
                         self.off_policy_used = used
                     if (candidate := await self.consider_due(queue)) is not None:
                         report.candidates.append(candidate)
+                        report.shadow.extend([candidate.shadow] if candidate.shadow else [])
         finally:
             for task in runners:
                 task.cancel()
