@@ -444,6 +444,16 @@ class LocalBackend:
         async with self._step_locks[(model.project, model.name)]:
             return await asyncio.to_thread(self.run(model).prune, best_checkpoint_metric, maximize)
 
+    async def prune_checkpoints(self, model: TrainableModel, keep: Iterable[int] = (), rollback: int = 1) -> list[int]:
+        """Keep the checkpoints deployments and training need (``RunStore.prune_deployed``): the latest and the
+        live weights' step (after a ``restore``) whole, with ``keep``; those the model's deployments point at, and
+        the ``rollback`` steps before each, as weights alone; delete the others and return their steps. Between
+        steps: a checkpoint being written waits for it."""
+        trainer = self.trainer(model)  # registered: this backend owns the directory
+        async with self._step_locks[(model.project, model.name)]:
+            whole = {trainer.step, *keep}
+            return await asyncio.to_thread(self.run(model).prune_deployed, whole, rollback)
+
     async def _experimental_push_to_s3(
         self,
         model: Model,

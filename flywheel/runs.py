@@ -35,6 +35,8 @@ trajectories in the store to a branch of that name (``abandon_after``).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import math
@@ -45,6 +47,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -54,7 +57,7 @@ from pydantic import BaseModel, Field, model_validator
 from safetensors.torch import load_file, save_file
 from sqlalchemy.orm import Session
 
-from flywheel.store import Store
+from flywheel.store import Store, deployments
 from flywheel.store import history as history_db
 from flywheel.store.db import default_url
 from flywheel.store.history import RunKey
@@ -92,6 +95,11 @@ def _store(url: str) -> Store:
 
 class ModelInUseError(RuntimeError):
     """Another backend (this process or another) has the model registered."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk, most often): nothing of it is left, the latest is the one
+    before."""
 
 
 class CheckpointState(BaseModel):
@@ -234,10 +242,14 @@ class RunStore:
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP}{step:04d}-", dir=self.checkpoints))
         aside = self.checkpoints / f"{ASIDE}{tmp.name[len(TMP) :]}"
         try:
-            _write_files(tmp, checkpoint)
-            for f in tmp.iterdir():
-                _fsync_file(f)
-            _fsync_dir(tmp)
+            try:
+                _write_files(tmp, checkpoint)
+                for f in tmp.iterdir():
+                    _fsync_file(f)
+                _fsync_dir(tmp)
+            except Exception as exc:  # a full disk: torch.save says "[enforce fail at ...] unexpected pos N vs M"
+                shutil.rmtree(tmp, ignore_errors=True)  # first: the free space read next includes what it held
+                raise CheckpointWriteError(self._unwritten(checkpoint, final, exc)) from exc
             if final.exists():
                 final.rename(aside)  # a kill from here to the next rename: recover() moves it back
             tmp.rename(final)
@@ -250,6 +262,23 @@ class RunStore:
         shutil.rmtree(aside, ignore_errors=True)
         self.append(checkpoint.state.rows)
         return final
+
+    def _unwritten(self, checkpoint: Checkpoint, final: Path, exc: Exception) -> str:
+        """What a failed checkpoint write says: where, why, the space it needs and the space there is."""
+        need = _tensor_bytes([checkpoint.weights, checkpoint.optimizer, checkpoint.rng])
+        disk = shutil.disk_usage(self.checkpoints)
+        full = disk.free < need or getattr(exc, "errno", None) == errno.ENOSPC or "unexpected pos" in str(exc)
+        latest = self.latest()
+        return (
+            f"Could not write checkpoint step {checkpoint.state.step} to {final}: {type(exc).__name__}: "
+            f"{str(exc).strip()[:300]}. "
+            + ("The disk looks full: " if full else "")
+            + f"the checkpoint needs about {_size(need)} (its tensors); {_size(disk.free)} is free there (of "
+            f"{_size(disk.total)}). The half-written checkpoint was removed: the latest checkpoint is still "
+            + (f"step {latest}" if latest is not None else "none (no step saved yet)")
+            + ", where a restart resumes. Free some space (e.g. delete_checkpoints, or the loop's prune: true) and "
+            "train again."
+        )
 
     def delete(self, step: int) -> None:
         """Remove checkpoint ``step`` (renamed out of the listing first, so a kill never leaves half of one)."""
@@ -277,6 +306,29 @@ class RunStore:
             self.delete(s)
         return deleted
 
+    def prune_deployed(self, keep: Iterable[int] = (), rollback: int = 1) -> list[int]:
+        """Keep what deployments and training need: the latest checkpoint and the steps in ``keep`` whole (training
+        goes on from them: with their optimizer state); each step a deployment of this model points at, and the
+        ``rollback`` steps before it that a rollback would go back to (the store's deployments and their audit
+        history), with their weights alone (the optimizer state deleted: they are served, not trained on); delete
+        the others and return their steps."""
+        steps = self.steps()
+        if not steps:
+            return []
+        with _store(self.db).session() as s:
+            deployed = deployments.steps_in_use(s, self.name, rollback=rollback)
+        whole = {steps[-1], *keep}
+        deleted = []
+        for step in steps:
+            if step in whole:
+                continue
+            if step in deployed:
+                (self.checkpoint_dir(step) / OPTIMIZER).unlink(missing_ok=True)
+            else:
+                self.delete(step)
+                deleted.append(step)
+        return deleted
+
     # ---- history and trajectories ------------------------------------------------------------------------------
 
     @property
@@ -294,17 +346,22 @@ class RunStore:
             return path.read_text().strip()
         older = self._history.exists() or self.checkpoints.is_dir() or (self.path / "trajectories").is_dir()
         self.path.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f"{RUN}-", dir=self.path)
-        try:
-            os.write(fd, f"{uuid.uuid4().hex}\n".encode())
-            os.fsync(fd)
-            os.link(tmp, path)  # fails if another process made it first: then it is theirs
-            made = True
-        except FileExistsError:
-            made = False
-        finally:
-            os.close(fd)
-            os.unlink(tmp)
+        while True:
+            fd, tmp = tempfile.mkstemp(prefix=f"{RUN}-", dir=self.path)
+            try:
+                os.write(fd, f"{uuid.uuid4().hex}\n".encode())
+                os.fsync(fd)
+                os.link(tmp, path)  # fails if another process made it first: then it is theirs
+                made = True
+            except FileExistsError:
+                made = False
+            except FileNotFoundError:  # the owner's recover() took it for a kill's leftover meanwhile: again
+                continue
+            finally:
+                os.close(fd)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+            break
         run = path.read_text().strip()
         if made:
             _fsync_dir(self.path)
@@ -416,6 +473,8 @@ class RunStore:
                     shutil.rmtree(entry, ignore_errors=True)
             _fsync_dir(self.checkpoints)
         self._history.with_name(f".{HISTORY}.tmp").unlink(missing_ok=True)
+        for leftover in self.path.glob(f"{RUN}-*"):  # a kill between _run_id's mkstemp and its unlink
+            leftover.unlink(missing_ok=True)
         latest = self.latest()
         top = latest or 0
         rows = self.history()
@@ -519,6 +578,21 @@ def _write_files(directory: Path, checkpoint: Checkpoint) -> None:
     if checkpoint.rng is not None:
         torch.save(checkpoint.rng, directory / RNG)
     (directory / STATE).write_text(json.dumps(checkpoint.state.model_dump(mode="python"), indent=2))
+
+
+def _tensor_bytes(value: Any) -> int:
+    """Bytes of the tensors in a nest of dicts, lists and tuples (a checkpoint's weights, optimizer state, RNG)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n} bytes"
 
 
 def _fsync_file(path: Path) -> None:

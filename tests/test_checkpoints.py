@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -25,14 +26,18 @@ from flywheel.runs import (
     ASIDE,
     DELETING,
     FULL_WEIGHTS,
+    OPTIMIZER,
+    RUN,
     STATE,
     TMP,
     Checkpoint,
     CheckpointState,
+    CheckpointWriteError,
     ModelInUseError,
     RunStore,
     model_path,
 )
+from flywheel.store import Store, deployments
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 
 SYSTEM = {"role": "system", "content": "You answer with one word."}
@@ -44,6 +49,11 @@ def tiny(step: int, rows: list[dict] | None = None, **state) -> Checkpoint:
         state=CheckpointState(step=step, trained_weights=TrainedWeights(), rows=rows or [], **state),
         weights={"w": torch.full((2,), float(step))},
     )
+
+
+def with_optimizer(checkpoint: Checkpoint) -> Checkpoint:
+    checkpoint.optimizer = {"exp_avg": torch.zeros(4)}
+    return checkpoint
 
 
 def history_with(run: RunStore, values: dict[int, float]) -> None:
@@ -155,6 +165,93 @@ def test_abandon_after_archives_the_later_branch(tmp_path):
     assert [json.loads(line)["step"] for line in (archive / "history.jsonl").read_text().splitlines()] == [2, 3]
     assert sorted(p.name for p in (archive / "trajectories" / "train").iterdir()) == ["0002.jsonl", "0003.jsonl"]
     assert run.abandon_after(1) is None  # nothing above any more
+
+
+def test_prune_deployed_keeps_the_latest_whole_and_what_deployments_point_or_roll_back_to_as_weights(tmp_path):
+    """What ``flywheel loop`` with ``prune: true`` and the demo keep (LocalBackend.prune_checkpoints): read from the
+    store's deployments and their audit history."""
+    run = RunStore(model_path(tmp_path, "tests", "m"))
+    for step in range(1, 9):
+        run.write(with_optimizer(tiny(step)))
+    store = Store(run.db)
+    try:
+        with store.session() as s:
+            deployments.deploy(s, "m@production", 1, actor="test")
+            deployments.deploy(s, "m@canary", 3, actor="test", share=0.5)
+            deployments.promote(s, "m", actor="test")  # production 1 -> 3: a rollback goes back to 1
+            deployments.remove(s, "m@canary", actor="test")
+            deployments.deploy(s, "m@shadow", 2, actor="test", share=0.1)
+            deployments.remove(s, "m@shadow", actor="test")  # ended: step 2 is nobody's
+            deployments.deploy(s, "m@canary", 5, actor="test", share=0.5)
+            deployments.deploy(s, "other@production", 4, actor="test")  # another model's step 4
+        assert run.prune_deployed(keep=[6]) == [2, 4, 7]
+        assert run.steps() == [1, 3, 5, 6, 8]
+        assert [(run.checkpoint_dir(k) / OPTIMIZER).exists() for k in run.steps()] == [False, False, False, True, True]
+        assert run.read(1).weights["w"].tolist() == [1.0, 1.0]  # served from its weights alone
+        assert run.prune_deployed(rollback=0) == [1, 6]  # no rollback step kept; nothing kept whole but the latest
+        assert run.steps() == [3, 5, 8]
+        with store.session() as s:  # an alias's rollback steps follow its history replayed, as rollback does
+            deployments.promote(s, "m", actor="test", source="canary")  # production 1 -> 3 -> 5
+            assert deployments.steps_in_use(s, "m", rollback=2) == {5, 3, 1}
+            deployments.deploy(s, "m@production", 3, actor="test", action="rollback")  # back to 3: then to 1
+            assert deployments.steps_in_use(s, "m") == {3, 1, 5}
+        assert not [p for p in run.checkpoints.iterdir() if p.name.startswith(".")]
+    finally:
+        store.close()
+
+
+def test_a_checkpoint_write_on_a_full_disk_is_a_clear_error_and_the_previous_checkpoint_stays_the_latest(
+    tmp_path, monkeypatch
+):
+    """The disk cannot be filled for real here safely, so torch.save is mocked to fail as it does on a full disk: it
+    writes part of the file, then raises torch's own message."""
+    run = RunStore(model_path(tmp_path, "tests", "m"))
+    r1 = {"time": 1.0, "step": 1, "split": "train", "checkpoint": True}
+    run.write(with_optimizer(tiny(1, rows=[r1])))
+
+    def full(obj, path, *args, **kwargs):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 10)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1088 vs 1024")
+
+    monkeypatch.setattr(torch, "save", full)
+    r2 = {"time": 2.0, "step": 2, "split": "train", "checkpoint": True}
+    with pytest.raises(CheckpointWriteError) as failed:
+        run.write(with_optimizer(tiny(2, rows=[r2])))
+    message = str(failed.value)
+    assert f"Could not write checkpoint step 2 to {run.checkpoint_dir(2)}: RuntimeError: [enforce fail" in message
+    assert "The disk looks full: the checkpoint needs about 24 bytes (its tensors)" in message  # 2 + 4 floats
+    assert re.search(r"; [\d.]+ (GB|MB|bytes) is free there \(of [\d.]+ (GB|MB|bytes)\)", message), message
+    assert "the latest checkpoint is still step 1, where a restart resumes" in message
+    monkeypatch.undo()
+    assert run.steps() == [1] and run.history() == [r1]  # nothing of step 2: neither its files nor its row
+    assert not [p for p in run.checkpoints.iterdir() if p.name.startswith(".")]
+    assert run.read(1).optimizer["exp_avg"].tolist() == [0.0] * 4
+
+
+def test_recover_removes_the_run_id_temporary_a_kill_left(tmp_path, monkeypatch):
+    run = RunStore(model_path(tmp_path, "tests", "m"))
+    run.write(tiny(1))
+    key = run.key
+    leftover = run.path / f"{RUN}-k1ll3d"  # killed between _run_id's mkstemp and its unlink
+    leftover.write_text("0123456789abcdef\n")
+    run.recover()
+    assert not leftover.exists() and RunStore(run.path).key == key
+
+    # a reader making the id while the owner's recover() takes its temporary for a leftover: it makes it again
+    fresh = RunStore(model_path(tmp_path, "tests", "fresh"))
+    fresh.path.mkdir(parents=True)
+    link, raced = os.link, []
+
+    def racing(source, target):  # the race cannot be timed for real: recover() removes the file right here
+        if not raced:
+            raced.append(source)
+            os.unlink(source)
+        return link(source, target)
+
+    monkeypatch.setattr(os, "link", racing)
+    assert len(fresh.key.run) == 32 and raced
+    assert sorted(p.name for p in fresh.path.iterdir()) == [RUN]
 
 
 # ---- with the real model ---------------------------------------------------------------------------------------

@@ -111,6 +111,9 @@ class LoopConfig(BaseModel):
     # after a canary is rolled back or a shadow stopped, training goes on from production's weights (a new
     # checkpoint: Loop.rewind_if_due), not from the line of checkpoints that candidate came from
     rewind_on_rollback: bool = True
+    # after each iteration delete the checkpoints nothing needs (LocalBackend.prune_checkpoints): superseded steps
+    # and candidates decided against; the latest, the deployed ones and their rollback steps stay
+    prune: bool = False
     seed: int = 0
 
     @model_validator(mode="after")
@@ -705,6 +708,8 @@ class Loop:
                     if (candidate := await self.consider_due(queue)) is not None:
                         report.candidates.append(candidate)
                         report.shadow.extend([candidate.shadow] if candidate.shadow else [])
+                    if config.prune:  # the latest, the deployed (and their rollback steps) and a KL reference stay
+                        await self.backend.prune_checkpoints(self.model, keep=[config.train.kl_reference_step or 0])
         finally:
             for task in runners:
                 task.cancel()

@@ -207,6 +207,14 @@ def rollback_target(s: Session, name: str) -> tuple[int, float | None]:
     audit chain's lock, so a ``deploy`` in the same unit of work applies what was read here."""
     audit.lock(s)
     get(s, name)
+    moves = _moves(s, name)
+    if len(moves) < 2:
+        raise NoRollbackError(f"'{name}' has no earlier step to roll back to (its history: {len(moves)} move(s) left)")
+    return moves[-2]
+
+
+def _moves(s: Session, name: str) -> list[tuple[int, float | None]]:
+    """The alias's history replayed: the (step, share) of each move not undone, oldest first (the last is current)."""
     moves: list[tuple[int, float | None]] = []
     for event in history(s, name):
         if event.action == "remove":
@@ -216,6 +224,15 @@ def rollback_target(s: Session, name: str) -> tuple[int, float | None]:
                 moves.pop()
         else:
             moves.append((event.details["step"], event.details.get("share")))
-    if len(moves) < 2:
-        raise NoRollbackError(f"'{name}' has no earlier step to roll back to (its history: {len(moves)} move(s) left)")
-    return moves[-2]
+    return moves
+
+
+def steps_in_use(s: Session, model: str, rollback: int = 1) -> set[int]:
+    """The checkpoint steps ``model``'s deployments need: the step each alias points at and the ``rollback`` steps
+    before it that ``rollback`` would go back to, one after another."""
+    steps: set[int] = set()
+    for deployment in list_deployments(s, model):
+        steps.add(deployment.step)
+        if rollback > 0:
+            steps.update(step for step, _ in _moves(s, deployment.name)[-1 - rollback : -1])
+    return steps
