@@ -34,7 +34,7 @@ from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.loading import EMBEDDED_MODEL, load_model
 from flywheel.inference.registry import ModelRegistry, ServedModel
 from flywheel.loop import alarm as alarms
-from flywheel.loop.driver import GATE_ACTIONS, Loop, LoopConfig
+from flywheel.loop.driver import GATE_ACTIONS, REWIND, ROLLBACKS, Loop, LoopConfig
 from flywheel.model import TrainableModel
 from flywheel.runs import RunStore
 from flywheel.server.app import create_app
@@ -281,9 +281,10 @@ def test_the_loop_killed_at_random_moments_comes_back_to_the_same_decisions(tmp_
     killed), calling ``restart-agent@production`` once it exists, so that the shadow gets mirrored calls and the
     canary a share of the episodes. Every episode a user was answered for is stored once (none lost); the audit
     chain verifies; no checkpoint is decided twice and every due one is decided; deployments point at checkpoints
-    after every kill, and each stage's switch (a shadow to canary or stopped, a canary promoted or rolled back) is
-    whole; the step never goes back, no task is left open, and a raised alarm holds every candidate after it (runs
-    differ: the reward is a coin)."""
+    after every kill, and each stage's switch (a shadow to canary, stopped or replaced, a canary promoted or rolled
+    back) is whole; a rollback is rewound from (production's weights: no candidate) at most once; the step never
+    goes back, no task is left open, and a raised alarm holds every candidate after it (runs differ: the reward is
+    a coin)."""
     seed = int(os.environ.get("FLYWHEEL_CRASH_SEED", time.time_ns() % 2**32))
     rng = random.Random(seed)
     path = write_config(tmp_path)
@@ -367,7 +368,10 @@ def test_the_loop_killed_at_random_moments_comes_back_to_the_same_decisions(tmp_
             decided = Counter(int(e.subject.rpartition("@")[2]) for e in gate)
             assert all(n == 1 for n in decided.values()), decided  # none decided twice
             raised = audit.events(s, subject=MODEL, actions=(alarms.RAISED,))
-            due = set(range(2, latest[-1] + 1, 2))
+            # production's weights again after a rollback (a rewind's checkpoint) are no candidate
+            rewound = {e.details["step"] for e in audit.events(s, subject=MODEL, actions=(REWIND,))}
+            due = set(range(2, latest[-1] + 1, 2)) - rewound
+            assert {r["step"] for r in run.history() if r["split"] == "rewind"} == rewound
             if raised:  # it held every candidate after it (nothing cleared it), across the restarts
                 assert len(raised) == 1 and all(e.id < raised[0].id for e in gate)
                 assert set(decided) <= due and "promotions stopped" in (tmp_path / "final.log").read_text()
@@ -397,7 +401,9 @@ def _whole_switches(s) -> dict[str, int]:
     """Each stage's decision and the switch it made are one unit of work, so a kill leaves all of it or none: a
     shadow sent to canary has its canary deployed and its alias removed, one stopped its alias removed, a canary
     promoted has production at its step and its alias removed, one rolled back its alias removed; a passing
-    candidate is deployed (to shadow, or production for the first). Returns the decisions, counted."""
+    candidate is deployed (to shadow, or production for the first), a shadow it replaces with its
+    ``shadow.replace`` event; a rollback or stop is rewound from at most once (``loop.rewind``). Returns the
+    decisions, counted."""
     every = audit.events(s)
 
     def by_reason(action: str, subject: str, event_id: int) -> list[audit.AuditEventRecord]:
@@ -421,6 +427,12 @@ def _whole_switches(s) -> dict[str, int]:
             counts[event.action] += 1
             (deployed,) = [e for e in every if e.action == "deploy" and e.details.get("gate_event") == event.id]
             assert deployed.subject in (f"{MODEL}@shadow", f"{MODEL}@production"), deployed
-        elif event.action == "deploy" and event.subject == f"{MODEL}@shadow" and event.details["previous_step"]:
-            counts["shadow.replaced"] += 1  # a newer candidate passed the gate while a shadow was still pairing
+            replaced = [e for e in every if e.action == "shadow.replace" and e.details["gate_event"] == event.id]
+            assert [e.id for e in replaced] == ([deployed.details["replaced_event"]] if replaced else []), event
+            assert bool(replaced) == bool(deployed.details["previous_step"]), event  # only a shadow that pairs
+        elif event.action in ("shadow.replace", REWIND):  # each whole: checked with its gate.pass, and below
+            counts[event.action] += 1
+    rewound = Counter(i for e in every if e.action == REWIND for i in e.details["rollback_events"])
+    judged = {e.id for e in every if e.action in ROLLBACKS}
+    assert set(rewound) <= judged and all(n == 1 for n in rewound.values()), rewound  # none rewound twice
     return dict(counts)

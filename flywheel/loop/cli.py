@@ -39,7 +39,7 @@ def loop_command(
     and started again, it takes up where it stopped (docs/user-guide.md, "Restarting the loop")."""
     from flywheel.backend import LocalBackend
     from flywheel.graders.spec import GraderSpecError
-    from flywheel.loop.driver import Loop, LoopConfig
+    from flywheel.loop.driver import Loop, LoopConfig, RewindError
 
     try:
         loop_config = LoopConfig.load(config)
@@ -67,7 +67,7 @@ def loop_command(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         report = asyncio.run(run())
-    except ModelInUseError as exc:  # the same loop running already (its model's lock)
+    except (ModelInUseError, RewindError) as exc:  # the loop runs already (its lock); a rewind's checkpoint gone
         typer.echo(f"{config}: {exc}", err=True)
         raise typer.Exit(2) from None
     console.print(f"{len(report.steps)} iterations, step {report.steps[-1] if report.steps else 0}; "
@@ -82,9 +82,15 @@ def loop_command(
         failed = ", ".join(ch.name for ch in c.decision.failed)
         table.add_row(
             str(c.step), c.production, f"{lift.mean:+.3f} [{lift.low:+.3f}, {lift.high:+.3f}]",
-            "promote" if c.decision.promote else f"hold ({failed})", c.deployed or "-",
+            "promote" if c.decision.promote else f"hold ({failed})", c.deployed or ("held" if c.held else "-"),
         )  # fmt: skip
     console.print(table)
+    for c in report.candidates:
+        if c.held:
+            console.print(f"candidate {c.step} passed the gate and is held: {c.held}", highlight=False)
+    for r in report.rewinds:
+        console.print(f"rewound: step {r.step} has {r.production}'s weights, not step {r.from_step}'s (after audit "
+                      f"event {r.rollback_event})", highlight=False)  # fmt: skip
     for v in report.shadow:
         diff = "" if v.difference is None else " ({:+.3f} [{:+.3f}, {:+.3f}])".format(*v.difference)
         console.print(f"shadow: {v.action} after {v.pairs} pairs{diff}: {v.reason}", highlight=False)

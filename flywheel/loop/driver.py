@@ -149,6 +149,10 @@ class Candidate(BaseModel):
     shadow: ShadowVerdict | None = None  # the verdict an older shadow got first (its evidence decided it)
 
 
+class RewindError(RuntimeError):
+    """Production's checkpoint, which training should go on from after a rollback, is gone."""
+
+
 class Rewind(BaseModel):
     """A ``loop.rewind``: training went on from production's weights as checkpoint ``step``."""
 
@@ -471,7 +475,7 @@ class Loop:
         try:
             written = await self.backend.rewind(self.model, rewind.to_step, extra=extra)
         except FileNotFoundError as exc:
-            raise RuntimeError(
+            raise RewindError(
                 f"cannot rewind {name} to {rewind.production} after audit event {rewind.rollback_event}: {exc} "
                 "(deploy a checkpoint that exists as production, or set rewind_on_rollback: false)"
             ) from None
