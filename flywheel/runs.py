@@ -269,9 +269,9 @@ class RunStore:
         disk = shutil.disk_usage(self.checkpoints)
         full = disk.free < need or getattr(exc, "errno", None) == errno.ENOSPC or "unexpected pos" in str(exc)
         latest = self.latest()
+        said = (str(exc).strip().splitlines() or [""])[0][:300]  # torch's C++ frames follow its first line
         return (
-            f"Could not write checkpoint step {checkpoint.state.step} to {final}: {type(exc).__name__}: "
-            f"{str(exc).strip()[:300]}. "
+            f"Could not write checkpoint step {checkpoint.state.step} to {final}: {type(exc).__name__}: {said}. "
             + ("The disk looks full: " if full else "")
             + f"the checkpoint needs about {_size(need)} (its tensors); {_size(disk.free)} is free there (of "
             f"{_size(disk.total)}). The half-written checkpoint was removed: the latest checkpoint is still "
