@@ -11,11 +11,18 @@ temporary directory, and its Python files are rewritten in exactly these ways, e
    example in ``EXAMPLES`` below (steps, groups, rollouts per group, validation set), each one exact text that must
    still be found in the script (a script that changed upstream is an error here, not a silent skip).
 
+A notebook (ART's MCP example is one) is first made a script: its code cells in order, in a ``.py`` file beside it;
+a line for IPython's shell (``!uv pip install ...``) is commented out, printed; the script then runs with top-level
+``await`` allowed, as in a notebook. Settings its configuration cell asks the user to fill in (an API key) are
+overrides too, listed beside the sizes.
+
 Nothing else in their code changes. Each script then runs in a subprocess (its own directory as the working
 directory, ``BACKUP_BUCKET`` a ``file://`` directory for ART's checkpoint sync, ``--deps`` prepended to
 ``PYTHONPATH`` for packages their scripts import that Flywheel does not need) with a timeout, one at a time, and
 the result is ``ran`` (exit 0), ``failed`` with the first error (the exception line of the first traceback, or the
-last line printed), ``timeout``, or ``not run`` (the checkout lacks a file's contents). The scripts' own imports
+last line printed; an HTTP client's error adds the URL it called), ``timeout``, or ``not run`` (the checkout lacks a
+file's contents, or a module the example needs is not installed: ``fastmcp`` for the MCP example, the optional
+extra ``pip install 'flywheel-rl[art-examples]'``). The scripts' own imports
 (``python-dotenv``, ``openpipe``, ``weave``...) are not Flywheel's dependencies: install them into a separate
 directory so that their pins (``openpipe`` pins an old ``openai``) do not change the environment::
 
@@ -26,8 +33,9 @@ directory so that their pins (``openpipe`` pins an old ``openai``) do not change
 
 ART-E runs with ``--deps /tmp/art-e-deps --deps /tmp/art-example-deps`` (the first wins), the others with
 ``--deps /tmp/art-example-deps``. A file the ART copy lacks (a mirror without its large files: temporal-clue's
-``examples/data/temporal-clue/puzzles.json``) can be given with ``--data ART_PATH=FILE``, reported beside the
-overrides; ``bench/temporal_clue_puzzles.py`` builds temporal-clue's from its generator.
+``examples/data/temporal-clue/puzzles.json``; the MCP notebook, newer than the mirror) can be given with ``--data
+ART_PATH=FILE``, reported beside the overrides; ``bench/temporal_clue_puzzles.py`` builds temporal-clue's from its
+generator.
 
 Usage: ``python bench/art_examples.py ART_DIR [--commit HEAD] [--only tic-tac-toe 2048 ...] [--timeout 300]
 [--deps /tmp/art-example-deps] [--data ART_PATH=FILE] [--keep]``; prints a Markdown table and writes
@@ -37,6 +45,7 @@ bench/results/art-examples-<time>.json. Waits while ``/tmp/QUIET`` exists (a ben
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -61,6 +70,27 @@ BASE_MODEL_REWRITES = (
     re.compile(r"(\bbase_model\s*=\s*)(['\"])[^'\"\n]*\2"),
     re.compile(r"^(BASE_MODEL\s*=\s*)(['\"])[^'\"\n]*\2", re.MULTILINE),
 )
+SHELL_LINE = re.compile(r"^(\s*)([!%].*)$", re.MULTILINE)  # IPython's ``!command`` and ``%magic`` lines
+# A notebook made a script runs as a notebook does: top-level ``await`` allowed; an HTTP client's error (openai's
+# APIConnectionError, httpx's) says which URL it called, so that a stop for want of a network names the service.
+NOTEBOOK_RUNNER = """
+import ast, asyncio, inspect, sys, types
+path = sys.argv[1]
+sys.argv = [path]
+module = types.ModuleType("__main__")
+module.__file__ = path
+sys.modules["__main__"] = module
+code = compile(open(path).read(), path, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+try:
+    result = eval(code, module.__dict__)
+    if inspect.iscoroutine(result):
+        asyncio.run(result)
+except Exception as exc:
+    request = getattr(exc, "request", None)
+    if request is not None and hasattr(request, "url"):
+        exc.add_note(f"the notebook failed calling {request.method} {request.url}")
+    raise
+"""
 
 
 @dataclass(frozen=True)
@@ -74,8 +104,9 @@ class Override:
 
 @dataclass(frozen=True)
 class Example:
-    """An ART example: the paths copied from ART's tree, the script run (relative to the copy), its size overrides,
-    the environment it is given, and what it needs that no CPU-only machine has (said in the report)."""
+    """An ART example: the paths copied from ART's tree, the script run (relative to the copy; a notebook is made a
+    script first), its size overrides, the environment it is given, the modules it imports that Flywheel does not
+    need (checked before it runs), and what it needs that no CPU-only machine has (said in the report)."""
 
     name: str
     paths: tuple[str, ...]
@@ -83,9 +114,11 @@ class Example:
     overrides: tuple[Override, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     python_path: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()
     needs: str = ""
 
 
+MCP_RL = "examples/mcp-rl/mcp-rl-alphavantage.py"  # the notebook made a script
 EXAMPLES = (
     Example(
         name="tic-tac-toe",
@@ -111,12 +144,12 @@ EXAMPLES = (
         script="examples/temporal_clue/temporal-clue.py",
         overrides=(
             Override("examples/temporal_clue/temporal-clue.py", "puzzles[:64]", "puzzles[:1]"),
-            Override("examples/temporal_clue/temporal-clue.py", "range(50)", "range(3)"),
+            Override("examples/temporal_clue/temporal-clue.py", "range(50)", "range(32)"),
             Override("examples/temporal_clue/temporal-clue.py", "stride = 4", "stride = 1"),
             Override(
                 "examples/temporal_clue/temporal-clue.py",
                 "range(await model.get_step(), 1_000)",
-                "range(await model.get_step(), 2)",
+                "range(await model.get_step(), 1)",
             ),
         ),
     ),
@@ -151,6 +184,22 @@ EXAMPLES = (
         python_path=("examples/art-e",),
         needs="its data sets from the Hugging Face hub (corbt/enron-emails and the synthetic queries): a network",
     ),
+    Example(
+        name="mcp-rl",
+        paths=("examples/mcp-rl/mcp-rl-alphavantage.ipynb",),
+        script="examples/mcp-rl/mcp-rl-alphavantage.ipynb",
+        overrides=(
+            Override(MCP_RL, 'OPENROUTER_API_KEY = ""', 'OPENROUTER_API_KEY = "sk-no-network"'),
+            Override(MCP_RL, '"num_training_inputs": 16', '"num_training_inputs": 2'),
+            Override(MCP_RL, '"num_epochs": 3', '"num_epochs": 1'),
+            Override(MCP_RL, '"rollouts_per_group": 3', '"rollouts_per_group": 2'),
+            Override(MCP_RL, "MAX_TURNS = 10", "MAX_TURNS = 2"),
+            Override(MCP_RL, "NUM_TEST_INPUTS = 8", "NUM_TEST_INPUTS = 1"),
+        ),
+        requires=("fastmcp", "aiohttp", "tenacity", "dotenv"),
+        needs="OpenRouter (o4-mini writes its scenarios, at a hard-coded https://openrouter.ai/api/v1, and is its "
+        "RULER judge) and the Alpha Vantage API behind its MCP tools: a network",
+    ),
 )
 
 
@@ -165,6 +214,28 @@ class Result:
     seconds: float
     log: str
     needs: str
+    training: str = ""  # what its models' history says: steps trained, skipped for want of signal, train reward
+
+
+def training_summary(root: Path) -> str:
+    """The train rows of every model directory's ``history.jsonl`` under the example's copy (not the bucket):
+    ``<project>/<model>: N trained, M skipped (no signal), train reward mean ... (max ...)``; empty if none."""
+    summaries = []
+    for history in sorted(root.rglob("history.jsonl")):
+        rows = [json.loads(line) for line in history.read_text().splitlines() if line.strip()]
+        train = [row for row in rows if row.get("split") == "train" and "skipped" in row]
+        if not train:
+            continue
+        skipped = sum(1 for row in train if row["skipped"] and row.get("skip_reason") == 1.0)
+        empty = sum(1 for row in train if row["skipped"] and row.get("skip_reason") != 1.0)
+        rewards = [row.get("reward_mean", 0.0) for row in train]
+        summaries.append(
+            f"{history.parent.parent.parent.name}/{history.parent.name}: {len(train) - skipped - empty} trained, "
+            f"{skipped} skipped (no signal){f', {empty} with no optimizer step' if empty else ''}, "
+            f"train reward mean {sum(rewards) / len(rewards):.3f} "
+            f"(max {max(rewards):.3f})"
+        )
+    return "; ".join(summaries)
 
 
 def art_commit(art_dir: Path, commit: str) -> str:
@@ -177,26 +248,32 @@ def copy_from_art(
     art_dir: Path, commit: str, paths: tuple[str, ...], into: Path, supplied: dict[str, Path]
 ) -> list[str]:
     """``paths`` of ART's tree at ``commit`` under ``into``, file by file (a bare directory works too); a file whose
-    contents the copy does not hold (a mirror without its large files) is taken from ``supplied`` (``--data``), else
-    an error naming it. Returns what was supplied, as ``path <- file``."""
+    contents the copy does not hold (a mirror without its large files), or that is not in its tree at all (a file
+    newer than the copy), is taken from ``supplied`` (``--data``, which also replaces a file the copy has), else an
+    error naming it. Returns what was supplied, as ``path <- file``."""
     listing = subprocess.run(
         ["git", "-C", str(art_dir), "ls-tree", "-r", "--name-only", commit, "--", *paths],
         check=True,
         capture_output=True,
         text=True,
     ).stdout.split()
+    listing += [
+        name
+        for name in supplied
+        if name not in listing and any(name == p or name.startswith(p.rstrip("/") + "/") for p in paths)
+    ]
     if not listing:
         raise FileNotFoundError(f"ART {commit[:12]} has none of {', '.join(paths)}")
     used = []
     for name in listing:
         blob = subprocess.run(["git", "-C", str(art_dir), "show", f"{commit}:{name}"], capture_output=True)
         (into / name).parent.mkdir(parents=True, exist_ok=True)
-        if blob.returncode == 0:
-            (into / name).write_bytes(blob.stdout)
-        elif name in supplied:
+        if name in supplied:
             shutil.copyfile(supplied[name], into / name)
             used.append(f"{name} <- {supplied[name]}")
-            print(f"  {name}: not in this ART copy, supplied: {supplied[name]}")
+            print(f"  {name}: {'not in this ART copy' if blob.returncode else 'replaced'}, supplied: {supplied[name]}")
+        elif blob.returncode == 0:
+            (into / name).write_bytes(blob.stdout)
         else:
             raise FileNotFoundError(
                 f"this ART copy lacks the contents of {name} ({blob.stderr.decode().strip()}): "
@@ -219,8 +296,29 @@ def substitute(path: Path, pattern: re.Pattern[str] | str, new: str, *, required
         path.write_text(pattern.sub(new, text))
 
 
+def notebook_script(notebook: Path) -> Path:
+    """The notebook's code cells, in order, as a script beside it (``<name>.py``), each cell after a comment naming
+    it; IPython's shell and magic lines commented out, each printed."""
+    cells = json.loads(notebook.read_text())["cells"]
+    parts = []
+    for number, cell in enumerate(cells, 1):
+        if cell["cell_type"] != "code":
+            continue
+        source = "".join(cell["source"])
+        for match in SHELL_LINE.finditer(source):
+            print(f"  {notebook.name}: cell {number}: {match.group(2)!r} not run (an IPython shell line)")
+        parts.append(f"# %% cell {number}\n" + SHELL_LINE.sub(r"\1# (not run) \2", source).rstrip() + "\n")
+    script = notebook.with_suffix(".py")
+    script.write_text("\n\n".join(parts))
+    print(f"  {notebook.name}: {len(parts)} code cells -> {script.name}")
+    return script
+
+
 def prepare(example: Example, root: Path, base_model: str) -> list[str]:
-    """Rewrite the copied example: package name and base model in every .py file, then its size overrides."""
+    """Rewrite the copied example (a notebook made a script first): package name and base model in every .py file,
+    then its size overrides."""
+    if example.script.endswith(".ipynb"):
+        notebook_script(root / example.script)
     for path in sorted(root.rglob("*.py")):
         for pattern, new in IMPORT_REWRITES:
             substitute(path, pattern, new, required=False)
@@ -267,8 +365,17 @@ def run(example: Example, art_dir: Path, commit: str, args: argparse.Namespace, 
         error = f"not copied: {exc}"
         print(f"  {error}")
         return Result(example.name, commit, [], [], "not run", error, 0.0, "", example.needs)
+    missing = [name for name in example.requires if importlib.util.find_spec(name) is None]
+    if missing:
+        error = f"needs {', '.join(missing)}: pip install 'flywheel-rl[art-examples]'"
+        print(f"  not run: {error}")
+        return Result(example.name, commit, [], supplied, "not run", error, 0.0, "", example.needs)
     overrides = prepare(example, root, args.base_model)
     script = root / example.script
+    command = [sys.executable, script.name]
+    if script.suffix == ".ipynb":
+        script = script.with_suffix(".py")
+        command = [sys.executable, "-c", NOTEBOOK_RUNNER, script.name]
     python_path = [str(root / p) for p in example.python_path] + [str(d) for d in args.deps]
     env = {
         **os.environ,
@@ -280,7 +387,7 @@ def run(example: Example, art_dir: Path, commit: str, args: argparse.Namespace, 
     start = time.monotonic()
     with log.open("w") as out:
         process = subprocess.Popen(
-            [sys.executable, script.name],
+            command,
             cwd=script.parent,
             env=env,
             stdout=out,
@@ -302,8 +409,13 @@ def run(example: Example, art_dir: Path, commit: str, args: argparse.Namespace, 
         error = first_error(output)
     else:
         error = ""
-    print(f"  {result} in {seconds:.0f}s{': ' + error if error else ''} (log: {log})")
-    return Result(example.name, commit, overrides, supplied, result, error, round(seconds, 1), str(log), example.needs)
+    training = training_summary(root)
+    print(
+        f"  {result} in {seconds:.0f}s{': ' + error if error else ''} (log: {log}){'; ' + training if training else ''}"
+    )
+    return Result(
+        example.name, commit, overrides, supplied, result, error, round(seconds, 1), str(log), example.needs, training
+    )
 
 
 def cpu() -> str:
@@ -343,7 +455,8 @@ def main() -> None:
         action="append",
         default=[],
         metavar="ART_PATH=FILE",
-        help="the contents of a file this ART copy lacks (e.g. temporal-clue's puzzles.json); repeat for several",
+        help="the contents of a file this ART copy lacks or that is to be replaced (e.g. temporal-clue's puzzles.json, "
+        "the MCP notebook); repeat for several",
     )
     parser.add_argument("--base-model", default=EMBEDDED_MODEL)
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (the copies, logs)")
@@ -360,7 +473,7 @@ def main() -> None:
     machine = cpu()
     print("\n| script | ART commit | overrides | result | time | CPU |\n|---|---|---|---|---|---|")
     for r in results:
-        outcome = r.result + (f": `{r.error}`" if r.error else "")
+        outcome = r.result + (f": `{r.error}`" if r.error else "") + (f" ({r.training})" if r.training else "")
         print(
             f"| {r.name} | {r.commit[:12]} | {'; '.join(f'`{o}`' for o in r.overrides + r.supplied) or 'none'} | "
             f"{outcome} | "
