@@ -34,8 +34,10 @@ directory so that their pins (``openpipe`` pins an old ``openai``) do not change
 ART-E runs with ``--deps /tmp/art-e-deps --deps /tmp/art-example-deps`` (the first wins), the others with
 ``--deps /tmp/art-example-deps``. A file the ART copy lacks (a mirror without its large files: temporal-clue's
 ``examples/data/temporal-clue/puzzles.json``; the MCP notebook, newer than the mirror) can be given with ``--data
-ART_PATH=FILE``, reported beside the overrides; ``bench/temporal_clue_puzzles.py`` builds temporal-clue's from its
-generator.
+ART_PATH=FILE``, which also replaces a file the copy has (easier puzzles), reported beside the overrides;
+``bench/temporal_clue_puzzles.py`` builds temporal-clue's from its generator. Each result also says what the
+``history.jsonl`` of the models a script made records: steps trained, steps skipped for want of signal (every reward
+of every group the same), the train reward.
 
 Usage: ``python bench/art_examples.py ART_DIR [--commit HEAD] [--only tic-tac-toe 2048 ...] [--timeout 300]
 [--deps /tmp/art-example-deps] [--data ART_PATH=FILE] [--keep]``; prints a Markdown table and writes
