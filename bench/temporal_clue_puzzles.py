@@ -8,8 +8,10 @@ github.com/bradhilton/temporal-clue (OR-Tools' CP-SAT picks the clues), which pu
 script writes, in ART's order: the published validation and test puzzles, then ``--train`` training puzzles made by
 the generator's own ``TemporalClueScenario(min_players=, max_players=).create_puzzle().json_data()`` with
 ``random.seed(--seed)``: ``--players 1 2`` (the default) are the settings of the generator's example notebook,
-small puzzles (2-5 suspects, 3-26 clues; the published ones have up to 10 suspects and 100 clues), the easiest to
-answer for a small model and the shortest prompts for a CPU.
+small puzzles (2-5 suspects, 3-26 clues; the published ones have up to 10 suspects and 100 clues); ``--players 1 1``
+makes the smallest it can (2 suspects, 2 weapons, 2 rooms, 5-8 questions), the easiest to answer for a small model
+and the shortest prompts for a CPU. Their solutions are ART's format, so ART's partial credit (the share of questions
+answered right) scores them as it scores its own.
 
 The generator needs Python 3.12 (its f-strings), ``ortools==9.11.4210`` (its lock), ``black`` and ``pillow``,
 none of them Flywheel's: it runs in a subprocess of ``--python``, with those installed beside the environment
