@@ -1,4 +1,5 @@
-"""ART-style code run through ``import flywheel as art`` (issue #26, items 1-5 and 7, and ``art.guided_completion``).
+"""ART-style code run through ``import flywheel as art`` (issue #26: every item but W&B logging, item 9, which is
+tests/test_wandb.py; and ``art.guided_completion``).
 
 Each test is written the way an ART script writes it: ``art.TrainConfig``, ``from flywheel.local import
 LocalBackend`` (ART: ``from art.local import LocalBackend``), ``art.utils``' helpers, ``art.dev`` settings,
@@ -207,6 +208,45 @@ async def test_a_hosted_model_out_of_reach_fails_in_place_naming_the_service(cap
         await art.gather.wrap_group_awaitable(rollout(hosted))  # ART's self-play: a gather of the script's own
     assert ended.value.__notes__ == [f"the rollout failed calling POST http://127.0.0.1:{port}/v1/chat/completions"]
     assert {"Messages", "MessagesAndChoices", "Tools"} <= set(dir(art))  # ART's type names, at the top level
+
+
+async def test_the_models_client_retries_a_transient_server_error_as_arts_does():
+    """A busy server's 503 is retried by ``model.openai_client()`` (the SDK's retries, as ART's client has them), so
+    one transient error does not end a gather with ART's default ``max_exceptions=0``. The server is a real one on
+    127.0.0.1 that answers 503 to the first request and a completion to the next."""
+    answer = _teacher({"content": "3"}).model_dump_json().encode()
+    answered: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1]) for line in head.lower().split(b"\r\n") if line.startswith(b"content-length")
+        )
+        await reader.readexactly(length)
+        status, body = (503, b'{"error": {"message": "busy"}}') if not answered else (200, answer)
+        answered.append(status)
+        writer.write(
+            f"HTTP/1.1 {status} -\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    hosted = art.Model(
+        name="gpt-4.1", project="art-compat", inference_base_url=f"http://127.0.0.1:{port}/v1", inference_api_key="k"
+    )
+
+    async def rollout() -> art.Trajectory:
+        messages: art.Messages = [{"role": "user", "content": "What is 1 + 2?"}]
+        response = await hosted.openai_client().chat.completions.create(model="gpt-4.1", messages=messages)
+        return art.Trajectory(messages_and_choices=[*messages, response.choices[0]], reward=1.0)
+
+    async with server:
+        (trajectory,) = await art.gather_trajectories([rollout()], pbar_desc=None)
+    assert answered == [503, 200] and trajectory.messages()[-1]["content"] == "3"  # type: ignore[union-attr]
 
 
 def test_a_rollout_sampling_through_litellm_keeps_its_choices_with_arts_helper(monkeypatch: pytest.MonkeyPatch):
@@ -518,6 +558,10 @@ async def test_an_art_style_multi_turn_game_trains_with_both_entry_points(
     rows = run.history()
     assert [(r["step"], r["split"]) for r in rows] == [(1, "train"), (2, "train"), (2, "train"), (2, "val")]
     assert rows[2]["train/loss"] == rows[1]["loss"]  # model.log's row carries backend.train's metrics
+    # both steps trained (not skipped), at the rate each entry point was given; _config and _internal_config applied
+    assert [(r["skipped"], r["learning_rate"]) for r in rows[:2]] == [(0, 1e-4), (0, 1e-4)]
+    first = run.state(1)
+    assert (first.last_config["epsilon"], first.trained_weights.rank) == (0.2, 4)
     trained = (run.path / "trajectories" / "train" / "0002.jsonl").read_text().splitlines()
     assert len(trained) == 3  # model.log did not write backend.train's trajectories a second time
     assert all(json.loads(line)["metrics"]["llm_duration"] > 0 for line in trained)
