@@ -2,7 +2,8 @@
 
 The public API mirrors OpenPipe ART, so ``import flywheel as art`` runs ART-style code unchanged (docs/user-guide.md,
 "Coming from ART", says what differs); ``flywheel.local``, ``flywheel.utils``, ``flywheel.dev`` and
-``flywheel.guided_completion`` are ART's ``art.local``, ``art.utils``, ``art.dev`` and ``art.guided_completion``.
+``flywheel.guided_completion`` are ART's ``art.local``, ``art.utils``, ``art.dev`` and ``art.guided_completion``
+(and ``flywheel.trajectories`` ART's ``art.trajectories``).
 Importing it is light (no torch): an agent or a runner process needs the data types, ``gather`` and the model
 handles; the names that load the engine (``LocalBackend``) or a judge's client (``rewards``) are imported when first
 used.
@@ -13,9 +14,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from flywheel import dev, guided_completion
+from flywheel import dev, guided_completion, trajectories
 from flywheel.auto_trajectory import auto_trajectory, capture_auto_trajectory
-from flywheel.gather import gather_trajectories, gather_trajectory_groups
+from flywheel.gather import gather_trajectories, gather_trajectory_groups, trajectory_group_batches
 from flywheel.model import Backend, Model, TrainableModel
 from flywheel.train.config import TrainConfig
 from flywheel.types import History, Messages, MessagesAndChoices, Tools, TrainResult, Trajectory, TrajectoryGroup
@@ -59,4 +60,6 @@ __all__ = [
     "guided_completion",
     "retry",
     "rewards",
+    "trajectories",
+    "trajectory_group_batches",
 ]

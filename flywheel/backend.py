@@ -9,7 +9,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NoReturn
 
 import torch
 
@@ -494,6 +494,31 @@ class LocalBackend:
                 await asyncio.to_thread(run.import_history)
         finally:
             run.unlock()
+
+    async def _experimental_deploy(
+        self,
+        deploy_to: str,
+        model: TrainableModel,
+        step: int | None = None,
+        s3_bucket: str | None = None,
+        prefix: str | None = None,
+        verbose: bool = False,
+        pull_s3: bool = True,
+        wait_for_completion: bool = True,
+    ) -> NoReturn:
+        """ART's deployment of a checkpoint to hosted LoRA inference, which needs Together AI's API and an S3 bucket
+        (ART uploads the checkpoint there for Together to fetch): not available here, so it raises an error that
+        says so and how to serve the checkpoint with Flywheel instead. The arguments are ART's."""
+        served = f"{model.name}@{step}" if step is not None else model.name
+        url = f"{self._server.base_url}/v1" if self._server is not None else "backend.base_url, once registered"
+        raise NotImplementedError(
+            f"backend._experimental_deploy(deploy_to={str(getattr(deploy_to, 'value', deploy_to))!r}) needs Together "
+            "AI's hosted LoRA inference (https://api.together.xyz, with TOGETHER_API_KEY) and an S3 bucket to upload "
+            "the checkpoint to; Flywheel does not deploy to a hosting service. Serve the checkpoint yourself: this "
+            f"backend's server answers model={served!r} ({url}), `flywheel serve --model <checkpoint dir>` serves "
+            f"one on its own, and `flywheel deploy {model.name}@production --step {'N' if step is None else step}` "
+            "points a deployment alias at a step (docs/user-guide.md, 'Deployments and the audit trail')."
+        )
 
     async def close(self) -> None:
         await asyncio.to_thread(self.wandb.finish)

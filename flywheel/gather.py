@@ -9,7 +9,7 @@ import dataclasses
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
 from typing import Any
 
 from openai.types.chat.chat_completion import Choice
@@ -43,6 +43,15 @@ def _name_the_service(exception: Exception) -> None:
     note = f"the rollout failed{where}"
     if where and note not in getattr(exception, "__notes__", []):
         exception.add_note(note)
+
+
+def _close_unstarted(awaitables: Iterable[Awaitable[Any]]) -> None:
+    """Closes the coroutines among these that never ran (no "was never awaited" warning) and cancels futures."""
+    for awaitable in awaitables:
+        if inspect.iscoroutine(awaitable):
+            awaitable.close()
+        elif isinstance(awaitable, asyncio.Future):
+            awaitable.cancel()
 
 
 class _Gathering:
@@ -95,11 +104,7 @@ class _Gathering:
             for task in self.tasks:
                 task.cancel()
             await asyncio.gather(*self.tasks, return_exceptions=True)
-            for awaitable in self.awaitables:
-                if inspect.iscoroutine(awaitable):
-                    awaitable.close()
-                elif isinstance(awaitable, asyncio.Future):
-                    awaitable.cancel()
+            _close_unstarted(self.awaitables)
             raise
         finally:
             self.bar.close()
@@ -355,6 +360,140 @@ async def wrap_group_awaitable(awaitable: Awaitable[Iterable[Trajectory]]) -> An
         context.record(trajectory)
     context.update_pbar(len(trajectories))
     return result
+
+
+class _Batching:
+    """The tasks of one ``trajectory_group_batches`` call, and the progress bar and exception budget of the batch
+    being filled (a new ``GatherContext`` per batch)."""
+
+    def __init__(
+        self, batch_size: int, max_exceptions: int | float, pbar_desc: str | None, pbar_total_completion_tokens: bool
+    ) -> None:
+        self.batch_size = batch_size
+        self.allowed = max_exceptions * batch_size if 0 < max_exceptions < 1 else max_exceptions
+        self.pbar_desc = pbar_desc
+        self.pbar_total_completion_tokens = pbar_total_completion_tokens
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.context = self.new_context()
+
+    def new_context(self) -> GatherContext:
+        bar = None if self.pbar_desc is None else tqdm(desc=self.pbar_desc, total=self.batch_size)
+        return GatherContext(
+            pbar=bar, pbar_total_completion_tokens=self.pbar_total_completion_tokens, max_metrics=MAX_METRICS_SHOWN
+        )
+
+    def next_batch(self) -> None:
+        self.close_bar()
+        self.context = self.new_context()
+
+    def close_bar(self) -> None:
+        if self.context.pbar is not None:
+            self.context.pbar.close()
+
+    def spawn(self, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coroutine)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    async def stop(self) -> None:
+        """Cancels whatever still runs and waits until it has stopped."""
+        running = list(self.tasks)
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        self.close_bar()
+
+    def failed(self, exception: Exception) -> None:
+        """Counts a failure against the batch's budget; re-raises it once the budget is exceeded."""
+        self.context.exceptions += 1
+        self.context.update_pbar(0)
+        if self.context.exceptions > self.allowed:
+            _name_the_service(exception)
+            raise exception
+        logger.warning(
+            "rollout failed (%d exceptions in this batch, %g allowed): %r%s",
+            self.context.exceptions,
+            self.allowed,
+            exception,
+            _where(exception),
+        )
+
+    async def group(self, item: TrajectoryGroup | Awaitable[TrajectoryGroup]) -> TrajectoryGroup | None:
+        """The finished group (its failed rollouts recorded on it), or None if making it failed within budget."""
+        try:
+            group = item if isinstance(item, TrajectoryGroup) else await item
+        except Exception as exc:
+            self.failed(exc)
+            return None
+        if not isinstance(group, TrajectoryGroup):
+            raise TypeError(f"expected an awaitable of TrajectoryGroup, got one of {type(group).__name__}")
+        if group._pending:
+            group._complete(await asyncio.gather(*(self.spawn(self.rollout(r)) for r in group._pending)))
+        for trajectory in group.trajectories:
+            self.context.record(trajectory)
+        self.context.update_pbar(1)
+        return group
+
+    async def rollout(self, awaitable: Awaitable[RolloutResult]) -> RolloutResult | Exception:
+        try:
+            return await awaitable
+        except Exception as exc:
+            self.failed(exc)
+            return exc
+
+
+async def trajectory_group_batches(
+    groups: Iterable[TrajectoryGroup | Awaitable[TrajectoryGroup]],
+    *,
+    batch_size: int,
+    max_batch_exceptions: int | float = 0,
+    max_concurrent_batches: int = 4,
+    skip_batches: int = 0,
+    pbar_desc: str | None = "batches",
+    pbar_total_completion_tokens: bool = True,
+) -> AsyncIterator[list[TrajectoryGroup]]:
+    """ART's ``art.trajectory_group_batches``: runs the groups with at most ``batch_size * max_concurrent_batches``
+    of them in flight and yields them in lists of ``batch_size``, in the order they finish (the last list may be
+    shorter); the groups keep running while the caller trains on a batch.
+
+    - ``skip_batches``: the first ``batch_size * skip_batches`` groups are not run (a resumed run).
+    - ``max_batch_exceptions``: how many rollouts may fail per batch, as a count or, below 1, a fraction of
+      ``batch_size``. A failed rollout within it is recorded on its group; a group whose awaitable fails is left
+      out. The first failure beyond it stops everything still running and is raised, traceback intact.
+    - ``pbar_desc``: each batch's progress bar (None: none), with ``pbar_total_completion_tokens`` as in
+      ``gather_trajectory_groups``.
+    """
+    if batch_size < 1 or max_concurrent_batches < 1 or skip_batches < 0:
+        raise ValueError(
+            "trajectory_group_batches needs batch_size >= 1, max_concurrent_batches >= 1 and skip_batches >= 0, got "
+            f"batch_size={batch_size}, max_concurrent_batches={max_concurrent_batches}, skip_batches={skip_batches}"
+        )
+    items = list(groups)
+    skipped, unstarted = items[: batch_size * skip_batches], items[batch_size * skip_batches :]
+    batching = _Batching(batch_size, max_batch_exceptions, pbar_desc, pbar_total_completion_tokens)
+    pending: set[asyncio.Task[TrajectoryGroup | None]] = set()
+    batch: list[TrajectoryGroup] = []
+    try:
+        while unstarted or pending:
+            while unstarted and len(pending) < batch_size * max_concurrent_batches:
+                pending.add(batching.spawn(batching.group(unstarted.pop(0))))
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            batch += [group for task in done if (group := task.result()) is not None]
+            if len(batch) >= batch_size:
+                if unstarted or pending:  # what finishes while the caller trains counts for the next batch
+                    batching.next_batch()
+                yield batch[:batch_size]
+                batch = batch[batch_size:]
+        if batch:
+            yield batch
+    finally:  # also when the caller stops early: nothing outlives the iteration, nothing is left unawaited
+        await batching.stop()
+        _close_unstarted(
+            awaitable
+            for item in skipped + unstarted
+            for awaitable in (item._pending if isinstance(item, TrajectoryGroup) else [item])
+        )
 
 
 def phase_seconds(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:

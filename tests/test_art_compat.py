@@ -11,6 +11,7 @@ trains it for two short steps); the others need no model or use the session's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import logging
@@ -475,6 +476,92 @@ async def test_checkpoint_sync_says_what_it_needs(
         with pytest.raises(ImportError, match="s3fs"):
             await local._experimental_pull_from_s3(never_trained, s3_bucket="my-bucket")
     await local.close()
+
+
+def test_arts_trajectories_module_is_ours():
+    """``from art.trajectories import TrajectoryGroup`` (ART's self-play ``train_o4_mini.py``): the same classes."""
+    from flywheel.trajectories import MetadataValue, PydanticException, Trajectory, TrajectoryGroup
+
+    assert (Trajectory, TrajectoryGroup) == (art.Trajectory, art.TrajectoryGroup)
+    assert art.trajectories.PydanticException is PydanticException and MetadataValue is not None
+
+
+async def test_deploying_to_together_names_the_service_and_what_to_do_instead(tmp_path: Path):
+    """ART's ``backend._experimental_deploy`` (to Together's hosted inference) takes ART's arguments and fails with
+    an error that names the service it would need, not an AttributeError."""
+    import inspect
+
+    local = ARTLocalBackend(path=tmp_path)
+    assert list(inspect.signature(local._experimental_deploy).parameters) == [
+        *("deploy_to", "model", "step", "s3_bucket", "prefix", "verbose", "pull_s3", "wait_for_completion")
+    ]
+    model = art.TrainableModel(name="m", project="art-compat", base_model=EMBEDDED_MODEL)
+    with pytest.raises(NotImplementedError, match="Together AI's hosted LoRA inference") as refused:
+        await local._experimental_deploy("together", model, step=3, s3_bucket="bucket", wait_for_completion=False)
+    message = str(refused.value)
+    assert "https://api.together.xyz" in message and "S3 bucket" in message
+    assert "model='m@3'" in message and "`flywheel deploy m@production --step 3`" in message
+    await local.close()
+
+
+async def test_trajectory_group_batches_yields_batches_as_groups_finish(capsys: pytest.CaptureFixture[str]):
+    """``art.trajectory_group_batches`` (ART's SWE-bench notebook): groups run with at most ``batch_size *
+    max_concurrent_batches`` in flight and come out in batches in the order they finish; ``skip_batches`` groups
+    never run; failures count against a budget per batch; a caller that stops early stops what still runs."""
+    started: list[int] = []
+    running = 0
+    peak = 0
+
+    async def rollout(g: int, seconds: float = 0.001, fail: bool = False) -> art.Trajectory:
+        nonlocal running, peak
+        started.append(g)
+        running += 1
+        peak = max(peak, running)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            running -= 1
+        if fail:
+            raise ConnectionError("the sandbox is unreachable")
+        return art.Trajectory(messages_and_choices=[], reward=g)
+
+    async def made_later(g: int) -> art.TrajectoryGroup:  # an awaitable that makes its group
+        return await art.TrajectoryGroup([rollout(g)])
+
+    groups = [art.TrajectoryGroup([rollout(g, 0.3 if g == 2 else 0.001)]) for g in range(6)] + [made_later(6)]
+    batches = [
+        [[t.reward for t in group] for group in batch]
+        async for batch in art.trajectory_group_batches(groups, batch_size=2, max_concurrent_batches=1, skip_batches=1)
+    ]
+    assert batches == [[[3], [4]], [[5], [6]], [[2]]]  # group 2 is slow: it ends the last batch
+    assert sorted(started) == [2, 3, 4, 5, 6] and peak == 2
+    assert "batches: 100%" in capsys.readouterr().err
+
+    async def run(groups: list, **options) -> list[list[art.TrajectoryGroup]]:
+        return [b async for b in art.trajectory_group_batches(groups, pbar_desc=None, **options)]
+
+    async def broken() -> art.TrajectoryGroup:
+        raise ConnectionError("the scenario service is unreachable")
+
+    (batch,) = await run(
+        [art.TrajectoryGroup([rollout(1), rollout(1, fail=True)]), art.TrajectoryGroup([rollout(2)])],
+        batch_size=2,
+        max_batch_exceptions=1,
+    )
+    by_reward = {group.trajectories[0].reward: group for group in batch}  # in the order they finished
+    assert [e.message for e in by_reward[1].exceptions] == ["the sandbox is unreachable"] and len(by_reward[1]) == 1
+    ((only,),) = await run([broken(), art.TrajectoryGroup([rollout(3)])], batch_size=2, max_batch_exceptions=0.5)
+    assert [t.reward for t in only] == [3]  # the group that could not be made is left out
+    budget_per_batch = [art.TrajectoryGroup([rollout(g), rollout(g, fail=True)]) for g in (1, 2)]
+    assert len(await run(budget_per_batch, batch_size=1, max_batch_exceptions=1, max_concurrent_batches=1)) == 2
+    with pytest.raises(ConnectionError, match="sandbox"):
+        await run([art.TrajectoryGroup([rollout(1, fail=True)])], batch_size=1)
+
+    started.clear()
+    slow = [art.TrajectoryGroup([rollout(g, 0.001 if g == 0 else 30)]) for g in range(4)]
+    async with contextlib.aclosing(art.trajectory_group_batches(slow, batch_size=1, max_concurrent_batches=2)) as it:
+        first = await anext(it)
+    assert [t.reward for t in first[0]] == [0] and sorted(started) == [0, 1] and running == 0  # group 1 stopped
 
 
 def test_a_script_that_never_closes_its_backend_exits_without_a_traceback(tmp_path: Path):
