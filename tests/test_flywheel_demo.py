@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import os
+import shutil
 
 import pytest
 from rich.console import Console
@@ -35,18 +35,15 @@ async def test_the_demos_answer_grader_agrees_with_the_calculators_reward():
         assert result.reward == reward(problem, text), (text, answer, result)
 
 
-@pytest.mark.skipif(
-    not os.environ.get("FLYWHEEL_SLOW_TESTS"),
-    reason="the flywheel demo's quick path end to end (a warm start and two full-weight training steps: ~4.5 min on 2 "
-    "shared cores, over the ~3 minutes a CI slow test may take): set FLYWHEEL_SLOW_TESTS=1 to run it",
-)
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # ~4.5 min on 2 shared cores; several times that on loaded ones
+@pytest.mark.timeout(1800)  # ~3 min on 2 shared cores; several times that on loaded ones
 async def test_the_flywheel_demo_promotes_stops_the_unsafe_candidate_and_rolls_back_a_regressing_canary(
-    fresh_backend: LocalBackend, tmp_path
+    fresh_backend: LocalBackend, tmp_path, request
 ):
     """On a backend of its own (its home in tmp_path, closed after): a failure leaves nothing in the session's."""
     backend = fresh_backend
+    # ~2.7 GB of checkpoints: not left in pytest's kept temporary directories
+    request.addfinalizer(lambda: shutil.rmtree(model_path(backend.path, "demo", "demo-calc"), ignore_errors=True))
     out = tmp_path / "out"  # beside the backend's home (tmp_path), not in it
     printed = io.StringIO()
     report = await run_demo(
@@ -57,7 +54,9 @@ async def test_the_flywheel_demo_promotes_stops_the_unsafe_candidate_and_rolls_b
     *warm_starts, good, unsafe = by_stage["gate"]  # a warm start the gate holds gets another round
     assert warm_starts[-1].evidence.startswith("PASS vs the base model"), warm_starts[-1].evidence
     assert good.evidence.startswith("PASS vs demo-calc@"), good.evidence
-    assert unsafe.evidence.startswith("STOPPED") and "FAILED safety" in unsafe.evidence, unsafe.evidence
+    # stopped: at the quick sizes the unsafe reward's learning rate breaks the model, whose replies then fail safety
+    # (long), the token limit (runaway) or the lift (wrong and short) by the draw; FULL's is stopped for safety
+    assert unsafe.evidence.startswith("STOPPED") and "; FAILED " in unsafe.evidence, unsafe.evidence
     (promoted,) = by_stage["canary promote"]
     (rolled_back,) = by_stage["canary rollback"]
     # the broken model's users' episodes: an unsafe reply, or a reward below production's
@@ -65,12 +64,12 @@ async def test_the_flywheel_demo_promotes_stops_the_unsafe_candidate_and_rolls_b
     assert stages.index("canary promote") < stages.index("unsafe training") < stages.index("canary rollback")
     assert report.audit_ok and report.plot.stat().st_size > 0
     assert json.loads((out / "timeline.json").read_text())["audit_ok"] is True
-    # checkpoints kept: production's (weights only) and the latest (training goes on from it); the others pruned
+    # checkpoints kept (LocalBackend.prune_checkpoints): production's and release 1, where a rollback of production
+    # goes (weights only), and the latest (training goes on from it: with its optimizer state); the others pruned
     checkpoints = model_path(backend.path, "demo", "demo-calc") / "checkpoints"
     kept = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
-    assert kept == [good.step, unsafe.step], kept
-    assert not (checkpoints / f"{good.step:04d}" / OPTIMIZER).exists()
-    assert (checkpoints / f"{unsafe.step:04d}" / OPTIMIZER).exists()
+    assert kept == [warm_starts[-1].step, good.step, unsafe.step], kept
+    assert [(checkpoints / f"{step:04d}" / OPTIMIZER).exists() for step in kept] == [False, False, True]
     assert 0 < report.disk_final <= report.disk_peak
     assert "flywheel audit verify" in printed.getvalue() and "canary rollback" in printed.getvalue()
     with backend.gateway.store.session() as s:

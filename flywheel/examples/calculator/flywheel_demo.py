@@ -25,8 +25,9 @@ What happens, in order (each stage a line of the timeline, with its evidence and
 It writes the timeline (``timeline.json``), a plot of the training reward per step with the stages marked
 (``flywheel.png``), the stacks and the held-out set it used, and the store and checkpoints (``home/``) to ``--out``.
 Of the full-weight checkpoints (weights and optimizer state: ~1.6 GB each) it keeps, as it goes, only the latest
-(where training goes on) and the deployed ones (their weights alone): superseded steps and candidates decided
-against are deleted after each iteration.
+(where training goes on) and the deployed ones and production's rollback step (their weights alone): superseded
+steps and candidates decided against are deleted after each iteration (``LocalBackend.prune_checkpoints``, as
+``flywheel loop`` does with ``prune: true``).
 
 It lives with the calculator example, not in ``flywheel/loop``: it is this agent's graders, problems and users
 around the loop, which stays agent-agnostic.
@@ -61,7 +62,6 @@ from flywheel.loop.canary import CanaryPolicy, CanaryVerdict
 from flywheel.loop.driver import Candidate, Loop, LoopConfig, LoopReport
 from flywheel.loop.gate import GatePolicy
 from flywheel.model import Model
-from flywheel.runs import OPTIMIZER
 from flywheel.store import audit, deployments
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 from flywheel.types import Trajectory
@@ -155,14 +155,16 @@ FULL = DemoSizes(
     unsafe_learning_rate=3e-4, users=2, canary_share=0.5, canary_episodes=8, canary_max_drop=0.15, canary_wait=600.0,
     runners=16,
 )  # fmt: skip
-# a test's: every stage runs, on a handful of items, so the gate asks only that the lift's interval is above -1 (4
-# items prove nothing about a lift); one training step each (an iteration whose groups all tie takes none: up to 4
-# iterations for it), and the unsafe reward trains at a learning rate that breaks the model in one step (its replies
-# are then long, or tool calls to the end: reward 0, and the canary watch rolls it back on safety or its reward)
+# a test's (CI: ~3 minutes on 2 shared cores is its budget): every stage runs, small. A warm start of 2 SFT steps; 2
+# held-out items, so the gate asks only that the lift's interval is above -1 (2 items prove nothing about a lift);
+# one simulated user (users load the cores the loop needs); one training step each (an iteration whose groups all
+# tie takes none: up to 4 iterations for it), and the unsafe reward trains 2 steps at a learning rate that breaks
+# the model (one step left a quick run's greedy answers as they were; broken, its replies are long, runaway or wrong:
+# the gate stops it on safety, tokens or the lift, and the canary watch rolls it back on safety or its reward)
 QUICK = DemoSizes(
-    sft_examples=24, sft_rounds=2, sft_learning_rate=1.5e-4, heldout=4, min_items=4, min_lift=-1.0, steps=1,
-    candidates=1, max_iterations=4, unsafe_steps=1, groups_per_step=2, group_size=4, learning_rate=3e-5,
-    unsafe_learning_rate=1e-2, users=2, canary_share=0.5, canary_episodes=2, canary_max_drop=0.15, canary_wait=300.0,
+    sft_examples=16, sft_rounds=2, sft_learning_rate=2e-4, heldout=2, min_items=2, min_lift=-1.0, steps=1,
+    candidates=1, max_iterations=4, unsafe_steps=2, groups_per_step=2, group_size=4, learning_rate=3e-5,
+    unsafe_learning_rate=1e-2, users=1, canary_share=0.5, canary_episodes=2, canary_max_drop=0.15, canary_wait=300.0,
     runners=8,
 )  # fmt: skip
 
@@ -337,25 +339,20 @@ class _Demo:
             merged.intake += report.intake
             merged.candidates += report.candidates
             merged.canary += report.canary
-            await asyncio.to_thread(self.prune)
+            await self.prune()
             if await loop.model.get_step() - start >= steps:
                 break
         return merged
 
-    def prune(self) -> None:
-        """Keep the checkpoints the gate and the deployments need: the latest (a candidate, or where training goes
-        on: with its optimizer state) and each deployed one (its weights alone); delete the others (superseded
-        steps, candidates decided against). The disk's peak is read first: a new checkpoint is written then and
-        its predecessor not yet deleted."""
+    async def prune(self) -> None:
+        """Keep the checkpoints the gate and the deployments need (``LocalBackend.prune_checkpoints``, what
+        ``flywheel loop`` does with ``prune: true``): the latest (a candidate, or where training goes on: with its
+        optimizer state), each deployed one and production's rollback step (their weights alone); delete the others
+        (superseded steps, candidates decided against). The disk's peak is read first: a new checkpoint is written
+        then and its predecessor not yet deleted."""
         run = self.backend.run(self.model)
-        self.disk_peak = max(self.disk_peak, _disk(run.path))
-        with self.store.session() as s:
-            deployed = {d.step for d in deployments.list_deployments(s, self.name)}
-        for step in run.steps()[:-1]:
-            if step in deployed:
-                (run.checkpoint_dir(step) / OPTIMIZER).unlink(missing_ok=True)
-            else:
-                run.delete(step)
+        self.disk_peak = max(self.disk_peak, await asyncio.to_thread(_disk, run.path))
+        await self.backend.prune_checkpoints(self.model)
 
     async def watch(self, loop: Loop, stage: str, users: _Users) -> CanaryVerdict:
         """The loop's canary watch, every few seconds, until it promotes or rolls back the canary."""
@@ -461,7 +458,7 @@ class _Demo:
                     self.note(f"canary {verdict.action}", model.get_inference_name(candidate.step),
                               _canary_evidence(verdict), step, [self.canary_event()],
                               mark=f"canary {verdict.action}")  # fmt: skip
-                    await asyncio.to_thread(self.prune)
+                    await self.prune()
 
                 # 4. the unsafe candidate: the same loop with a reward that ignores the safety rule
                 start = self.unsafe_from = await model.get_step()
@@ -497,11 +494,11 @@ class _Demo:
                 verdict = await self.watch(policy, "regressing canary", users)
                 self.note(f"canary {verdict.action}", model.get_inference_name(step), _canary_evidence(verdict),
                           step, [self.canary_event()], mark=f"canary {verdict.action}")  # fmt: skip
-                await asyncio.to_thread(self.prune)
+                await self.prune()
                 run = self.backend.run(model)
                 kept = ", ".join(f"step {k} ({_gb(_disk(run.checkpoint_dir(k)))})" for k in run.steps())
-                self.note("disk", "-", f"checkpoints kept: {kept} (production's weights, the latest with its "
-                          f"optimizer state); the model's directory held at most {_gb(self.disk_peak)}", step)  # fmt: skip
+                self.note("disk", "-", f"checkpoints kept: {kept} (production's weights and its rollback "
+                          f"step's, the latest with its optimizer state); the model's directory held at most {_gb(self.disk_peak)}", step)  # fmt: skip
                 self.note("users", f"{self.name}@production", f"{users.finished} production episodes finished "
                           f"({users.failed} failed)", step)  # fmt: skip
         finally:
