@@ -1,8 +1,8 @@
 """The flywheel demonstration (flywheel/examples/calculator/flywheel_demo.py, ``flywheel demo flywheel``): its answer
 grader is the calculator's own check; and end to end at its quick sizes, on a backend of its own: simulated users
-send episodes to production, the loop trains on them, a candidate is gated, becomes the canary and is promoted; an
-unsafe candidate is stopped at the gate; a canary deployed past the gate is rolled back; the audit chain verifies
-and the plot is written."""
+send episodes to production, the loop trains on them, a candidate is gated, becomes the canary and is promoted (or,
+judged on two episodes, rolled back); an unsafe candidate is stopped at the gate; a canary deployed past the gate is
+rolled back; the audit chain verifies and the plot is written."""
 
 from __future__ import annotations
 
@@ -57,25 +57,32 @@ async def test_the_flywheel_demo_promotes_stops_the_unsafe_candidate_and_rolls_b
     # stopped: at the quick sizes the unsafe reward's learning rate breaks the model, whose replies then fail safety
     # (long), the token limit (runaway) or the lift (wrong and short) by the draw; FULL's is stopped for safety
     assert unsafe.evidence.startswith("STOPPED") and "; FAILED " in unsafe.evidence, unsafe.evidence
-    (promoted,) = by_stage["canary promote"]
-    (rolled_back,) = by_stage["canary rollback"]
-    # the broken model's users' episodes: an unsafe reply, or a reward below production's
+    # the loop's candidate, a canary: promoted, or rolled back (its 2 episodes' reward more than 0.15 below
+    # production's: quick sizes judge a nearly unchanged model on a couple of different problems); then the
+    # regressing canary, rolled back on its users' episodes: an unsafe reply, or a reward below production's
+    first, rolled_back = [row for row in report.timeline if row.stage in ("canary promote", "canary rollback")]
+    promoted = first.stage == "canary promote"
+    assert promoted or "below production's" in first.evidence, first.evidence
+    assert rolled_back.stage == "canary rollback", rolled_back
     assert "failed the safety grader" in rolled_back.evidence or "below production's" in rolled_back.evidence
-    assert stages.index("canary promote") < stages.index("unsafe training") < stages.index("canary rollback")
+    assert report.timeline.index(first) < stages.index("unsafe training") < report.timeline.index(rolled_back)
     assert report.audit_ok and report.plot.stat().st_size > 0
     assert json.loads((out / "timeline.json").read_text())["audit_ok"] is True
-    # checkpoints kept (LocalBackend.prune_checkpoints): production's and release 1, where a rollback of production
-    # goes (weights only), and the latest (training goes on from it: with its optimizer state); the others pruned
+    # checkpoints kept (LocalBackend.prune_checkpoints): production's and, after a promotion, release 1, where a
+    # rollback of production goes (weights only), and the latest (training goes on from it: with its optimizer
+    # state); the others pruned
     checkpoints = model_path(backend.path, "demo", "demo-calc") / "checkpoints"
     kept = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
-    assert kept == [warm_starts[-1].step, good.step, unsafe.step], kept
-    assert [(checkpoints / f"{step:04d}" / OPTIMIZER).exists() for step in kept] == [False, False, True]
+    production = good.step if promoted else warm_starts[-1].step
+    assert kept == [warm_starts[-1].step, *([good.step] if promoted else []), unsafe.step], kept
+    assert [(checkpoints / f"{step:04d}" / OPTIMIZER).exists() for step in kept] == [*[False] * (len(kept) - 1), True]
     assert 0 < report.disk_final <= report.disk_peak
     assert "flywheel audit verify" in printed.getvalue() and "canary rollback" in printed.getvalue()
     with backend.gateway.store.session() as s:
-        # every event the timeline names is in the chain, and production is the promoted canary's step
+        # every event the timeline names is in the chain, and production is the promoted canary's step (else
+        # release 1's)
         named = {i for row in report.timeline for i in row.events}
         assert {e.id for e in audit.events(s, limit=10_000)} >= named
-        assert deployments.get(s, "demo-calc@production").step == good.step
+        assert deployments.get(s, "demo-calc@production").step == production
         assert deployments.find(s, "demo-calc@canary") is None
         assert audit.verify(s).ok

@@ -157,10 +157,12 @@ FULL = DemoSizes(
 )  # fmt: skip
 # a test's (CI: ~3 minutes on 2 shared cores is its budget): every stage runs, small. A warm start of 2 SFT steps; 2
 # held-out items, so the gate asks only that the lift's interval is above -1 (2 items prove nothing about a lift);
-# one simulated user (users load the cores the loop needs); one training step each (an iteration whose groups all
-# tie takes none: up to 4 iterations for it), and the unsafe reward trains 2 steps at a learning rate that breaks
-# the model (one step left a quick run's greedy answers as they were; broken, its replies are long, runaway or wrong:
-# the gate stops it on safety, tokens or the lift, and the canary watch rolls it back on safety or its reward)
+# one simulated user (users load the cores the loop needs; the loop's canary, judged on 2 episodes against
+# production's few on other problems, is sometimes rolled back rather than promoted); one training step each (an
+# iteration whose groups all tie takes none: up to 4 iterations for it), and the unsafe reward trains 2 steps at a
+# learning rate that breaks the model (one step left a quick run's greedy answers as they were; broken, its replies
+# are long, runaway or wrong: the gate stops it on safety, tokens or the lift, and the canary watch rolls it back on
+# safety or its reward)
 QUICK = DemoSizes(
     sft_examples=16, sft_rounds=2, sft_learning_rate=2e-4, heldout=2, min_items=2, min_lift=-1.0, steps=1,
     candidates=1, max_iterations=4, unsafe_steps=2, groups_per_step=2, group_size=4, learning_rate=3e-5,
