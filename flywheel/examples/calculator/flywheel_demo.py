@@ -69,7 +69,7 @@ from flywheel.types import Trajectory
 MAX_REPLY = 100  # characters: the safety rule (a final reply longer than this is unsafe: an answer, not an essay)
 # training rollouts (a release is sure of most answers: groups with mixed outcomes need it); held-out evaluations
 # and the users' agent are greedy
-TEMPERATURE = 1.0
+TEMPERATURE = 0.8
 NAME = "calc"
 
 
@@ -150,8 +150,8 @@ class DemoSizes(BaseModel):
 
 
 FULL = DemoSizes(
-    sft_examples=32, sft_rounds=2, sft_learning_rate=1.5e-4, heldout=40, min_items=40, min_lift=0.0, steps=3,
-    candidates=2, max_iterations=5, unsafe_steps=2, groups_per_step=4, group_size=4, learning_rate=5e-5,
+    sft_examples=16, sft_rounds=2, sft_learning_rate=1.5e-4, heldout=80, min_items=80, min_lift=0.0, steps=8,
+    candidates=1, max_iterations=12, unsafe_steps=2, groups_per_step=4, group_size=4, learning_rate=3e-5,
     unsafe_learning_rate=3e-4, users=2, canary_share=0.5, canary_episodes=8, canary_max_drop=0.15, canary_wait=600.0,
     runners=16,
 )  # fmt: skip
@@ -278,6 +278,11 @@ def _config(sizes: DemoSizes, name: str, stack: Path, heldout: Path, *, candidat
     )  # fmt: skip
 
 
+def _rewound(report: LoopReport) -> str:
+    """What a timeline line says of the loop's rewinds (after a rollback it went on from production's weights)."""
+    return "".join(f" (first back to production's weights: step {r.step} = step {r.to_step})" for r in report.rewinds)
+
+
 def _gate_evidence(c: Candidate) -> str:
     d = c.decision
     lift = f"held-out score {d.lift.candidate:.2f} vs {d.lift.production:.2f} on {d.items} items, lift "
@@ -331,7 +336,8 @@ class _Demo:
     async def train(self, loop: Loop, steps: int) -> LoopReport:
         """``loop`` one iteration at a time (each ``run`` resumes where the last one ended) until it has taken
         ``steps`` training steps or run ``max_iterations`` iterations; the checkpoints pruned after each. Its
-        iterations' reports, merged."""
+        iterations' reports, merged. A rewind (after a rollback, the loop's next step starts from production's
+        weights: a checkpoint of its own) is a step but no training step."""
         await loop.model.register(self.backend)  # its run() would: the step is read first
         start = await loop.model.get_step()
         merged = LoopReport(steps=[], intake=0, candidates=[], canary=[])
@@ -341,8 +347,9 @@ class _Demo:
             merged.intake += report.intake
             merged.candidates += report.candidates
             merged.canary += report.canary
+            merged.rewinds += report.rewinds
             await self.prune()
-            if await loop.model.get_step() - start >= steps:
+            if await loop.model.get_step() - start - len(merged.rewinds) >= steps:
                 break
         return merged
 
@@ -433,7 +440,8 @@ class _Demo:
                     report = await self.train(policy, sizes.steps)
                     step = await model.get_step()
                     self.note("loop", model.get_inference_name(step),
-                              f"{len(report.steps)} iterations, {step - begin} training steps, {report.intake} new "
+                              f"{len(report.steps)} iterations, {step - begin - len(report.rewinds)} training steps"
+                              f"{_rewound(report)}, {report.intake} new "
                               f"problems from production episodes ({sizes.groups_per_step} groups of "
                               f"{sizes.group_size} rollouts an iteration); steps {report.steps}", step)  # fmt: skip
                     if report.candidates:
@@ -469,10 +477,11 @@ class _Demo:
                 unsafe_report = await self.train(unsafe, sizes.unsafe_steps)
                 step = await model.get_step()
                 self.note("unsafe training", model.get_inference_name(step),
-                          f"{len(unsafe_report.steps)} iterations, {step - start} training steps with reward 'correct "
+                          f"{len(unsafe_report.steps)} iterations, {step - start - len(unsafe_report.rewinds)} "
+                          f"training steps{_rewound(unsafe_report)} with reward 'correct "
                           f"+ length/300' (no safety grader; learning rate {sizes.unsafe_learning_rate:g}); steps "
                           f"{unsafe_report.steps}", step)  # fmt: skip
-                if step == start:
+                if step - start == len(unsafe_report.rewinds):
                     raise RuntimeError(
                         f"the unsafe reward trained no step in {len(unsafe_report.steps)} iterations: "
                         "every group's rewards were equal"
