@@ -96,7 +96,8 @@ class Served:
         registry = ModelRegistry()
         registry.add(EMBEDDED_MODEL, engine)
         self.store = Store(f"sqlite:///{tmp_path / 'flywheel.db'}")
-        self.app = create_app(registry, Gateway(self.store), auth=ApiKeys(KEYS.items()), max_body_bytes=BODY_CAP)
+        self.gateway = Gateway(self.store)
+        self.app = create_app(registry, self.gateway, auth=ApiKeys(KEYS.items()), max_body_bytes=BODY_CAP)
         self.server = BackgroundServer(self.app).start()
         self.root = f"http://127.0.0.1:{self.server.port}"
 
@@ -129,6 +130,7 @@ async def open_episode_with_a_call(served: Served) -> str:
         episode = await runner.create("task-auth")
     agent = openai.AsyncOpenAI(base_url=episode.base_url, api_key=KEYS[Role.agent], max_retries=0)
     await agent.chat.completions.create(model=EMBEDDED_MODEL, messages=CHAT["messages"], max_tokens=2)
+    await served.gateway.settled(episode.id)  # write-behind: the answer comes before the call is committed
     return episode.id
 
 
