@@ -50,15 +50,6 @@ def metric_means(trajectories: list[Trajectory], split: str) -> dict[str, float]
     return means
 
 
-def _base_state(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """The base model's trained weights as a checkpoint holds them: a LoRA adapter whose B matrices are zero (it
-    adds nothing), or with full fine-tuning the weights as the engine loaded them."""
-    if trainer.peft is None:
-        return {n: w.float() for n, w in zip(trainer.names, trainer._base_weights_from_disk(), strict=True)}
-    state = trainer.adapter_state()
-    return {k: torch.zeros_like(v) if ".lora_B." in k or ".lora_embedding_B" in k else v for k, v in state.items()}
-
-
 class LocalBackend:
     """Everything on this machine: one engine per base model, shared by all models registered on it.
 
@@ -254,7 +245,7 @@ class LocalBackend:
         async with self._step_locks[key]:
             await self._branch(model, trainer)
             if step is None:
-                weights = await trainer.engine.call(_base_state, trainer)
+                weights = await trainer.engine.call(trainer.base_state)
             else:
                 mode = trainer.trained_weights.mode
                 weights = (await asyncio.to_thread(run.read, step, mode=mode, optimizer=False)).weights
@@ -439,7 +430,8 @@ class LocalBackend:
         self, model: TrainableModel, best_checkpoint_metric: str = "val/reward", *, maximize: bool = True
     ) -> list[int]:
         """Keep the latest checkpoint and the best existing one by ``best_checkpoint_metric`` (the highest, or
-        the lowest if not ``maximize``; a NaN never wins); return the deleted steps."""
+        the lowest if not ``maximize``; a NaN never wins), and the steps the model's deployments serve or would
+        roll back to (as weights: ``prune_checkpoints``); return the deleted steps."""
         self.trainer(model)  # registered: this backend owns the directory
         async with self._step_locks[(model.project, model.name)]:
             return await asyncio.to_thread(self.run(model).prune, best_checkpoint_metric, maximize)

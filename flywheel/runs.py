@@ -290,21 +290,16 @@ class RunStore:
 
     def prune(self, metric: str, maximize: bool = True) -> list[int]:
         """Keep the latest checkpoint and the best existing one by ``metric`` (a NaN never wins; ties: the later
-        step); delete the others and return their steps."""
+        step), and what this model's deployments need (``prune_deployed``: a step being served is never deleted
+        by a pruning that knows nothing of it); delete the others and return their steps."""
         steps = self.steps()
-        if not steps:
-            return []
         sign = 1.0 if maximize else -1.0
         scored = [
             (sign * float(r[metric]), r["step"])
             for r in self.history()
             if r.get("step") in steps and isinstance(r.get(metric), (int, float)) and not math.isnan(r[metric])
         ]
-        keep = {steps[-1]} | ({max(scored)[1]} if scored else set())
-        deleted = [s for s in steps if s not in keep]
-        for s in deleted:
-            self.delete(s)
-        return deleted
+        return self.prune_deployed(keep={max(scored)[1]} if scored else ())
 
     def prune_deployed(self, keep: Iterable[int] = (), rollback: int = 1) -> list[int]:
         """Keep what deployments and training need: the latest checkpoint and the steps in ``keep`` whole (training

@@ -84,6 +84,25 @@ def test_delete_checkpoints_keeps_the_best_existing_checkpoint_and_the_latest(tm
     assert not [p for p in nan.checkpoints.iterdir() if p.name.startswith(".")]
 
 
+def test_delete_checkpoints_never_deletes_a_step_a_deployment_serves(tmp_path):
+    """ART's ``delete_checkpoints`` on a model the loop deploys: production's step and its rollback step stay (as
+    weights); the best by the metric and the latest stay whole."""
+    run = RunStore(model_path(tmp_path, "tests", "m"))
+    for step in (1, 2, 3, 4, 5):
+        run.write(with_optimizer(tiny(step)))
+    history_with(run, {1: 0.1, 2: 0.2, 3: 0.9, 4: 0.3, 5: 0.4})
+    store = Store(run.db)
+    try:
+        with store.session() as s:
+            deployments.deploy(s, "m@production", 1, actor="test")
+            deployments.deploy(s, "m@production", 2, actor="test")  # a rollback goes back to 1
+        assert run.prune("val/reward") == [4]
+        assert run.steps() == [1, 2, 3, 5]
+        assert [(run.checkpoint_dir(k) / OPTIMIZER).exists() for k in run.steps()] == [False, False, True, True]
+    finally:
+        store.close()
+
+
 def test_a_checkpoint_commits_its_rows_after_it_is_durable_and_overwrites_by_a_swap(tmp_path):
     run = RunStore(model_path(tmp_path, "tests", "m"))
     row = {"time": 1.5, "step": 1, "split": "train", "loss": 0.25, "checkpoint": True}

@@ -440,7 +440,9 @@ class Trainer:
             weights |= load_file(str(file))
         missing = [n for n in self.names if n not in weights]
         if missing:
-            raise ValueError(f"the base weights in {directory} lack {missing[:3]}: cannot use them as the KL reference")
+            raise ValueError(
+                f"the base weights in {directory} lack {missing[:3]}: cannot restore the base model from them"
+            )
         return [weights[n].to(self.dtype) for n in self.names]  # as the engine loaded them
 
     # ---- SFT ---------------------------------------------------------------------------------------------------
@@ -544,6 +546,14 @@ class Trainer:
         if checkpoint.rng is not None:
             set_rng_state(checkpoint.rng)
         self.step, self.rl_steps = checkpoint.state.step, checkpoint.state.rl_steps
+
+    def base_state(self) -> dict[str, torch.Tensor]:
+        """The base model's trained weights keyed and typed as ``adapter_state`` gives them: a LoRA adapter whose B
+        matrices are zero (it adds nothing), or with full fine-tuning the weights as the engine loaded them."""
+        if self.peft is None:
+            return {n: w.float() for n, w in zip(self.names, self._base_weights_from_disk(), strict=True)}
+        state = self.adapter_state()
+        return {k: torch.zeros_like(v) if ".lora_B." in k or ".lora_embedding_B" in k else v for k, v in state.items()}
 
     def adapter_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
         """The trained weights as saved (fp32 masters): keyed like peft's adapter files, or like the model's own
