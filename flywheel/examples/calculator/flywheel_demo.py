@@ -556,7 +556,7 @@ def plot(history: list[dict], marks: list[tuple[int, str]], unsafe_from: int | N
     import matplotlib.pyplot as plt
 
     rows = [r for r in history if r.get("split") == "train" and "reward_mean" in r]
-    fig, ax = plt.subplots(figsize=(9, 4.8))
+    fig, ax = plt.subplots(figsize=(9, 5.6))
     good = [r for r in rows if unsafe_from is None or r["step"] <= unsafe_from]
     bad = [r for r in rows if unsafe_from is not None and r["step"] > unsafe_from]
     if good:
@@ -570,13 +570,16 @@ def plot(history: list[dict], marks: list[tuple[int, str]], unsafe_from: int | N
     if points := [(step, value) for step, value in safe if value is not None]:
         ax.plot([p[0] for p in points], [p[1] for p in points], "^:", color="C2", alpha=0.7,
                 label=f"share of rollouts safe (final reply at most {MAX_REPLY} characters)")  # fmt: skip
+    # the unsafe stack's reward may pass 1 (its length bonus): the axis ends just above the highest point, and the
+    # stage labels sit above the curves, the legend below the axes
+    top = max([1.0] + [r["reward_mean"] for r in rows]) + 0.1
     for n, (step, label) in enumerate(marks):
         ax.axvline(step, color="grey", linestyle="--", linewidth=0.8)
-        ax.annotate(label, (step, 2.0 - 0.12 * (n % 4)), fontsize=7, rotation=0, ha="left", color="dimgrey")
+        ax.annotate(label, (step, top + 0.24 - 0.07 * (n % 4)), fontsize=7, ha="left", color="dimgrey")
     ax.set_xlabel("the model's step (SFT warm start first, then the loop's training steps)")
     ax.set_ylabel("mean over the step's rollouts")
-    ax.set_ylim(-0.05, 2.1)
-    ax.legend(fontsize=7, loc="center left")
+    ax.set_ylim(-0.05, top + 0.3)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1)
     ax.set_title("The flywheel demo: calculator agent, loop training, gate, canary")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
