@@ -363,7 +363,7 @@ def train(
         typer.Option(
             min=1,
             help="Support: at most this many SFT epochs, each validated; stops when one does not improve, keeps the"
-            " best (default 4).",
+            " best (default 3).",
         ),
     ] = None,
     budget_minutes: Annotated[
@@ -416,7 +416,13 @@ def train(
         config = config.model_copy(update={"time_budget_minutes": budget_minutes or None})
     if not full_finetune:
         config = config.with_lora()
-    asyncio.run(run(config, console))
+    from flywheel.runs import CheckpointWriteError
+
+    try:
+        asyncio.run(run(config, console))
+    except CheckpointWriteError as exc:  # a full disk: what it needs and where a restart resumes, not a traceback
+        console.print(f"[red]{exc}[/]", highlight=False)
+        raise typer.Exit(1) from None
 
 
 @app.command()

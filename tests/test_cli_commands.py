@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -17,7 +18,8 @@ import httpx
 import openai
 import pytest
 
-from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.inference.loading import EMBEDDED_MODEL, resolve_model
+from flywheel.runs import RunStore, model_path
 
 FLYWHEEL = str(Path(sys.executable).parent / "flywheel")  # the console script installed beside this Python
 
@@ -106,6 +108,32 @@ def test_train_argument_errors_exit_2_with_the_option_named(tmp_path, args, frag
     r = run(["train", *args], tmp_path, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr
     assert fragment in " ".join(r.stderr.split()).replace("│", "")
+
+
+def test_train_that_cannot_write_its_checkpoint_says_so_in_one_message_and_leaves_no_half_checkpoint(tmp_path):
+    """A real write failure, not a mock: the process may write no file over 64 MB (RLIMIT_FSIZE; Python ignores
+    SIGXFSZ, so the write fails with EFBIG where a full disk fails with ENOSPC). The support job's smallest run
+    reaches its first checkpoint (step 0, the base model's ~540 MB of weights to fine-tune in full) and cannot
+    write it: one message, not a traceback, and no half-written checkpoint left behind."""
+    resolve_model(EMBEDDED_MODEL)  # the converted model in the cache first (its ~270 MB file, with no limit)
+    limit = 64 * 2**20
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    args = ["--task", "support", "--steps", "0", "--sft-examples", "1", "--sft-epochs", "1", "--val", "1"]
+    args += ["--test-problems", "1", "--budget-minutes", "0", "--name", "full"]
+    r = subprocess.run(
+        [FLYWHEEL, "train", *args], capture_output=True, text=True, timeout=900, env=env(tmp_path),
+        preexec_fn=small_files,
+    )  # fmt: skip
+    out = " ".join(r.stdout.split())
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "Traceback" not in r.stdout + r.stderr
+    assert "Could not write checkpoint step 0 to " in out and "File too large" in out, out[-2000:]
+    assert "The half-written checkpoint was removed: the latest checkpoint is still none" in out
+    run_store = RunStore(model_path(tmp_path, "support", "full"))
+    assert run_store.steps() == [] and not [p for p in run_store.checkpoints.iterdir() if p.name.startswith(".")]
 
 
 @pytest.mark.slow

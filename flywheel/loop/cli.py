@@ -61,7 +61,7 @@ def loop_command(
         finally:
             await loop.backend.close()
 
-    from flywheel.runs import ModelInUseError
+    from flywheel.runs import CheckpointWriteError, ModelInUseError
 
     # the loop's progress (each iteration, gate, shadow and canary decision) is logged under "flywheel.loop"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -70,6 +70,9 @@ def loop_command(
     except (ModelInUseError, RewindError) as exc:  # the loop runs already (its lock); a rewind's checkpoint gone
         typer.echo(f"{config}: {exc}", err=True)
         raise typer.Exit(2) from None
+    except CheckpointWriteError as exc:  # a full disk: the loop resumes from the latest checkpoint once there is room
+        typer.echo(f"{config}: {exc}", err=True)
+        raise typer.Exit(1) from None
     console.print(f"{len(report.steps)} iterations, step {report.steps[-1] if report.steps else 0}; "
                   f"{report.intake} tasks from production episodes", highlight=False)  # fmt: skip
     if report.cancelled:
