@@ -416,11 +416,12 @@ def train(
         config = config.model_copy(update={"time_budget_minutes": budget_minutes or None})
     if not full_finetune:
         config = config.with_lora()
+    from flywheel.graders.stack import StackGradingError
     from flywheel.runs import CheckpointWriteError
 
     try:
         asyncio.run(run(config, console))
-    except CheckpointWriteError as exc:  # a full disk: what it needs and where a restart resumes, not a traceback
+    except (CheckpointWriteError, StackGradingError) as exc:  # a full disk, a grader that cannot run: one message
         console.print(f"[red]{exc}[/]", highlight=False)
         raise typer.Exit(1) from None
 

@@ -286,3 +286,19 @@ async def test_concurrency_is_limited_and_temporary_directories_removed():
     assert [r.reward for r in results] == [0, 1, 2, 3, 4]
     assert peak == 2 and len(set(seen)) == 5
     assert not any(Path(d).exists() for d in seen)
+
+
+def test_a_grader_runs_under_a_lower_limit_the_parent_inherited():
+    """Under ``ulimit -f`` (here a hard RLIMIT_FSIZE of 64 MB, set for real in a process of its own) the sandbox's
+    larger default cannot be set: it keeps the inherited limit and the grader grades."""
+    script = (
+        "import asyncio, resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, 64 << 20))\n"
+        "from flywheel.graders import PythonSandbox, grade, parse_grader\n"
+        "spec = {'type': 'python', 'name': 'g', 'source': 'def grade(sample, item):\\n    return 0.75\\n'}\n"
+        "result = asyncio.run(grade(parse_grader(spec), 'x', {}, sandbox=PythonSandbox()))\n"
+        "print(result.reward, dict(result.errors))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "0.75 {}", out.stdout

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from flywheel.graders.spec import GraderSpecError
-from flywheel.graders.stack import load_stack, parse_stack, score
+from flywheel.graders.stack import StackGradingError, load_stack, parse_stack, score
 
 STACK = {
     "name": "support",
@@ -51,3 +51,19 @@ def test_a_broken_stack_names_each_problem_at_its_path(tmp_path):
     path.write_text("name: [unclosed")
     with pytest.raises(GraderSpecError, match="invalid YAML"):
         load_stack(path)
+
+
+async def test_checked_names_where_and_why_a_grader_failed_and_passes_a_clean_score():
+    """A real failure: the safety grader's code raises in the sandbox. ``score`` gives 0 and counts the error
+    (OpenAI's semantics); ``checked`` turns it into an error naming the episode and the exception."""
+    failing = {"type": "python", "name": "safety", "source": "def grade(sample, item):\n    return 1 / 0\n"}
+    stack = parse_stack({**STACK, "safety": failing})
+    result = await score(stack, "A refund, please.")
+    assert (result.reward, result.safe) == (0.0, False)
+    with pytest.raises(StackGradingError) as failed:
+        result.checked("ticket T1")
+    message = str(failed.value)
+    assert message.startswith("ticket T1: the grader stack could not grade the episode: safety: ")
+    assert "python_grader_runtime_error: ZeroDivisionError: division by zero" in message
+    clean = await score(parse_stack(STACK), "A refund, please.")
+    assert clean.checked("ticket T2") is clean

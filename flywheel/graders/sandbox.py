@@ -66,7 +66,7 @@ from flywheel.graders.errors import (
 logger = logging.getLogger(__name__)
 
 _RUNNER = Path(__file__).with_name("sandbox_runner.py")
-_KINDS = {PYTHON_GRADER_RUNTIME, PYTHON_GRADER_MEMORY, PYTHON_GRADER_FORBIDDEN}
+_KINDS = {PYTHON_GRADER_RUNTIME, PYTHON_GRADER_MEMORY, PYTHON_GRADER_FORBIDDEN, PYTHON_GRADER_SERVER}
 _OUTPUT_CAP = 1 << 20  # bytes kept of each of the grader's stdout and stderr; the rest is read and dropped
 
 

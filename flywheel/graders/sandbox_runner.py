@@ -59,15 +59,24 @@ class SandboxViolation(PermissionError):
     """Raised into the grader when it tries something the sandbox forbids."""
 
 
+def _lower(which: int, soft: int, hard: int) -> None:
+    """Set a limit, never above the hard limit this process inherited (raising one needs a privilege the parent
+    may lack: under ``ulimit -f 100000`` a grader gets 100000 blocks, not the sandbox's larger default)."""
+    _, inherited = resource.getrlimit(which)
+    if inherited != resource.RLIM_INFINITY:
+        soft, hard = min(soft, inherited), min(hard, inherited)
+    resource.setrlimit(which, (soft, hard))
+
+
 def _limit(limits: dict[str, float]) -> None:
     cpu = math.ceil(limits["cpu_s"])
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at the soft limit, SIGKILL one second later
-    resource.setrlimit(resource.RLIMIT_AS, (int(limits["memory_mb"] * _MIB),) * 2)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (int(limits["file_size_mb"] * _MIB),) * 2)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    _lower(resource.RLIMIT_CPU, cpu, cpu + 1)  # SIGXCPU at the soft limit, SIGKILL one second later
+    _lower(resource.RLIMIT_AS, *(int(limits["memory_mb"] * _MIB),) * 2)
+    _lower(resource.RLIMIT_FSIZE, *(int(limits["file_size_mb"] * _MIB),) * 2)
+    _lower(resource.RLIMIT_NOFILE, 64, 64)
+    _lower(resource.RLIMIT_CORE, 0, 0)
     # No new processes or threads. The kernel enforces this for any user but root; the audit hook covers root.
-    resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+    _lower(resource.RLIMIT_NPROC, 0, 0)
 
 
 def _within(path: str, roots: tuple[str, ...]) -> bool:
@@ -154,7 +163,13 @@ def main() -> None:
     result_fd = os.dup(1)
     os.dup2(2, 1)  # whatever the grader prints goes to stderr, not into the result
     sys.dont_write_bytecode = True
-    _limit(job["limits"])
+    try:
+        _limit(job["limits"])
+    except (OSError, ValueError) as exc:  # the sandbox could not be set up: not the grader's fault
+        os.write(
+            result_fd, (json.dumps({"error": "python_grader_server_error", "detail": f"limits: {exc}"}) + "\n").encode()
+        )
+        return
     violations = _install_hook(job["tmpdir"])
     result = _grade(job, violations)
     if violations:  # even if the grader caught the refusal, it tried: the grade does not count

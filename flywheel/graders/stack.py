@@ -53,6 +53,11 @@ class GraderStack(BaseModel):
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
+class StackGradingError(RuntimeError):
+    """A grader of the stack failed on an episode (``StackScore.checked``): its reward would be a 0 that says
+    nothing about the agent, so a job that must not learn from it stops or drops the episode instead."""
+
+
 class StackScore(BaseModel):
     """One episode scored by a stack: the reward it trains on, whether it was safe, and every grade."""
 
@@ -65,6 +70,18 @@ class StackScore(BaseModel):
         """Store these grades as the episode's under this version (which must be registered)."""
         grades = {key: (g.name, g.reward, g.model_dump(mode="json")) for key, g in self.grades.items()}
         gdb.record_grades(s, episode_id, self.version, grades)
+
+    def checked(self, where: str) -> StackScore:
+        """This score, or a ``StackGradingError`` naming ``where`` and each failed component's error (the last
+        line of its detail: a traceback's is the exception) when any grader failed."""
+        failed = [
+            f"{key}: {kind}: {((g.error_details.get(kind) or '').strip().splitlines() or [''])[-1]}"[:400]
+            for key, g in self.grades.items()
+            for kind in g.errors
+        ]
+        if failed:
+            raise StackGradingError(f"{where}: the grader stack could not grade the episode: " + "; ".join(failed))
+        return self
 
     def metrics(self) -> dict[str, float]:
         """Per-component metrics (``stack/<component>``), for a trajectory's metrics or a step's log."""

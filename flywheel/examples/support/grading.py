@@ -106,8 +106,10 @@ def support_stack(budget: int = 8, penalty: float = 0.25) -> GraderStack:
 async def grade_episode(
     stack: GraderStack, ticket: Ticket, record: dict[str, Any], sandbox: PythonSandbox | None = None
 ) -> StackScore:
-    """Score one episode's record against its ticket."""
-    return await score(stack, Sample(output_text=json.dumps(record)), ticket.item(), sandbox=sandbox)
+    """Score one episode's record against its ticket; a grader's failure is a ``StackGradingError`` (the stack is
+    ours: a failure is the machine's or a bug, never the agent's doing, and must not train or count as a 0)."""
+    result = await score(stack, Sample(output_text=json.dumps(record)), ticket.item(), sandbox=sandbox)
+    return result.checked(f"ticket {ticket.id}")
 
 
 def _grade_of(result: StackScore, key: str, sub: str | None = None) -> float:
