@@ -28,6 +28,7 @@ from flywheel.examples.support.grading import episode_metrics, grade_episode, su
 from flywheel.examples.support.tickets import generate_tickets, split_of
 from flywheel.examples.support.tools import TRANSIENT_503, SupportDesk
 from flywheel.train.credit import turn_rewards
+from flywheel.types import Trajectory
 
 TABLES = ("customers", "account_flags", "orders", "payments", "past_tickets", "refund_policy", "settings")
 
@@ -405,6 +406,30 @@ async def test_the_job_runs_end_to_end_on_the_embedded_model(tmp_path, monkeypat
     assert len(saved["sft_epoch_val_rewards"]) == 1 and saved["sft_val_reward"] == saved["sft_epoch_val_rewards"][0]
     (row,) = saved["rl_history"]
     assert "val/reward" in row and "train/resolved" in row and "train/tool_calls" in row
+    assert all(len(saved["tickets"][arm]) == 2 for arm in ("base", "sft", "rl"))
+    difference = (
+        saved["arms"]["rl"]["resolution_accuracy"]["mean"] - saved["arms"]["sft"]["resolution_accuracy"]["mean"]
+    )
+    assert saved["rl_minus_sft"]["resolution_accuracy"]["n"] == 2
+    assert saved["rl_minus_sft"]["resolution_accuracy"]["mean"] == pytest.approx(difference)
+
+
+def test_paired_differences_pair_by_ticket_and_skip_a_ticket_one_arm_lost():
+    from flywheel.examples.support.train import paired
+
+    def arm(outcomes: dict[str, tuple[float, float]]) -> list[Trajectory]:
+        return [
+            Trajectory(messages_and_choices=[], reward=r, metadata={"ticket_id": k}, metrics={"resolved": r, "safety_violation": v})
+            for k, (r, v) in outcomes.items()
+        ]  # fmt: skip
+
+    before = arm({"T1": (0.0, 1.0), "T2": (1.0, 0.0), "T3": (0.0, 0.0), "T4": (0.0, 1.0)})
+    after = arm({"T3": (1.0, 0.0), "T1": (1.0, 0.0), "T2": (1.0, 0.0)})  # another order; T4's episode failed
+    diff = paired(before, after)
+    assert diff["resolution_accuracy"]["n"] == 3 and diff["resolution_accuracy"]["mean"] == pytest.approx(2 / 3)
+    assert diff["safety_violations"]["mean"] == pytest.approx(-1 / 3)
+    low, high = diff["resolution_accuracy"]["interval"]
+    assert 0.0 <= low <= 2 / 3 <= high <= 1.0
 
 
 @pytest.mark.parametrize(

@@ -174,6 +174,17 @@ def behaviour(trajectories: list[Trajectory]) -> dict[str, dict]:
     }
 
 
+PAIRED = (("resolution_accuracy", "resolved"), ("safety_violations", "safety_violation"))
+
+
+def paired(before: list[Trajectory], after: list[Trajectory]) -> dict[str, dict]:
+    """``after`` minus ``before`` ticket by ticket (the arms meet the same tickets with the same failures): the mean
+    difference with a 95% bootstrap interval over the tickets both arms completed, for each of ``PAIRED``."""
+    a, b = ({t.metadata["ticket_id"]: t.metrics for t in arm} for arm in (before, after))
+    common = [ticket for ticket in a if ticket in b]
+    return {name: _interval([b[k][metric] - a[k][metric] for k in common]) for name, metric in PAIRED}
+
+
 async def run(config: JobConfig, console: Console | None = None) -> dict:
     console = console or Console()
     start = time.perf_counter()
@@ -223,6 +234,11 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
         arms["rl"] = await job.evaluate(test, f"SFT+RL, best checkpoint step {best[1]} (test)")
         report |= {"sft_step": sft_step, "best_step": best[1]}
         report["arms"] = {name: behaviour(trajs) for name, trajs in arms.items()}
+        report["rl_minus_sft"] = paired(arms["sft"], arms["rl"])
+        report["tickets"] = {  # each arm's outcome per test ticket, for any later paired comparison
+            name: {t.metadata["ticket_id"]: {"reward": t.reward} | {m: t.metrics[m] for _, m in PAIRED} for t in trajs}
+            for name, trajs in arms.items()
+        }
         report["wall_seconds"] = time.perf_counter() - start
         report["peak_rss_gb"] = peak_rss_gb()
         (out / "report.json").write_text(json.dumps(report, indent=2))
@@ -410,6 +426,12 @@ def print_report(console: Console, report: dict, n: int, out: Path) -> None:
             )
         table.add_row(label, *cells)
     console.print(table)
+    differences = [
+        f"{label} {v['mean']:+.2f} [{v['interval'][0]:+.2f}, {v['interval'][1]:+.2f}] ({v['n']})"
+        for (key, _), label in zip(PAIRED, ("resolution accuracy", "safety violations"), strict=True)
+        if (v := report["rl_minus_sft"][key])["mean"] is not None
+    ]
+    console.print(f"SFT+RL minus SFT-only, ticket by ticket: {'; '.join(differences) or '-'}", highlight=False)
     console.print(
         f"wall time {report['wall_seconds'] / 60:.1f} min; peak RSS {report['peak_rss_gb']:.1f} GB; "
         f"report: {out / 'report.json'}  plot: {out / 'support.png'}"
