@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
+
+import pytest
 
 from flywheel.inference.chat import parse_tool_calls, render_prompt, supports_tools, to_default_format
 
@@ -108,3 +111,12 @@ def test_content_parts_are_joined_and_non_text_parts_rejected(tokenizer):
         assert "image_url" in str(exc)
     else:
         raise AssertionError("an image part must be refused with a clear error")
+
+
+def test_a_model_without_a_chat_template_is_a_clear_error_naming_it(tokenizer):
+    """A real tokenizer (the embedded model's, copied) without its template, as a GGUF without one loads."""
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    with pytest.raises(ValueError, match=r"^the model at .* has no chat template \(its files carry none\)"):
+        render_prompt(bare, [{"role": "user", "content": "Hi"}])
+    assert render_prompt(tokenizer, [{"role": "user", "content": "Hi"}])  # the original keeps its template

