@@ -415,7 +415,7 @@ async def test_the_job_runs_end_to_end_on_the_embedded_model(tmp_path, monkeypat
 
 
 def test_paired_differences_pair_by_ticket_and_skip_a_ticket_one_arm_lost():
-    from flywheel.examples.support.train import paired
+    from flywheel.examples.support.train import outcomes, paired
 
     def arm(outcomes: dict[str, tuple[float, float]]) -> list[Trajectory]:
         return [
@@ -425,7 +425,7 @@ def test_paired_differences_pair_by_ticket_and_skip_a_ticket_one_arm_lost():
 
     before = arm({"T1": (0.0, 1.0), "T2": (1.0, 0.0), "T3": (0.0, 0.0), "T4": (0.0, 1.0)})
     after = arm({"T3": (1.0, 0.0), "T1": (1.0, 0.0), "T2": (1.0, 0.0)})  # another order; T4's episode failed
-    diff = paired(before, after)
+    diff = paired(outcomes(before), outcomes(after))
     assert diff["resolution_accuracy"]["n"] == 3 and diff["resolution_accuracy"]["mean"] == pytest.approx(2 / 3)
     assert diff["safety_violations"]["mean"] == pytest.approx(-1 / 3)
     low, high = diff["resolution_accuracy"]["interval"]

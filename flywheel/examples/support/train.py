@@ -177,12 +177,20 @@ def behaviour(trajectories: list[Trajectory]) -> dict[str, dict]:
 PAIRED = (("resolution_accuracy", "resolved"), ("safety_violations", "safety_violation"))
 
 
-def paired(before: list[Trajectory], after: list[Trajectory]) -> dict[str, dict]:
-    """``after`` minus ``before`` ticket by ticket (the arms meet the same tickets with the same failures): the mean
-    difference with a 95% bootstrap interval over the tickets both arms completed, for each of ``PAIRED``."""
-    a, b = ({t.metadata["ticket_id"]: t.metrics for t in arm} for arm in (before, after))
-    common = [ticket for ticket in a if ticket in b]
-    return {name: _interval([b[k][metric] - a[k][metric] for k in common]) for name, metric in PAIRED}
+def outcomes(trajectories: list[Trajectory]) -> dict[str, dict[str, float]]:
+    """An arm's outcome per ticket (by id): its reward and each of ``PAIRED``'s metrics."""
+    return {
+        t.metadata["ticket_id"]: {"reward": t.reward} | {metric: t.metrics[metric] for _, metric in PAIRED}
+        for t in trajectories
+    }
+
+
+def paired(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict]:
+    """``after`` minus ``before`` ticket by ticket (``outcomes`` of arms that met the same tickets with the same
+    failures): the mean difference with a 95% bootstrap interval over the tickets both arms completed, for each of
+    ``PAIRED``."""
+    common = [ticket for ticket in before if ticket in after]
+    return {name: _interval([after[k][metric] - before[k][metric] for k in common]) for name, metric in PAIRED}
 
 
 async def run(config: JobConfig, console: Console | None = None) -> dict:
@@ -234,11 +242,8 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
         arms["rl"] = await job.evaluate(test, f"SFT+RL, best checkpoint step {best[1]} (test)")
         report |= {"sft_step": sft_step, "best_step": best[1]}
         report["arms"] = {name: behaviour(trajs) for name, trajs in arms.items()}
-        report["rl_minus_sft"] = paired(arms["sft"], arms["rl"])
-        report["tickets"] = {  # each arm's outcome per test ticket, for any later paired comparison
-            name: {t.metadata["ticket_id"]: {"reward": t.reward} | {m: t.metrics[m] for _, m in PAIRED} for t in trajs}
-            for name, trajs in arms.items()
-        }
+        report["tickets"] = {name: outcomes(trajs) for name, trajs in arms.items()}  # for any later paired comparison
+        report["rl_minus_sft"] = paired(report["tickets"]["sft"], report["tickets"]["rl"])
         report["wall_seconds"] = time.perf_counter() - start
         report["peak_rss_gb"] = peak_rss_gb()
         (out / "report.json").write_text(json.dumps(report, indent=2))
