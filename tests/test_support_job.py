@@ -417,10 +417,10 @@ async def test_the_job_runs_end_to_end_on_the_embedded_model(tmp_path, monkeypat
 def test_paired_differences_pair_by_ticket_and_skip_a_ticket_one_arm_lost():
     from flywheel.examples.support.train import outcomes, paired
 
-    def arm(outcomes: dict[str, tuple[float, float]]) -> list[Trajectory]:
+    def arm(results: dict[str, tuple[float, float]]) -> list[Trajectory]:
         return [
             Trajectory(messages_and_choices=[], reward=r, metadata={"ticket_id": k}, metrics={"resolved": r, "safety_violation": v})
-            for k, (r, v) in outcomes.items()
+            for k, (r, v) in results.items()
         ]  # fmt: skip
 
     before = arm({"T1": (0.0, 1.0), "T2": (1.0, 0.0), "T3": (0.0, 0.0), "T4": (0.0, 1.0)})
