@@ -4,7 +4,8 @@ endpoint from the environment, so pointing OPENAI_BASE_URL at a Flywheel episode
     OPENAI_BASE_URL=http://127.0.0.1:8000/episodes/<id>/v1 python examples/gateway/agents_sdk_agent.py "12 * 7"
 
 It must call the calculator tool (the SDK lifts that requirement once a tool ran), then answers; prints the answer
-(with AGENT_OUTPUT=json, a JSON object with the answer and the tool's results, for a runner to score).
+(with AGENT_OUTPUT=json, a JSON object with the answer and the tool's results, for a runner to score). AGENT_SEED,
+if set, makes the sampling reproducible (OpenAI's `seed`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,12 @@ async def main(question: str) -> tuple[str, list[str]]:
         instructions="You are a calculator assistant. Use the calculator, then answer with the number.",
         model=model,
         tools=[calculator],
-        model_settings=ModelSettings(tool_choice="required", temperature=0.7, max_tokens=96),
+        model_settings=ModelSettings(
+            tool_choice="required",
+            temperature=0.7,
+            max_tokens=96,
+            extra_args={"seed": int(os.environ["AGENT_SEED"])} if "AGENT_SEED" in os.environ else None,
+        ),
     )
     try:
         result = await Runner.run(agent, f"What is {question}?", max_turns=4)

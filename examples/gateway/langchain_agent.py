@@ -4,7 +4,9 @@ from the environment, as LangChain does, so pointing OPENAI_BASE_URL at a Flywhe
     OPENAI_BASE_URL=http://127.0.0.1:8000/episodes/<id>/v1 python examples/gateway/langchain_agent.py "12 * 7"
 
 It computes with a calculator tool first (a forced tool call), then answers; prints the answer on the last line
-(with AGENT_OUTPUT=json, a JSON object with the answer and the tool's results, for a runner to score).
+(with AGENT_OUTPUT=json, a JSON object with the answer and the tool's results, for a runner to score). The tool is
+bound in OpenAI's strict mode, so a forced call's arguments hold only the schema's keys; AGENT_SEED, if set, makes the
+sampling reproducible (OpenAI's `seed`).
 """
 
 from __future__ import annotations
@@ -42,18 +44,21 @@ def calculator(expression: str) -> str:
 
 
 def main(question: str) -> tuple[str, list[str]]:
-    llm = ChatOpenAI(model=os.environ.get("AGENT_MODEL", "smollm2-135m-instruct"), temperature=0.7, max_tokens=96)
+    seed = int(os.environ["AGENT_SEED"]) if "AGENT_SEED" in os.environ else None
+    llm = ChatOpenAI(
+        model=os.environ.get("AGENT_MODEL", "smollm2-135m-instruct"), temperature=0.7, max_tokens=96, seed=seed
+    )
     messages = [
         SystemMessage("You are a calculator assistant. Use the calculator, then answer with the number."),
         HumanMessage(f"What is {question}?"),
     ]
-    first = llm.bind_tools([calculator], tool_choice="calculator").invoke(messages)
+    first = llm.bind_tools([calculator], tool_choice="calculator", strict=True).invoke(messages)
     messages.append(first)
     results = []
     for call in first.tool_calls:
         results.append(calculator.invoke(call["args"]))
         messages.append(ToolMessage(results[-1], tool_call_id=call["id"]))
-    answer = llm.bind_tools([calculator]).invoke(messages)
+    answer = llm.bind_tools([calculator], strict=True).invoke(messages)
     return str(answer.content), results
 
 
