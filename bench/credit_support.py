@@ -10,8 +10,8 @@ sampling), AIR (``flywheel.agents.air``: ``SUPPORT_AIR`` unless ``--air``) on th
 transient failure (a timeout or a 503) is a call that did not execute. No checkpoint is saved during the steps; each
 arm's final weights, and the shared start, are evaluated greedily on the same held-out test tickets (the first
 ``--test`` of the job's, ticket i's failures seeded by i as in the job) with the job's ``behaviour()``: means with
-95% bootstrap intervals. Each arm's directory is deleted when it is done. Writes
-bench/results/credit_support-<time>.json and .png and prints a table.
+95% bootstrap intervals, and each arm minus the start ticket by ticket (the job's ``paired()``). Each arm's
+directory is deleted when it is done. Writes bench/results/credit_support-<time>.json and .png and prints a table.
 
     .venv/bin/python bench/credit_support.py --from DIR     # 4 steps x 3 tickets x 6 rollouts, 50 test tickets
     .venv/bin/python bench/credit_support.py --from DIR --steps 1 --tickets 1 --group-size 2 --test 2  # smoke test
@@ -44,11 +44,20 @@ from flywheel.backend import LocalBackend
 from flywheel.examples.support.db import build_database
 from flywheel.examples.support.grading import support_stack
 from flywheel.examples.support.tickets import Ticket
-from flywheel.examples.support.train import SHOWN, Job, JobConfig, behaviour, job_tickets, sft_best_epoch
-from flywheel.gather import gather_trajectory_groups
+from flywheel.examples.support.train import (
+    PAIRED,
+    SHOWN,
+    Job,
+    JobConfig,
+    behaviour,
+    job_tickets,
+    outcomes,
+    paired,
+    sft_best_epoch,
+)
 from flywheel.model import TrainableModel
 from flywheel.runs import ADAPTER_WEIGHTS
-from flywheel.types import Trajectory, TrajectoryGroup
+from flywheel.types import Trajectory
 
 PROJECT = "credit-support"
 # per-rollout means in each step's row: the episode metrics of run_agent, AIR and grading.episode_metrics
@@ -126,8 +135,8 @@ async def start(home: Path, args: argparse.Namespace, config: JobConfig, db_path
 
 
 def summary(trajectories: list[Trajectory]) -> dict:
-    """An arm's test result: ``behaviour()`` and each ticket's resolution, in ticket order (for paired tests)."""
-    return {"behaviour": behaviour(trajectories), "resolved": [t.metrics["resolved"] for t in trajectories]}
+    """An arm's test result: ``behaviour()`` and each ticket's outcome (the job's ``outcomes()``, for ``paired()``)."""
+    return {"behaviour": behaviour(trajectories), "tickets": outcomes(trajectories)}
 
 
 def step_plan(config: JobConfig, pool: list[Ticket], step: int) -> list[tuple[Ticket, list[int]]]:
@@ -152,15 +161,8 @@ async def run_arm(name: str, home: Path, sft: Path, config: JobConfig, air_confi
         rows = []
         for i in range(config.rl_steps):
             started = time.perf_counter()
-            groups = await gather_trajectory_groups(
-                (
-                    TrajectoryGroup(
-                        job.rollout(t, seed=s, sampling_seed=s, temperature=config.temperature, air=air) for s in seeds
-                    )
-                    for t, seeds in step_plan(config, pool, i)
-                ),
-                pbar_desc=f"{name} step {i + 1} rollouts",
-                max_exceptions=0.1,
+            groups = await job.groups(
+                step_plan(config, pool, i), f"{name} step {i + 1} rollouts", seeded_sampling=True, air=air
             )
             rollout_seconds = time.perf_counter() - started
             trajectories = [t for g in groups for t in g.trajectories]
@@ -240,6 +242,16 @@ def print_table(console: Console, report: dict) -> None:
                 else f"{v['mean']:.2f} [{v['interval'][0]:.2f}, {v['interval'][1]:.2f}] ({v['n']})"
             )
         table.add_row(label, *cells)
+    for name, _ in PAIRED:
+        cells = ["-"]
+        for result in report["arms"].values():
+            v = result["minus_start"][name]
+            cells.append(
+                "-"
+                if v["mean"] is None
+                else f"{v['mean']:+.2f} [{v['interval'][0]:+.2f}, {v['interval'][1]:+.2f}] ({v['n']})"
+            )
+        table.add_row(f"{name.replace('_', ' ')} minus start, paired", *cells)
 
     def per_step(key: str, form: str) -> list[str]:
         return [
@@ -274,8 +286,9 @@ async def main(args: argparse.Namespace) -> None:
         try:
             for name in args.arms:
                 t0 = time.perf_counter()
-                report["arms"][name] = await run_arm(name, home, sft, config, air_config, db.path)
-                report["arms"][name]["wall_seconds"] = time.perf_counter() - t0
+                arm = report["arms"][name] = await run_arm(name, home, sft, config, air_config, db.path)
+                arm["wall_seconds"] = time.perf_counter() - t0
+                arm["minus_start"] = paired(report["start"]["tickets"], arm["tickets"])
                 console.print(f"{name}: done in {time.perf_counter() - t0:.0f} s")
         finally:  # an arm that failed loses only itself: the arms done so far are written
             report["wall_seconds"] = time.perf_counter() - began

@@ -126,6 +126,34 @@ class Job:
         )
         return list(expert), [demonstration(t) for t in expert if t.metrics["resolved"]]
 
+    async def groups(
+        self,
+        plan: list[tuple[Ticket, list[int]]],
+        desc: str,
+        *,
+        seeded_sampling: bool = False,
+        air: AIRConfig | None = None,
+    ) -> list[TrajectoryGroup]:
+        """One GRPO step's groups: for each ``(ticket, seeds)`` of ``plan``, a rollout per seed at the job's
+        temperature, the seed drawing its transient failures (and its sampling too with ``seeded_sampling``)."""
+        return await gather_trajectory_groups(
+            (
+                TrajectoryGroup(
+                    self.rollout(
+                        t,
+                        seed=s,
+                        sampling_seed=s if seeded_sampling else None,
+                        temperature=self.config.temperature,
+                        air=air,
+                    )
+                    for s in seeds
+                )
+                for t, seeds in plan
+            ),
+            pbar_desc=desc,
+            max_exceptions=0.1,
+        )
+
     async def evaluate(self, tickets: list[Ticket], desc: str) -> list[Trajectory]:
         """Greedy episodes; ticket i's failures are seeded by i, so every arm meets the same ones."""
         groups = await gather_trajectory_groups(
@@ -322,17 +350,8 @@ async def reinforce(
         for i in range(config.rl_steps):
             started = time.perf_counter()
             tickets = pool[i * config.groups_per_step : (i + 1) * config.groups_per_step]
-            groups = await gather_trajectory_groups(
-                (
-                    TrajectoryGroup(
-                        job.rollout(t, seed=rng.randrange(2**31), temperature=config.temperature)
-                        for _ in range(config.group_size)
-                    )
-                    for t in tickets
-                ),
-                pbar_desc=f"step {i + 1} rollouts",
-                max_exceptions=0.1,
-            )
+            plan = [(t, [rng.randrange(2**31) for _ in range(config.group_size)]) for t in tickets]
+            groups = await job.groups(plan, f"step {i + 1} rollouts")
             # whether this step is the last is decided before its update, which takes as long as the slowest yet
             rollouts = time.perf_counter() - started
             slowest_rollouts = max(slowest_rollouts, rollouts)
