@@ -50,6 +50,7 @@ from flywheel.examples.support.train import (
     Job,
     JobConfig,
     behaviour,
+    interval_cell,
     job_tickets,
     outcomes,
     paired,
@@ -233,25 +234,10 @@ def print_table(console: Console, report: dict) -> None:
     for arm in arms:
         table.add_column(arm)
     for key, label in BEHAVIOURS:
-        cells = []
-        for result in arms.values():
-            v = result["behaviour"][key]
-            cells.append(
-                "-"
-                if v["mean"] is None
-                else f"{v['mean']:.2f} [{v['interval'][0]:.2f}, {v['interval'][1]:.2f}] ({v['n']})"
-            )
-        table.add_row(label, *cells)
+        table.add_row(label, *(interval_cell(result["behaviour"][key]) for result in arms.values()))
     for name, _ in PAIRED:
-        cells = ["-"]
-        for result in report["arms"].values():
-            v = result["minus_start"][name]
-            cells.append(
-                "-"
-                if v["mean"] is None
-                else f"{v['mean']:+.2f} [{v['interval'][0]:+.2f}, {v['interval'][1]:+.2f}] ({v['n']})"
-            )
-        table.add_row(f"{name.replace('_', ' ')} minus start, paired", *cells)
+        cells = (interval_cell(result["minus_start"][name], "+") for result in report["arms"].values())
+        table.add_row(f"{name.replace('_', ' ')} minus start, paired", "-", *cells)
 
     def per_step(key: str, form: str) -> list[str]:
         return [

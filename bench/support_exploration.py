@@ -6,7 +6,8 @@ From ``--from DIR`` (a checkpoint of ``flywheel train --task support``, hard-lin
 each rollout's seed drawing its desk's transient failures and its sampling, the same seeds at every temperature; so
 a temperature's row differs from another's only by how the policy samples. Per temperature: the groups tied, the
 distinct rewards per group, the mean reward and resolution, the drawn tokens' mean negative log-probability (the
-engine reports the sampling distribution's, at T: an estimate of its entropy per token), and the seconds. No training. Writes bench/results/support_exploration-<time>.json and prints a table.
+engine reports the sampling distribution's, at T: an estimate of its entropy per token), and the seconds. No
+training. Writes bench/results/support_exploration-<time>.json and prints a table.
 
     .venv/bin/python bench/support_exploration.py --from DIR --seed 1 --temperatures 0.7 1.0 1.3
 """
@@ -79,13 +80,9 @@ async def main(args: argparse.Namespace) -> None:
             plan = [
                 (t, [rng.randrange(2**31) for _ in range(config.group_size)]) for t in pool[: args.steps * args.tickets]
             ]
+            stack = support_stack(config.tool_budget, config.efficiency_penalty)
             for temperature in args.temperatures:
-                job = Job(
-                    config.model_copy(update={"temperature": temperature}),
-                    model,
-                    db.path,
-                    support_stack(config.tool_budget, config.efficiency_penalty),
-                )
+                job = Job(config.model_copy(update={"temperature": temperature}), model, db.path, stack)
                 started = time.perf_counter()
                 groups = await job.groups(plan, f"T={temperature}", seeded_sampling=True)
                 rows[str(temperature)] = group_stats(groups) | {"seconds": time.perf_counter() - started}

@@ -181,6 +181,14 @@ def _interval(values: list[float]) -> dict:
     return {"mean": sum(values) / len(values), "interval": list(bootstrap_mean(values, 2000, 0)), "n": len(values)}
 
 
+def interval_cell(v: dict, sign: str = "") -> str:
+    """One ``_interval`` as a table cell: "mean [low, high] (n)", "-" when it is over nothing; ``sign="+"`` for a
+    difference."""
+    if v["mean"] is None:
+        return "-"
+    return f"{v['mean']:{sign}.2f} [{v['interval'][0]:{sign}.2f}, {v['interval'][1]:{sign}.2f}] ({v['n']})"
+
+
 def behaviour(trajectories: list[Trajectory]) -> dict[str, dict]:
     """The reported behaviours of one arm: each a mean over its episodes (or the relevant subset: escalation
     precision over escalated episodes, recall over those that should escalate, retry and recovery over those that
@@ -440,18 +448,10 @@ def print_report(console: Console, report: dict, n: int, out: Path) -> None:
     for arm, label in ARMS:
         table.add_column(label if arm != "rl" else f"{label} (step {report['best_step']})")
     for key, label in (*SHOWN, ("tool_calls", "tool calls per episode")):
-        cells = []
-        for arm, _ in ARMS:
-            v = report["arms"][arm][key]
-            cells.append(
-                "-"
-                if v["mean"] is None
-                else f"{v['mean']:.2f} [{v['interval'][0]:.2f}, {v['interval'][1]:.2f}] ({v['n']})"
-            )
-        table.add_row(label, *cells)
+        table.add_row(label, *(interval_cell(report["arms"][arm][key]) for arm, _ in ARMS))
     console.print(table)
     differences = [
-        f"{label} {v['mean']:+.2f} [{v['interval'][0]:+.2f}, {v['interval'][1]:+.2f}] ({v['n']})"
+        f"{label} {interval_cell(v, '+')}"
         for (key, _), label in zip(PAIRED, ("resolution accuracy", "safety violations"), strict=True)
         if (v := report["rl_minus_sft"][key])["mean"] is not None
     ]
