@@ -30,7 +30,7 @@ from rich.table import Table
 from flywheel.backend import LocalBackend
 from flywheel.examples.support.db import build_database
 from flywheel.examples.support.grading import support_stack
-from flywheel.examples.support.train import Job, JobConfig, job_tickets
+from flywheel.examples.support.train import Job, JobConfig, job_tickets, rl_order
 from flywheel.model import TrainableModel
 from flywheel.types import TrajectoryGroup
 
@@ -74,8 +74,7 @@ async def main(args: argparse.Namespace) -> None:
             link_checkpoint(args.from_dir, backend, model)
             await model.register(backend)
             train, _, _ = job_tickets(db.path, config)
-            pool = train[config.sft_examples :]
-            random.Random(config.seed).shuffle(pool)  # the job's RL order (reinforce)
+            pool, _ = rl_order(train[config.sft_examples :], config.seed)  # the job's RL order
             rng = random.Random(f"support-exploration:{config.seed}")
             plan = [
                 (t, [rng.randrange(2**31) for _ in range(config.group_size)]) for t in pool[: args.steps * args.tickets]

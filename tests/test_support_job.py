@@ -380,6 +380,19 @@ def test_rl_takes_another_step_only_if_it_and_the_evaluations_after_it_fit():
     assert not another_step_fits(-5.0, step=0.0, validation=0.0, test=0.0)  # already past the deadline
 
 
+def test_rl_order_is_fixed_by_the_seed_and_leaves_the_pool_alone(db_path):
+    from flywheel.examples.support.train import rl_order
+
+    pool = generate_tickets(db_path, "train", 30)
+    kept = list(pool)
+    order, rng = rl_order(pool, seed=3)
+    assert pool == kept  # the caller's list is not shuffled in place
+    assert sorted(t.id for t in order) == sorted(t.id for t in pool) and order != pool
+    again, rng_again = rl_order(pool, seed=3)
+    assert again == order and rng.random() == rng_again.random()  # the rollout seeds drawn after it agree too
+    assert rl_order(pool, seed=4)[0] != order
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # minutes alone; far more on a shared 2-core machine
 async def test_the_job_runs_end_to_end_on_the_embedded_model(tmp_path, monkeypatch):

@@ -335,6 +335,15 @@ async def sft_best_epoch(
     return best, [reward for reward, _ in epochs], val_seconds
 
 
+def rl_order(pool: list[Ticket], seed: int) -> tuple[list[Ticket], random.Random]:
+    """The order in which ``reinforce`` draws its RL tickets (a copy of ``pool``, shuffled by ``seed``), and the
+    generator that shuffled it, which then draws the rollouts' seeds."""
+    rng = random.Random(seed)
+    order = list(pool)
+    rng.shuffle(order)
+    return order, rng
+
+
 async def reinforce(
     model: TrainableModel,
     job: Job,
@@ -348,9 +357,7 @@ async def reinforce(
     validated every ``eval_every`` steps and at the last; the latest and the best checkpoint are kept. With a
     ``deadline`` (``time.perf_counter()``), the last step is the first after which ``another_step_fits`` does not
     hold, ``eval_seconds`` being (a validation's, the final test's) seconds (the first raised to the slowest seen)."""
-    rng = random.Random(config.seed)
-    pool = list(pool)
-    rng.shuffle(pool)
+    pool, rng = rl_order(pool, config.seed)
     rows: list[dict] = []
     val_seconds, test_seconds = eval_seconds
     slowest_rollouts = slowest_update = 0.0
