@@ -73,6 +73,29 @@ async def test_a_named_function_is_the_one_called(client):
     assert_valid_call(c.message.tool_calls[0], name="get_weather")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_forced_call_cut_by_max_tokens_comes_back_as_the_call_it_was_writing(client, stream):
+    """As OpenAI and vLLM answer it: the call with its arguments so far and finish reason "length", not the call's
+    raw markup as content. 22 tokens reach the arguments' first characters, not their end."""
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=[CALCULATOR, WEATHER], tool_choice=choice, temperature=0)
+    r = await client.chat.completions.create(**kwargs, max_tokens=22, stream=stream)
+    if stream:
+        out, _ = await collect(r)
+        content, calls, finish = out[0]["content"], list(out[0]["calls"].values()), out[0]["finish"][-1]
+        calls = [(c["name"], c["arguments"]) for c in calls]
+    else:
+        c = r.choices[0]
+        content, finish = c.message.content, c.finish_reason
+        calls = [(tc.function.name, tc.function.arguments) for tc in c.message.tool_calls or []]
+    assert finish == "length" and not content and len(calls) == 1, (content, calls)
+    name, arguments = calls[0]
+    assert name == "get_weather" and "<tool_call>" not in arguments
+    full = await client.chat.completions.create(**kwargs, max_tokens=80)  # the same greedy call, not cut
+    compact = json.dumps(json.loads(full.choices[0].message.tool_calls[0].function.arguments), separators=(",", ":"))
+    assert arguments and compact.startswith(arguments) and compact != arguments, (arguments, compact)
+
+
 async def test_parameters_llguidance_cannot_compile_still_give_a_call_with_an_object(client):
     """Tools are not checked under "auto", so forcing one must not fail on its schema: any JSON object instead."""
     odd = {"type": "function", "function": {"name": "odd", "parameters": {"type": "objekt"}}}

@@ -147,6 +147,26 @@ def render_text(
     return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
 
 
+# a call cut short: its name written, its arguments not finished (the guided grammar writes compact JSON)
+_PARTIAL_CALL_RE = re.compile(
+    r'^\s*<tool_call>\s*\{\s*"name"\s*:\s*"([^"\\]+)"(?:\s*,\s*"arguments"\s*:\s*(.*))?', re.DOTALL
+)
+
+
+def partial_tool_call(text: str) -> dict | None:
+    """The one call ``text`` was writing when it was cut short, with its arguments so far (not valid JSON), or None
+    if it had not finished writing the name."""
+    match = _PARTIAL_CALL_RE.match(text)
+    if match is None:
+        return None
+    name, arguments = match.groups()
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments or ""},
+    }
+
+
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     """Split model output into (content, tool_calls). Malformed calls leave the whole text as content."""
     if "<tool_call>" not in text:

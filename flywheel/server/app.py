@@ -38,7 +38,7 @@ from flywheel.gateway.queue import queue_router
 from flywheel.gateway.recorder import Gateway
 from flywheel.gateway.traffic import SHADOW_IN_FLIGHT, Route, TrafficPolicy
 from flywheel.gateway.upstream import Relay, Upstream, without_logprobs
-from flywheel.inference.chat import parse_tool_calls, render_prompt
+from flywheel.inference.chat import parse_tool_calls, partial_tool_call, render_prompt
 from flywheel.inference.engine import Completion, ContextOverflowError, EngineClosedError, InferenceEngine
 from flywheel.inference.guided import (
     GrammarError,
@@ -80,8 +80,12 @@ def _logprob_items(engine: InferenceEngine, c: Completion) -> list[ChatCompletio
     return items
 
 
-def _message(c: Completion, tools: bool) -> tuple[ChatCompletionMessage, str]:
+def _message(c: Completion, tools: bool, forced: bool = False) -> tuple[ChatCompletionMessage, str]:
+    """The reply's message and finish reason. A forced call (``forced``) cut by max_tokens is returned as the call it
+    was writing, its arguments unfinished, with finish reason "length", as OpenAI and vLLM return one."""
     content, calls = parse_tool_calls(c.text) if tools else (c.text, [])
+    if forced and not calls and c.finish_reason == "length" and (partial := partial_tool_call(c.text)):
+        content, calls = None, [partial]
     tool_calls = [ChatCompletionMessageToolCall.model_validate(call) for call in calls] or None
     finish = "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason
     return ChatCompletionMessage(role="assistant", content=content, tool_calls=tool_calls), finish
@@ -147,12 +151,13 @@ def _completion_body(
     created: int,
     model: str,
     tools: bool,
+    forced: bool,
 ) -> dict:
     """A chat.completion body; each choice carries its token ids (``set_sampled_tokens``), and log-probs when
     ``params.logprobs``."""
     choices = []
     for c in results:
-        message, finish = _message(c, tools)
+        message, finish = _message(c, tools, forced)
         logprobs = ChoiceLogprobs(content=_logprob_items(engine, c)) if params.logprobs else None
         choice = Choice(index=c.index, message=message, finish_reason=finish, logprobs=logprobs)
         set_sampled_tokens(choice, prompt, c.token_ids, params.temperature)  # extra fields, kept by the SDK
@@ -333,7 +338,7 @@ def create_app(
         deployment = None if route is None else route.deployment  # the alias that answered
         engine, step = served.engine, served.current_step()  # the weights it starts with
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        tools = req.offered_tools
+        tools, forced = req.offered_tools, req.forced_tools is not None
         eos = set(engine.eos_ids)
         if gateway is not None and episode_id is not None:
             splice = await gateway.prepare(episode_id, messages, tools, engine.tokenizer, eos)
@@ -345,7 +350,9 @@ def create_app(
         created = int(time.time())
 
         def body(results: list[Completion]) -> dict:
-            return _completion_body(engine, results, prompt, params, completion_id, created, req.model, bool(tools))
+            return _completion_body(
+                engine, results, prompt, params, completion_id, created, req.model, bool(tools), forced
+            )
 
         async def record(full: dict) -> None:
             assert gateway is not None and splice is not None and episode_id is not None
@@ -366,7 +373,7 @@ def create_app(
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             on_done = (lambda results: record(body(results))) if splice is not None else None
             events = _stream(
-                engine, prompt, params, completion_id, created, req.model, bool(tools), include_usage, req.logprobs,
+                engine, prompt, params, completion_id, created, req.model, bool(tools), forced, include_usage, req.logprobs,
                 on_done,
             )  # fmt: skip
             return StreamingResponse(events, media_type="text/event-stream", background=_after(req, episode_id, route))
@@ -387,6 +394,7 @@ async def _stream(
     created: int,
     model: str,
     tools: bool,
+    forced: bool,
     include_usage: bool,
     show_logprobs: bool,
     on_done: Callable[[list[Completion]], Awaitable[None]] | None = None,
@@ -424,7 +432,7 @@ async def _stream(
             c.finish_reason = ev.finish_reason
             finish = ev.finish_reason
             if tools:  # the held text and its tokens' logprobs, as one delta
-                message, finish = _message(c, True)
+                message, finish = _message(c, True, forced)
                 calls = [
                     ChoiceDeltaToolCall(index=k, id=tc.id, type="function", function=tc.function.model_dump())
                     for k, tc in enumerate(message.tool_calls or [])
