@@ -17,9 +17,9 @@ the database the gateway records episodes in; ``flywheel.store.history``), keyed
 directory's run id: two machines that train one name into a shared store keep their rows apart, and a directory
 made anew (deleted and trained again, or pulled: checkpoint sync leaves dot-names) is a run of its own. A directory
 from before run ids adopts the rows of its name stored without one. ``history.jsonl`` and ``trajectories/`` are
-their export, rewritten or appended after each change, for people, scripts, transitions exports and checkpoint
-sync. Files the store has nothing of (written before the store kept them, or pulled) are imported once, when first
-read; ``import_history`` makes pulled files the store's.
+their export, rewritten or appended after each change, for people, scripts and checkpoint sync. Files the store
+has nothing of (written before the store kept them, or pulled) are imported once, when first read;
+``import_history`` makes pulled files the store's.
 
 Crash safety (a kill at any instant; fsync also covers a power loss): a checkpoint is written into a temporary
 directory, its files and the directory fsynced, then renamed into place (one already there is renamed aside first,
@@ -429,12 +429,24 @@ class RunStore:
 
     def trajectories(self, split: str, step: int | None = None) -> list[Trajectory]:
         """The trajectories saved with ``split`` (at ``step``), in the order saved."""
+        return [Trajectory.model_validate_json(text) for _, text in self.trajectory_texts(split, step)]
+
+    def trajectory_texts(self, split: str, step: int | None = None) -> list[tuple[int, str]]:
+        """``(step, JSON text)`` of the trajectories saved with ``split`` (at ``step``), in the order saved: for a
+        reader that says which one it cannot read."""
         if not self.path.is_dir():
             return []
         with _store(self.db).session() as s:
             self._import_trajectories(s)
-            found = history_db.trajectories(s, self.key, split, step)
-        return [Trajectory.model_validate_json(text) for _, text in found]
+            return history_db.trajectories(s, self.key, split, step)
+
+    def trajectory_splits(self) -> list[str]:
+        """The splits trajectories were saved with, sorted."""
+        if not self.path.is_dir():
+            return []
+        with _store(self.db).session() as s:
+            self._import_trajectories(s)
+            return history_db.trajectory_splits(s, self.key)
 
     def _trajectory_file(self, split: str, step: int) -> Path:
         return self.path / "trajectories" / split / f"{step:04d}.jsonl"

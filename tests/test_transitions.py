@@ -4,6 +4,7 @@ the backend's own logging wrote."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from openai.types.chat.chat_completion import Choice
@@ -12,6 +13,9 @@ from typer.testing import CliRunner
 import flywheel as art
 from flywheel.agents import Transition, from_transitions, read_transitions, to_transitions, write_transitions
 from flywheel.cli import app
+from flywheel.runs import RunStore
+from flywheel.store import Store
+from flywheel.store import history as history_db
 from flywheel.train.credit import set_turn_rewards, turn_rewards
 
 from helpers import sampled
@@ -141,10 +145,17 @@ async def test_cli_exports_a_run_the_backend_logged(tmp_path, monkeypatch):
     nowhere = runner.invoke(app, ["export", "transitions", "proj/nobody"])
     assert nowhere.exit_code == 2 and "no run at 'proj/nobody'" in nowhere.output
 
-    # a damaged trajectory file: the error says where, and the earlier export is left as it was
+    # the store is what is exported: without the trajectories/ files (not pulled to this machine) the rows are the same
     saved = out.read_text()
-    with (backend.model_dir(model) / "trajectories" / "val" / "0000.jsonl").open("a") as f:
-        f.write('{"messages_and_choices": "oops"}\n')
+    shutil.rmtree(backend.model_dir(model) / "trajectories")
+    again = runner.invoke(app, ["export", "transitions", "proj/exporter", "--split", "val"])
+    assert again.exit_code == 0, again.output
+    assert out.read_text() == saved
+
+    # a stored row that is no trajectory (another writer's): the error says which, the earlier export is left alone
+    run = RunStore(backend.model_dir(model))
+    with Store(run.db).session() as s:
+        history_db.add_trajectories(s, run.key, "val", 0, ['{"messages_and_choices": "oops"}'])
     broken = runner.invoke(app, ["export", "transitions", "proj/exporter", "--split", "val"])
-    assert broken.exit_code == 2 and "0000.jsonl:3: not a trajectory" in broken.output.replace("\n", "")
+    assert broken.exit_code == 2 and "val trajectory 3 (step 0) is not a trajectory" in broken.output.replace("\n", "")
     assert out.read_text() == saved

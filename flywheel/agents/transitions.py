@@ -9,7 +9,7 @@ that ``from_transitions`` rebuilds the trajectories exactly (every LLM call with
 last call, which no call saw, are not part of any transition). Rows from elsewhere without ``outcome`` read as
 "the last row's reward is the outcome, the others' are intermediate".
 
-``flywheel export transitions RUN`` writes a run's saved trajectories as such rows.
+``flywheel export transitions RUN`` writes a run's saved trajectories (as the store holds them) as such rows.
 """
 
 from __future__ import annotations
@@ -177,24 +177,24 @@ def run_directory(run: str | Path) -> Path:
 
 
 def run_transitions(run_dir: Path, split: str = "train", *, gamma: float = 1.0) -> Iterator[Transition]:
-    """The transitions of a run's saved trajectories of ``split`` (``trajectories/<split>/<step>.jsonl``)."""
-    directory = run_dir / "trajectories" / split
-    files = sorted(directory.glob("*.jsonl"))
-    if not files:
-        found = (
-            sorted(p.name for p in (run_dir / "trajectories").glob("*")) if (run_dir / "trajectories").is_dir() else []
+    """The transitions of a run's trajectories of ``split``, as the store holds them (``$FLYWHEEL_DB``, else the
+    home's SQLite: ``flywheel.runs.RunStore``; the ``trajectories/`` files are their export, and are imported
+    first if the store has none of the run's)."""
+    from flywheel.runs import RunStore  # torch: not on this module's import path
+
+    run = RunStore(run_dir)
+    found = run.trajectory_texts(split)
+    if not found:
+        splits = run.trajectory_splits()
+        raise FileNotFoundError(
+            f"no {split} trajectories saved in {run_dir} (splits saved in this run: {splits or 'none'})"
         )
-        raise FileNotFoundError(f"no trajectories under {directory} (splits saved in this run: {found or 'none'})")
-    for file in files:
-        step = int(file.stem) if file.stem.isdigit() else None
-        for n, line in enumerate(file.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                traj = Trajectory.model_validate_json(line)
-            except ValidationError as exc:
-                raise ValueError(f"{file}:{n}: not a trajectory: {exc}") from exc
-            yield from to_transitions(traj, gamma=gamma, step=step)
+    for n, (step, text) in enumerate(found, start=1):
+        try:
+            traj = Trajectory.model_validate_json(text)
+        except ValidationError as exc:
+            raise ValueError(f"{run_dir}: {split} trajectory {n} (step {step}) is not a trajectory: {exc}") from exc
+        yield from to_transitions(traj, gamma=gamma, step=step)
 
 
 export_app = typer.Typer(help="Export a run's data for other tools.", no_args_is_help=True)

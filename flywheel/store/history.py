@@ -120,6 +120,12 @@ def trajectories(
     return [(k, text) for k, text in s.execute(query.order_by(RunTrajectory.id))]
 
 
+def trajectory_splits(s: Session, key: RunKey) -> list[str]:
+    """The splits the run's live line saved trajectories with, sorted."""
+    query = select(RunTrajectory.split).where(*_line(RunTrajectory, key)).distinct()
+    return sorted(s.scalars(query))
+
+
 def last_saved(s: Session, key: RunKey) -> tuple[str, int, int] | None:
     """The split and step of the live line's last saved trajectories, and how many that step of that split has:
     what a kill may have left the export without."""
