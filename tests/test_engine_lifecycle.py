@@ -78,14 +78,15 @@ async def test_a_sequence_decoding_across_a_weight_update_leaves_no_stale_kv_in_
     engine, (model, tokenizer) = own_engine, loaded
     p = prompt(tokenizer)
     weight = model.model.layers[0].self_attn.v_proj.weight
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    decoding = asyncio.ensure_future(engine.generate(p, params))
+    # 400 tokens, not fewer: the worker may take the model lock back for many steps before exclusive() gets it
+    # (a lock is not fair), and the sequence must still be decoding then (48 once finished first, in a CI run)
+    decoding = asyncio.ensure_future(engine.generate(p, LONG))
     await until_decoding(engine)
     try:
         with engine.exclusive(), torch.no_grad():  # as a training step does
-            assert engine._running and len(engine._running[0].output) < 48
+            assert engine._running and len(engine._running[0].output) < LONG.max_tokens
             weight.mul_(2.0)
-        assert len((await decoding)[0].token_ids) == 48
+        assert len((await decoding)[0].token_ids) == LONG.max_tokens
         assert not engine.prefix_cache.entries, "KV computed with the old weights went back into the prefix cache"
         probe = SamplingParams(temperature=0.0, max_tokens=1, logprobs=True, top_logprobs=5)
         after = (await engine.generate(p, probe))[0]
