@@ -50,6 +50,7 @@ from flywheel.examples.support.train import (
     Job,
     JobConfig,
     behaviour,
+    group_plan,
     interval_cell,
     job_tickets,
     outcomes,
@@ -144,7 +145,7 @@ def step_plan(config: JobConfig, pool: list[Ticket], step: int) -> list[tuple[Ti
     """Step ``step``'s tickets and each rollout's seed: the same in every arm."""
     rng = random.Random(f"credit-support:{config.seed}:{step}")
     tickets = pool[step * config.groups_per_step : (step + 1) * config.groups_per_step]
-    return [(t, [rng.randrange(2**31) for _ in range(config.group_size)]) for t in tickets]
+    return group_plan(tickets, rng, config.group_size)
 
 
 async def run_arm(name: str, home: Path, sft: Path, config: JobConfig, air_config: AIRConfig, db_path: Path) -> dict:

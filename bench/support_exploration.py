@@ -30,7 +30,7 @@ from rich.table import Table
 from flywheel.backend import LocalBackend
 from flywheel.examples.support.db import build_database
 from flywheel.examples.support.grading import support_stack
-from flywheel.examples.support.train import Job, JobConfig, job_tickets, rl_order
+from flywheel.examples.support.train import Job, JobConfig, group_plan, job_tickets, rl_order
 from flywheel.model import TrainableModel
 from flywheel.types import TrajectoryGroup
 
@@ -76,9 +76,7 @@ async def main(args: argparse.Namespace) -> None:
             train, _, _ = job_tickets(db.path, config)
             pool, _ = rl_order(train[config.sft_examples :], config.seed)  # the job's RL order
             rng = random.Random(f"support-exploration:{config.seed}")
-            plan = [
-                (t, [rng.randrange(2**31) for _ in range(config.group_size)]) for t in pool[: args.steps * args.tickets]
-            ]
+            plan = group_plan(pool[: args.steps * args.tickets], rng, config.group_size)
             stack = support_stack(config.tool_budget, config.efficiency_penalty)
             for temperature in args.temperatures:
                 job = Job(config.model_copy(update={"temperature": temperature}), model, db.path, stack)

@@ -160,10 +160,15 @@ def partial_tool_call(text: str) -> dict | None:
     if match is None:
         return None
     name, arguments = match.groups()
+    return _tool_call(name, arguments or "")
+
+
+def _tool_call(name: str, arguments: str) -> dict:
+    """An OpenAI tool call with a fresh id."""
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
-        "function": {"name": name, "arguments": arguments or ""},
+        "function": {"name": name, "arguments": arguments},
     }
 
 
@@ -187,12 +192,6 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
                 return text, []
         if not isinstance(args, dict):
             return text, []
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)},
-            }
-        )
+        calls.append(_tool_call(obj["name"], json.dumps(args, ensure_ascii=False)))
     content = text[: text.index("<tool_call>")].strip()
     return (content or None), calls

@@ -335,6 +335,11 @@ async def sft_best_epoch(
     return best, [reward for reward, _ in epochs], val_seconds
 
 
+def group_plan(tickets: list[Ticket], rng: random.Random, group_size: int) -> list[tuple[Ticket, list[int]]]:
+    """``Job.groups``'s plan: each ticket with ``group_size`` rollout seeds drawn from ``rng``, ticket by ticket."""
+    return [(t, [rng.randrange(2**31) for _ in range(group_size)]) for t in tickets]
+
+
 def rl_order(pool: list[Ticket], seed: int) -> tuple[list[Ticket], random.Random]:
     """The order in which ``reinforce`` draws its RL tickets (a copy of ``pool``, shuffled by ``seed``), and the
     generator that shuffled it, which then draws the rollouts' seeds."""
@@ -365,8 +370,7 @@ async def reinforce(
         for i in range(config.rl_steps):
             started = time.perf_counter()
             tickets = pool[i * config.groups_per_step : (i + 1) * config.groups_per_step]
-            plan = [(t, [rng.randrange(2**31) for _ in range(config.group_size)]) for t in tickets]
-            groups = await job.groups(plan, f"step {i + 1} rollouts")
+            groups = await job.groups(group_plan(tickets, rng, config.group_size), f"step {i + 1} rollouts")
             # whether this step is the last is decided before its update, which takes as long as the slowest yet
             rollouts = time.perf_counter() - started
             slowest_rollouts = max(slowest_rollouts, rollouts)
