@@ -114,8 +114,15 @@ def create_episode(
 
 
 def _episode(s: Session, episode_id: str, *, lock: bool = False) -> Episode:
+    """The episode's row; with ``lock``, locked until the unit of work ends and read afresh (not the copy this
+    session read before), for a unit of work that reads it and then writes it: on SQLite the database's write lock
+    is taken before the read (Python's sqlite3 runs a SELECT outside any transaction, so what it read could change
+    before the write), on PostgreSQL the row is locked (``FOR UPDATE``)."""
     query = select(Episode).where(Episode.id == episode_id)
-    row = s.scalars(query.with_for_update() if lock else query).one_or_none()
+    if lock:
+        write_lock(s)
+        query = query.with_for_update().execution_options(populate_existing=True)
+    row = s.scalars(query).one_or_none()
     if row is None:
         raise UnknownEpisodeError(episode_id)
     return row
@@ -270,7 +277,6 @@ def lose_call(s: Session, episode_id: str, reason: str) -> EpisodeRecord:
     after the answer, or its gateway stopped before writing it). The episode is abandoned with ``reason``, even a
     finished one, so that it never trains with a call missing (its finish is then a conflict that names
     ``reason``); ``meta[LOST_CALLS]`` counts its lost calls."""
-    write_lock(s)
     row = _episode(s, episode_id, lock=True)
     meta = {**row.meta, LOST_CALLS: int(row.meta.get(LOST_CALLS, 0)) + 1}
     if row.status != EpisodeStatus.abandoned:

@@ -205,7 +205,7 @@ def enqueue(
 def _end_try(s: Session, row: Attempt, reason: str, now: datetime) -> None:
     """End the attempt's try without a result: its episode abandoned, the attempt requeued, or failed once its tries
     are used up. An episode that its runner finished through the episode API is the attempt's result."""
-    episode = db.get_episode(s, row.episode_id) if row.episode_id else None
+    episode = db._episode(s, row.episode_id, lock=True) if row.episode_id else None  # a finish waits, or went first
     row.lease_expires_at = None
     if episode is not None and episode.status == EpisodeStatus.finished:
         row.status, row.finished_at = AttemptStatus.finished, now
@@ -243,7 +243,8 @@ def cancel(s: Session, prefix: str, reason: str) -> list[str]:
     cancelled: dict[str, None] = {}
     for row in s.scalars(query).all():
         cancelled[row.task_id] = None
-        episode = db.get_episode(s, row.episode_id) if row.status == AttemptStatus.leased and row.episode_id else None
+        leased = row.episode_id if row.status == AttemptStatus.leased else None
+        episode = db._episode(s, leased, lock=True) if leased else None
         row.lease_expires_at, row.finished_at = None, now
         if episode is not None and episode.status == EpisodeStatus.finished:
             row.status = AttemptStatus.finished
