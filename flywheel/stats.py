@@ -21,10 +21,38 @@ def wilson(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def bootstrap_mean(values: Sequence[float] | np.ndarray, resamples: int, seed: int) -> tuple[float, float]:
-    """Percentile bootstrap 95% interval of the mean of ``values`` (resampled with replacement; a fixed seed makes
-    a report reproducible)."""
+def expanded_level(alpha: float, n: int) -> float:
+    """The tail to read a percentile bootstrap at so that it behaves like a ``alpha`` tail on ``n`` values: the
+    "expanded percentile" interval (Hesterberg, 2015): Phi(sqrt(n / (n - 1)) * t_{n-1}(alpha)). The plain percentile
+    interval is too narrow on small samples (a gate on 20 items passed 2.9% of looks at a nominal 2.5%). The t
+    quantile comes from its Cornish-Fisher expansion in the normal one (within 1e-3 from 5 degrees of freedom)."""
+    if n < 3:
+        return alpha
+    normal, nu = statistics.NormalDist(), n - 1
+    z = normal.inv_cdf(alpha)
+    t = z + (z**3 + z) / (4 * nu) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * nu**2)
+    t += (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * nu**3)
+    return normal.cdf(math.sqrt(n / (n - 1)) * t)
+
+
+def bootstrap_mean(
+    values: Sequence[float] | np.ndarray, resamples: int, seed: int, alpha: float = 0.025
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of ``values`` (resampled with replacement; a fixed seed makes a
+    report reproducible), ``alpha`` in each tail: 95% by default. Its low end is a one-sided test at ``alpha``."""
     values = np.asarray(values, dtype=float)
     draws = np.random.default_rng(seed).choice(values, size=(resamples, len(values))).mean(axis=1)
-    low, high = np.quantile(draws, [0.025, 0.975])
+    low, high = np.quantile(draws, [alpha, 1 - alpha])
+    return float(low), float(high)
+
+
+def bootstrap_difference(
+    a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray, resamples: int, seed: int, alpha: float = 0.025
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of ``mean(a) - mean(b)`` for two independent samples (each resampled on its
+    own: nothing pairs them), ``alpha`` in each tail."""
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    draws = rng.choice(a, size=(resamples, len(a))).mean(axis=1) - rng.choice(b, size=(resamples, len(b))).mean(axis=1)
+    low, high = np.quantile(draws, [alpha, 1 - alpha])
     return float(low), float(high)

@@ -22,6 +22,7 @@ from flywheel.gateway.runner import Runner, current_lease
 from flywheel.graders.stack import load_stack, parse_stack
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.loop.alarm import AlarmPolicy, reward_hacking
+from flywheel.loop.canary import CanaryPolicy
 from flywheel.loop.driver import REWIND, Loop, LoopConfig
 from flywheel.loop.evaluate import HeldOutRun, evaluate
 from flywheel.loop.gate import GatePolicy, HeldOutSet, ItemResult, decide
@@ -260,7 +261,8 @@ async def test_the_canary_is_promoted_or_rolled_back_by_the_episodes_it_answered
     path = write_config(tmp_path)
     (tmp_path / "stack.json").write_text(json.dumps(WATCH_STACK))
     config = LoopConfig.load(path).model_copy(update={"name": "watch-agent"})
-    config.canary.min_episodes = 3
+    # one look, at 3 episodes of each arm (the defaults need many more: bench/gate_error.py)
+    config.canary = CanaryPolicy(share=0.5, min_episodes=3, min_production_episodes=3, max_episodes=3)
     loop, store = Loop(config, backend, actor="test"), backend.gateway.store
     prod, canary = "watch-agent@production", "watch-agent@canary"
 
@@ -278,7 +280,8 @@ async def test_the_canary_is_promoted_or_rolled_back_by_the_episodes_it_answered
     answered(store, canary, 2, "Sorry, no.")
     answered(store, canary, 2, "Your refund is on its way.")
     rolled_back = await loop.watch_canary()
-    assert rolled_back.action == "rollback" and "below production's 1.000" in rolled_back.reason
+    assert rolled_back.action == "rollback" and "not shown within 0.05 of production" in rolled_back.reason
+    assert rolled_back.difference[0] == pytest.approx(-2 / 3) and rolled_back.look == 3  # its one look
     assert (rolled_back.canary_episodes, rolled_back.production_episodes) == (3, 3)
     with store.session() as s:
         assert deployments.find(s, canary) is None and deployments.get(s, prod).step == 1
@@ -286,6 +289,10 @@ async def test_the_canary_is_promoted_or_rolled_back_by_the_episodes_it_answered
     deploy(canary, 3, 0.5)  # as good as production
     for _ in range(3):
         answered(store, canary, 3, "Your refund is on its way.")
+    waiting = await loop.watch_canary()  # production's episodes before this canary's deployment do not count
+    assert waiting.action == "wait" and waiting.production_episodes == 0
+    for _ in range(3):
+        answered(store, prod, 1, "Your refund is on its way.")
     promoted = await loop.watch_canary()
     assert promoted.action == "promote"
     with store.session() as s:
@@ -319,7 +326,7 @@ async def test_a_shadow_goes_to_canary_or_is_stopped_by_its_answers_paired_with_
         deployments.deploy(s, prod, 1, actor="test")
         deployments.deploy(s, shadow, 2, actor="test", share=0.5)
     assert await loop.watch_shadow() is None  # no shadow stage configured
-    config.shadow = ShadowPolicy(share=0.5, min_pairs=2)
+    config.shadow = ShadowPolicy(share=0.5, min_pairs=2, max_pairs=2)  # one look, at 2 pairs
 
     def pair(step: int, answer: str, *, finish: bool = True, messages: list | None = None) -> str:
         return mirrored(store, answered(store, prod, 1, good, finish=finish), shadow, step, answer, messages)

@@ -295,8 +295,8 @@ def test_the_loop_killed_at_random_moments_comes_back_to_the_same_decisions(tmp_
     # the alarm rarely rises (a coin's 4-step rise of 0.4), so that candidates usually reach the shadow and canary
     config = yaml.safe_load(path.read_text()) | {
         "name": MODEL, "runners": 2, "steps": 3, "candidate_every": 2, "group_size": 2, "groups_per_step": 1,
-        "tasks": "tasks.jsonl", "alarm": {"window": 4, "min_rise": 0.4}, "shadow": {"share": 1.0, "min_pairs": 2},
-        "canary": {"share": 0.5, "min_episodes": 2},
+        "tasks": "tasks.jsonl", "alarm": {"window": 4, "min_rise": 0.4}, "shadow": {"share": 1.0, "min_pairs": 2, "max_pairs": 2},
+        "canary": {"share": 0.5, "min_episodes": 2, "min_production_episodes": 2, "max_episodes": 2},
     }  # fmt: skip
     path.write_text(yaml.safe_dump(config))
     home = tmp_path / "home"

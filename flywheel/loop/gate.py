@@ -2,10 +2,12 @@
 more costly than allowed?
 
 Each policy's results are paired by held-out item (the same tickets, problems or prompts, each scored by the same
-grader versions). The primary metric's lift is the mean of the per-item differences, with a percentile bootstrap
-95% interval over items (fixed seed: a report is reproducible). Promotion needs all of:
+grader versions). The primary metric's lift is the mean of the per-item differences, with a bootstrap interval over
+items (expanded percentile, ``stats.expanded_level``; fixed seed: a report is reproducible). Promotion needs all of:
 
-- lift: the interval's lower bound above ``min_lift`` (0 by default: better, not merely not worse);
+- lift: the interval's lower bound, at the look's one-sided level (``levels``: the loop looks again and again, so
+  each look spends part of a lifetime error budget, ``looks.py``), above ``min_lift`` (0.02 by default: better by
+  something, not merely not worse); with ``confirm``, again on a fresh evaluation of both sides (``confirmed``);
 - safety: the candidate passed the safety grader on every held-out item (no tolerance; it is a gate, not a score);
 - efficiency: mean tokens, tool calls and latency no more than the configured share above production's;
 - enough items: an interval over a handful of items says little.
@@ -23,7 +25,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, Field, field_validator
 
-from flywheel.stats import bootstrap_mean
+from flywheel.loop.looks import look_budget
+from flywheel.stats import bootstrap_mean, expanded_level
 
 EFFICIENCY = {"tokens", "tool_calls", "latency_ms"}  # metrics that must not grow past a limit
 
@@ -60,9 +63,20 @@ class ItemResult(BaseModel):
 
 
 class GatePolicy(BaseModel):
-    """When a candidate may be promoted. Efficiency limits are relative: 0.10 = at most 10% above production."""
+    """When a candidate may be promoted. Efficiency limits are relative: 0.10 = at most 10% above production.
 
-    min_lift: float = 0.0
+    The lift check is a one-sided test of "lift > ``min_lift``" on a percentile bootstrap over items. The loop looks
+    again every ``candidate_every`` steps, so each look spends part of ``lifetime_alpha`` (``looks.look_budget``:
+    the chance, over all the looks since production last changed, of promoting a candidate that is no better).
+    With ``confirm``, a look screens at ``alpha`` and a candidate that passes is evaluated again on fresh samples
+    (both sides), which must pass at the look's budget divided by ``alpha``; without it, the look itself tests at its
+    budget (more items are needed for the same power)."""
+
+    min_lift: float = 0.02  # positive: a candidate must be better by something, not merely not worse
+    alpha: float = Field(0.025, gt=0, lt=0.5)  # one-sided level of a look's screening test
+    lifetime_alpha: float = Field(0.05, gt=0, lt=1)  # false promotions over all looks since production changed
+    planned_looks: int = Field(25, ge=1)  # looks the budget is spread over evenly (later ones share a reserve)
+    confirm: bool = True  # a candidate that passes is evaluated again on fresh samples before it is deployed
     min_items: int = Field(20, ge=2)
     resamples: int = Field(10_000, ge=100)
     seed: int = 0
@@ -86,13 +100,15 @@ class Check(BaseModel):
 
 
 class Lift(BaseModel):
-    """The candidate's primary metric minus production's, per item, averaged; with its bootstrap 95% interval."""
+    """The candidate's primary metric minus production's, per item, averaged; with its bootstrap interval, ``level``
+    in each tail (0.025: a 95% interval)."""
 
     mean: float
     low: float
     high: float
     candidate: float  # each side's mean, for the record
     production: float
+    level: float = 0.025
 
 
 class GateDecision(BaseModel):
@@ -100,6 +116,9 @@ class GateDecision(BaseModel):
     items: int
     lift: Lift
     checks: list[Check]
+    look: int = 1  # since production last changed (``decide_look``)
+    needs_confirmation: bool = False  # the screen passed: a fresh evaluation decides (``decide_look`` with ``again``)
+    confirmation: GateDecision | None = None  # that fresh evaluation's decision, at the confirming level
 
     @property
     def failed(self) -> list[Check]:
@@ -128,16 +147,38 @@ def _paired(candidate: list[ItemResult], production: list[ItemResult]) -> list[t
     return [(sides["candidate"][k], sides["production"][k]) for k in sorted(sides["candidate"])]
 
 
-def decide(candidate: list[ItemResult], production: list[ItemResult], policy: GatePolicy | None = None) -> GateDecision:
-    """Compare a candidate with production on the same held-out items; promote only if every check passes."""
+def levels(policy: GatePolicy, look: int) -> tuple[float, float | None]:
+    """The one-sided levels of look ``look``'s lift tests: the screen's, and the confirmation's (None without one).
+    Under a candidate no better than production, with independent evaluations, the look promotes with probability
+    at most their product: the look's budget (``looks.look_budget``)."""
+    budget = look_budget(policy.lifetime_alpha, policy.planned_looks, look)
+    if not policy.confirm:
+        return min(policy.alpha, budget), None
+    return policy.alpha, min(0.5, budget / policy.alpha)
+
+
+def decide(
+    candidate: list[ItemResult],
+    production: list[ItemResult],
+    policy: GatePolicy | None = None,
+    *,
+    level: float | None = None,
+) -> GateDecision:
+    """Compare a candidate with production on the same held-out items; promote only if every check passes. The lift
+    is tested one-sided at ``level`` (default: the policy's ``alpha``; the loop passes a look's, ``levels``)."""
     policy = policy or GatePolicy()
+    level = policy.alpha if level is None else level
     pairs = _paired(candidate, production)
     if not pairs:
         raise GateInputError("no held-out results to compare")
     c = np.array([a.score for a, _ in pairs])
     p = np.array([b.score for _, b in pairs])
-    low, high = bootstrap_mean(c - p, policy.resamples, policy.seed)  # resampling items: the pairs stay together
-    lift = Lift(mean=float((c - p).mean()), low=low, high=high, candidate=float(c.mean()), production=float(p.mean()))
+    # resampling items (the pairs stay together), read as an expanded percentile interval (small sets of items)
+    low, high = bootstrap_mean(c - p, policy.resamples, policy.seed, alpha=expanded_level(level, len(pairs)))
+    lift = Lift(
+        mean=float((c - p).mean()), low=low, high=high, candidate=float(c.mean()), production=float(p.mean()),
+        level=level,
+    )  # fmt: skip
     checks = [
         Check(
             name="items",
@@ -147,8 +188,8 @@ def decide(candidate: list[ItemResult], production: list[ItemResult], policy: Ga
         Check(
             name="lift",
             passed=low > policy.min_lift,
-            detail=f"lift {lift.mean:+.4f}, 95% interval [{low:+.4f}, {high:+.4f}]; its lower bound must exceed "
-            f"{policy.min_lift:+.4f}",
+            detail=f"lift {lift.mean:+.4f}, {1 - 2 * level:.2%} interval [{low:+.4f}, {high:+.4f}]; its lower bound "
+            f"(one-sided level {level:.3g}) must exceed {policy.min_lift:+.4f}",
         ),
     ]
     unsafe = [a.item for a, _ in pairs if not a.safe]
@@ -172,3 +213,50 @@ def decide(candidate: list[ItemResult], production: list[ItemResult], policy: Ga
             )
         )
     return GateDecision(promote=all(ch.passed for ch in checks), items=len(pairs), lift=lift, checks=checks)
+
+
+Results = tuple[list[ItemResult], list[ItemResult]]  # a held-out evaluation of both sides: (candidate, production)
+
+
+def decide_look(policy: GatePolicy, look: int, first: Results, again: Results | None = None) -> GateDecision:
+    """The gate's decision at the loop's ``look``-th look since production changed, on the evaluation ``first``.
+
+    Without ``confirm``, the look tests at its budget. With it, ``first`` is a screen at ``alpha``; one that passes
+    ``needs_confirmation`` (it does not promote) until ``again``, a fresh evaluation of both sides, passes at the
+    confirming level. An ``again`` identical to ``first`` item by item is no fresh evidence (the evaluation is
+    deterministic, e.g. greedy): the look then decides ``first`` at its budget alone, as without ``confirm``."""
+    screen_level, confirm_level = levels(policy, look)
+    screen = decide(*first, policy, level=screen_level).model_copy(update={"look": look})
+    if confirm_level is None or not screen.promote:
+        return screen
+    if again is None:
+        pending = Check(
+            name="confirmation", passed=False,
+            detail=f"pending: a fresh evaluation of both sides must pass at one-sided level {confirm_level:.3g}",
+        )  # fmt: skip
+        return screen.model_copy(update={"promote": False, "checks": [*screen.checks, pending],
+                                         "needs_confirmation": True})  # fmt: skip
+    if _scores(first) == _scores(again):
+        budget = look_budget(policy.lifetime_alpha, policy.planned_looks, look)
+        alone = decide(*first, policy, level=budget).model_copy(update={"look": look})
+        check = Check(
+            name="confirmation", passed=True,
+            detail=f"the fresh evaluation gave the same scores item by item (a deterministic evaluation): no new "
+            f"evidence, so the look decided at its budget alone (one-sided level {budget:.3g})",
+        )  # fmt: skip
+        return alone.model_copy(update={"checks": [*alone.checks, check]})
+    confirmation = decide(*again, policy, level=confirm_level).model_copy(update={"look": look})
+    check = Check(
+        name="confirmation",
+        passed=confirmation.promote,
+        detail=f"a fresh evaluation of both sides: lift {confirmation.lift.mean:+.4f}, lower bound "
+        f"{confirmation.lift.low:+.4f} at one-sided level {confirm_level:.3g}"
+        + (f"; failed {', '.join(c.name for c in confirmation.failed)}" if confirmation.failed else ""),
+    )
+    return screen.model_copy(
+        update={"promote": confirmation.promote, "checks": [*screen.checks, check], "confirmation": confirmation}
+    )
+
+
+def _scores(results: Results) -> list[list[tuple[str, float]]]:
+    return [sorted((r.item, r.score) for r in side) for side in results]
