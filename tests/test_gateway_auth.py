@@ -22,14 +22,14 @@ from typer.testing import CliRunner, Result
 
 from flywheel.backend import LocalBackend
 from flywheel.cli import app
-from flywheel.gateway.auth import ENV_VAR, ApiKeyError, ApiKeys, Role, required_role
+from flywheel.gateway.auth import BUDGETS_ENV_VAR, ENV_VAR, ApiKeyError, ApiKeys, Role, TokenBudgets, required_role
 from flywheel.gateway.client import EpisodeClient, GatewayError
 from flywheel.gateway.recorder import Gateway
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.inference.registry import ModelRegistry
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
-from flywheel.store import Store
+from flywheel.store import Store, deployments
 from flywheel.store.schema import Base
 
 FLYWHEEL = str(Path(sys.executable).parent / "flywheel")
@@ -348,3 +348,125 @@ async def test_local_backend_serves_with_its_keys_and_refuses_the_network_withou
         assert EMBEDDED_MODEL in [m.id for m in (await sdk.models.list()).data]
     finally:
         await backend.close()
+
+
+class Checkpoints:
+    """A registry whose loader serves the engine as ``MODEL@1`` .. ``MODEL@3`` when asked (as LocalBackend loads a
+    saved checkpoint into an engine of its own, evicting the oldest) and notes each load; a real server on it."""
+
+    def __init__(self, engine, tmp_path: Path, budgets: TokenBudgets | None = None):
+        self.engine, self.loaded = engine, []
+        self.registry = ModelRegistry(loader=self.load)
+        self.registry.add(EMBEDDED_MODEL, engine)
+        self.store = Store(f"sqlite:///{tmp_path / 'flywheel.db'}")
+        limits = {} if budgets is None else {"budgets": budgets}
+        app = create_app(self.registry, Gateway(self.store), auth=ApiKeys(KEYS.items()), **limits)
+        self.server = BackgroundServer(app).start()
+        self.root = f"http://127.0.0.1:{self.server.port}"
+
+    def load(self, name: str):
+        model, _, step = name.rpartition("@")
+        if model != EMBEDDED_MODEL or step not in ("1", "2", "3"):
+            return None
+        self.loaded.append(name)
+        self.registry.add(name, self.engine, step=int(step))
+        return self.registry.get(name)
+
+    def sdk(self, role: Role) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.root}/v1", api_key=KEYS[role], max_retries=0)
+
+    def close(self) -> None:
+        self.server.stop()
+        self.store.close()
+
+
+async def test_an_agent_key_uses_served_models_and_deployments_and_never_has_a_checkpoint_loaded(engine, tmp_path):
+    """Issue #37, item 18: an agent key asking for ``MODEL@1`` had it loaded (and the oldest checkpoint engine,
+    production's or the canary's, evicted). It may use the names served now, deployment aliases and the
+    checkpoints they point at; a runner key may still load any checkpoint."""
+    served = Checkpoints(engine, tmp_path)
+    try:
+        with served.store.session() as s:
+            deployments.deploy(s, f"{EMBEDDED_MODEL}@production", 2, actor="test")
+            deployments.deploy(s, f"{EMBEDDED_MODEL}@canary", 3, actor="test", share=0.0)
+        agent, runner = served.sdk(Role.agent), served.sdk(Role.runner)
+
+        async def ask(client: openai.AsyncOpenAI, model: str) -> str | None:
+            reply = await client.chat.completions.create(model=model, messages=CHAT["messages"], max_tokens=2)
+            return reply.choices[0].message.content
+
+        with pytest.raises(openai.PermissionDeniedError) as refused:
+            await ask(agent, f"{EMBEDDED_MODEL}@1")
+        assert refused.value.code == "model_not_allowed" and refused.value.body["param"] == "model"
+        assert "needs a runner key" in refused.value.message and EMBEDDED_MODEL in refused.value.message
+        assert served.loaded == []  # refused before the loader was asked
+        assert await ask(agent, EMBEDDED_MODEL) is not None  # served now
+        assert await ask(agent, f"{EMBEDDED_MODEL}@production") is not None  # an alias loads its checkpoint
+        assert served.loaded == [f"{EMBEDDED_MODEL}@2"]
+        assert await ask(agent, f"{EMBEDDED_MODEL}@2") is not None  # served now
+        assert await ask(agent, f"{EMBEDDED_MODEL}@3") is not None  # the canary's checkpoint: a deployment's
+        assert served.loaded == [f"{EMBEDDED_MODEL}@2", f"{EMBEDDED_MODEL}@3"]
+        with pytest.raises(openai.PermissionDeniedError):
+            await ask(agent, f"{EMBEDDED_MODEL}@1")
+        with pytest.raises(openai.PermissionDeniedError):  # a name nobody serves: the agent's answer is the same
+            await ask(agent, "no-such-model")
+        assert await ask(runner, f"{EMBEDDED_MODEL}@1") is not None  # the training side may load any checkpoint
+        assert served.loaded[-1] == f"{EMBEDDED_MODEL}@1"
+        with pytest.raises(openai.NotFoundError):
+            await ask(runner, "no-such-model")
+    finally:
+        served.close()
+
+
+async def test_n_times_max_tokens_is_capped_by_the_keys_role(engine, tmp_path):
+    """Issue #37, item 18: an agent key could ask ``n`` = 128 choices of the whole context. ``n`` x ``max_tokens``
+    is capped by role (a clear 400 naming the limit and the field); a request that does not say ``max_tokens``
+    gets its share of the budget; an admin key has no cap here."""
+    budgets = TokenBudgets({Role.agent: 24, Role.runner: 64, Role.admin: None})
+    served = Checkpoints(engine, tmp_path, budgets)
+    try:
+        agent, runner, admin = served.sdk(Role.agent), served.sdk(Role.runner), served.sdk(Role.admin)
+        with pytest.raises(openai.BadRequestError) as refused:
+            await agent.chat.completions.create(model=EMBEDDED_MODEL, messages=CHAT["messages"], n=4, max_tokens=8)
+        error = refused.value.body
+        assert refused.value.code == "token_budget_exceeded" and error["param"] == "max_tokens"
+        assert (
+            "n (4) x max_tokens (8) = 32 is over the 24 tokens" in error["message"] and "agent key" in error["message"]
+        )
+        with pytest.raises(openai.BadRequestError) as refused:  # n alone over it
+            await agent.chat.completions.create(model=EMBEDDED_MODEL, messages=CHAT["messages"], n=25)
+        assert refused.value.body["param"] == "n" and "n (25)" in refused.value.body["message"]
+        fits = await agent.chat.completions.create(model=EMBEDDED_MODEL, messages=CHAT["messages"], n=3, max_tokens=8)
+        assert len(fits.choices) == 3
+        unsaid = await agent.chat.completions.create(
+            model=EMBEDDED_MODEL,
+            messages=CHAT["messages"],
+            n=4,
+            temperature=1.0,
+            seed=1,
+            extra_body={"ignore_eos": True},
+        )
+        assert [len(c.model_extra["token_ids"]) for c in unsaid.choices] == [6] * 4  # 24 // 4 each, not the context
+        assert unsaid.choices[0].finish_reason == "length"
+        assert len((await runner.chat.completions.create(
+            model=EMBEDDED_MODEL, messages=CHAT["messages"], n=4, max_tokens=8
+        )).choices) == 4  # fmt: skip
+        with pytest.raises(openai.BadRequestError):
+            await runner.chat.completions.create(model=EMBEDDED_MODEL, messages=CHAT["messages"], n=9, max_tokens=8)
+        reply = await admin.chat.completions.create(model=EMBEDDED_MODEL, messages=CHAT["messages"], n=9, max_tokens=8)
+        assert len(reply.choices) == 9
+    finally:
+        served.close()
+
+
+def test_token_budgets_from_the_environment(monkeypatch):
+    monkeypatch.setenv(BUDGETS_ENV_VAR, "agent:100, admin:5000,")
+    budgets = TokenBudgets.configured()
+    assert budgets.by_role == {Role.agent: 100, Role.runner: 262_144, Role.admin: 5000}
+    assert budgets.check(Role.agent, 4, 25) == 25 and budgets.check(None, 128, 10**6) is None  # no keys: no cap
+    monkeypatch.setenv(BUDGETS_ENV_VAR, "runner:none")
+    assert TokenBudgets.configured().check(Role.runner, 128, 10**6) is None
+    for bad, what in (("agent=5", "expected 'role:TOKENS'"), ("agent:0", "expected"), ("robot:5", "unknown role")):
+        monkeypatch.setenv(BUDGETS_ENV_VAR, bad)
+        with pytest.raises(ApiKeyError, match=f"{BUDGETS_ENV_VAR}, item 1: .*{what}"):
+            TokenBudgets.configured()

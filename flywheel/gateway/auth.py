@@ -6,6 +6,12 @@ every configured one. A request sends its key as ``Authorization: Bearer KEY`` (
 ``api_key``) or ``X-API-Key: KEY``. Each route needs a least role (``RULES``; a route not listed needs admin,
 ``/health`` none): a missing or unknown key is a 401, a key of too low a role a 403, both with OpenAI's error body
 and before the route reads the request's body. With no key configured the server is open (on loopback by default).
+
+A request let through carries its key's role (``request_role``) for what the routes decide by role: an agent key
+may ask only for the models served now and deployment aliases (and the checkpoints they point at), never have
+another checkpoint loaded (it would evict the engines that production and the canary answer with); and each role
+may ask a chat completion for at most so many tokens, ``n`` x ``max_tokens`` (``TokenBudgets``, from
+``FLYWHEEL_TOKEN_BUDGETS``, ``"agent:32768,runner:262144,admin:none"`` by default).
 """
 
 from __future__ import annotations
@@ -18,14 +24,17 @@ import ipaddress
 import json
 import os
 import re
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from starlette._utils import get_route_path  # the path the router matches routes against (root_path removed)
+from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 ENV_VAR = "FLYWHEEL_API_KEYS"
+BUDGETS_ENV_VAR = "FLYWHEEL_TOKEN_BUDGETS"
+ROLE_STATE = "flywheel_role"  # where ApiKeyAuth puts the role of a request it lets through (its scope's state)
 MIN_KEY_LENGTH = 16
 # printable ASCII without spaces, "#" (a file's comments) or "," (the variable's separator)
 _KEY_CHARS = re.compile(r"[!\"$-+\--~]+")
@@ -179,6 +188,77 @@ class ApiKeys:
         return "ApiKeys(" + ", ".join(f"{k}={v}" for k, v in counts.items()) + ")"
 
 
+def _default_budgets() -> dict[Role, int | None]:
+    # an agent: 8 choices of 4096 tokens (or one of 32768); a runner (the training side's own sampling): 64 x 4096
+    return {Role.agent: 32_768, Role.runner: 262_144, Role.admin: None}
+
+
+@dataclass(frozen=True)
+class TokenBudgets:
+    """The most tokens one chat completion may ask for, ``n`` x ``max_tokens``, by its key's role (None: no cap;
+    a server with no keys has none). A request over its budget is refused (``TokenBudgetError``); one that does
+    not say ``max_tokens`` gets its share of the budget at most (``budget // n``) instead of the whole context."""
+
+    by_role: Mapping[Role, int | None] = field(default_factory=_default_budgets)
+
+    @classmethod
+    def parse(cls, text: str, source: str = BUDGETS_ENV_VAR) -> TokenBudgets:
+        """``"agent:32768,runner:none"``: the roles named replace their default (``none``: no cap)."""
+        budgets = _default_budgets()
+        for i, item in enumerate(text.split(","), 1):
+            if not item.strip():
+                continue
+            role, sep, value = (part.strip() for part in item.partition(":"))
+            if not sep:
+                raise ApiKeyError(f"{source}, item {i}: expected 'role:TOKENS', got {item.strip()!r}.")
+            if role not in Role.__members__:
+                raise ApiKeyError(
+                    f"{source}, item {i}: unknown role {role!r}; the roles are {', '.join(Role.__members__)}."
+                )
+            if value.lower() == "none":
+                budgets[Role[role]] = None
+            elif value.isdigit() and int(value) >= 1:
+                budgets[Role[role]] = int(value)
+            else:
+                raise ApiKeyError(
+                    f"{source}, item {i}: expected 'role:TOKENS' (a positive integer, or none), got {item.strip()!r}."
+                )
+        return cls(budgets)
+
+    @classmethod
+    def configured(cls) -> TokenBudgets:
+        """``$FLYWHEEL_TOKEN_BUDGETS`` over the defaults."""
+        return cls.parse(os.environ.get(BUDGETS_ENV_VAR, ""))
+
+    def check(self, role: Role | None, n: int, max_tokens: int | None) -> int | None:
+        """The most tokens each of a request's ``n`` choices may take (None: no cap) if ``n`` choices of ``max_tokens``
+        (None: not said) fit its role's budget; else a ``TokenBudgetError`` that names the limit."""
+        if role is None or (budget := self.by_role.get(role)) is None:  # no keys, or the gateway's own call
+            return None
+        asked = n * (max_tokens or 1)
+        if asked > budget:
+            what = f"n ({n}) x max_tokens ({max_tokens}) = {asked}" if max_tokens else f"n ({n})"
+            raise TokenBudgetError(
+                f"{what} is over the {budget} tokens that one request with a {role.name} key may ask for "
+                f"(n x max_tokens; {BUDGETS_ENV_VAR} sets it): ask for fewer choices or fewer tokens.",
+                "max_tokens" if max_tokens else "n",
+            )
+        return budget // n
+
+
+class TokenBudgetError(ValueError):
+    """A request asks for more tokens than its key's role may (``param``: the field to lower)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def request_role(request: Request) -> Role | None:
+    """The role of the key a request was let through with (None: the server has no keys)."""
+    return request.scope.get("state", {}).get(ROLE_STATE)
+
+
 def request_key(headers: dict[bytes, bytes]) -> bytes | None:
     """The key a request sends: ``X-API-Key``, else an ``Authorization: Bearer`` token."""
     if key := headers.get(b"x-api-key", b"").strip():
@@ -213,6 +293,7 @@ class ApiKeyAuth:
         if role < needed:
             message = f"{scope['method']} {get_route_path(scope)} needs a {needed.name} key; this one is {role.name}."
             return await _refuse(send, 403, message, "insufficient_role")
+        scope.setdefault("state", {})[ROLE_STATE] = role
         await self.app(scope, receive, send)
 
 

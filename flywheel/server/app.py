@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
 from flywheel.gateway.api import episode_router
-from flywheel.gateway.auth import ApiKeyAuth, ApiKeys
+from flywheel.gateway.auth import ApiKeyAuth, ApiKeys, Role, TokenBudgetError, TokenBudgets, request_role
 from flywheel.gateway.export import NotTrainableError
 from flywheel.gateway.queue import queue_router
 from flywheel.gateway.recorder import Gateway
@@ -53,8 +53,20 @@ from flywheel.server.limits import MAX_BODY_BYTES, BodyLimit
 from flywheel.server.protocol import ChatCompletionRequest, ErrorDetail, ErrorResponse, JsonSchemaFormat, TextFormat
 from flywheel.store import EpisodeConflictError, UnknownEpisodeError, deployments
 from flywheel.store.arms import is_shadow_episode_id
-from flywheel.store.deployments import UnknownDeploymentError
+from flywheel.store.deployments import UnknownDeploymentError, list_deployments
 from flywheel.types import set_sampled_tokens
+
+
+class ModelNotAllowedError(UnknownModelError):
+    """An agent key asked for a model that is not served now and that no deployment points at: having it loaded
+    (which evicts the oldest checkpoint engine: production's or the canary's, maybe) needs a runner key."""
+
+    def __init__(self, name: str, known: list[str]):
+        super().__init__(name, known)
+        self.args = (
+            f"An agent key may ask only for the models served now ({', '.join(known) or 'none'}) and deployment "
+            f"aliases (MODEL@production, ...); '{name}' is neither: loading another checkpoint needs a runner key.",
+        )
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
@@ -113,9 +125,13 @@ def _sampling(
     prompt_len: int,
     guide: Guide | None = None,
     logprobs: bool = False,
+    cap: int | None = None,
 ) -> SamplingParams:
-    """``logprobs``: compute them even if the client did not ask (a recorded call keeps them for training)."""
+    """``logprobs``: compute them even if the client did not ask (a recorded call keeps them for training);
+    ``cap``: the most tokens a choice may take when the request does not say (its key's share of a budget)."""
     max_tokens = req.max_completion_tokens or req.max_tokens or max(engine.context_length - prompt_len, 1)
+    if cap is not None:
+        max_tokens = min(max_tokens, cap)
     engine.check_fits(prompt_len, max_tokens)
     return SamplingParams(
         temperature=req.temperature,
@@ -180,6 +196,7 @@ def create_app(
     auth: ApiKeys | None = None,
     upstream: Upstream | None = None,
     shadow_in_flight: int = SHADOW_IN_FLIGHT,
+    budgets: TokenBudgets | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible API over ``registry``'s engines; with a ``gateway``, also the episode API and the
     episode-scoped routes (``/episodes/{id}/v1/...``, or ``/v1/...`` with an ``X-Flywheel-Episode`` header) whose
@@ -187,7 +204,10 @@ def create_app(
     without any, every route is open. With an ``upstream``, a model the registry does not serve is asked of it
     (``flywheel.gateway.upstream``: relayed, and recorded in an episode). A gateway's deployments are served by
     its traffic policy (``flywheel.gateway.traffic``: canary, shadow; at most ``shadow_in_flight`` shadow calls at
-    once), which is ``app.state.traffic``. At shutdown, the gateway's calls still queued are written first."""
+    once), which is ``app.state.traffic``. With keys, an agent key may not have a checkpoint loaded that no
+    deployment points at, and each request's ``n`` x ``max_tokens`` is capped by its key's role (``budgets``, by
+    default ``TokenBudgets.configured()``). At shutdown, the gateway's calls still queued are written first."""
+    budgets = budgets or TokenBudgets.configured()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -216,6 +236,14 @@ def create_app(
     @app.exception_handler(UnknownModelError)
     async def _unknown(_: Request, exc: UnknownModelError):
         return error_response(404, str(exc), "invalid_request_error", param="model", code="model_not_found")
+
+    @app.exception_handler(ModelNotAllowedError)
+    async def _not_allowed(_: Request, exc: ModelNotAllowedError):
+        return error_response(403, str(exc), "invalid_request_error", param="model", code="model_not_allowed")
+
+    @app.exception_handler(TokenBudgetError)
+    async def _over_budget(_: Request, exc: TokenBudgetError):
+        return error_response(400, str(exc), "invalid_request_error", param=exc.param, code="token_budget_exceeded")
 
     @app.exception_handler(UnknownDeploymentError)
     async def _unknown_deployment(_: Request, exc: UnknownDeploymentError):
@@ -269,18 +297,19 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, x_flywheel_episode: Annotated[str | None, Header()] = None):
-        return await _route(await _json_body(request), x_flywheel_episode)
+        return await _route(await _json_body(request), x_flywheel_episode, request_role(request))
 
     @app.post("/episodes/{episode_id}/v1/chat/completions")
     async def episode_chat_completions(episode_id: str, request: Request):
-        return await _route(await _json_body(request), episode_id)
+        return await _route(await _json_body(request), episode_id, request_role(request))
 
-    async def _route(body: Any, episode_id: str | None):
+    async def _route(body: Any, episode_id: str | None, role: Role | None):
         """The upstream's call if its model is not served here, else the engine's (the body checked as its). A
-        shadow episode is unknown to outside calls: only the gateway's own mirror (``_after``) records there."""
+        shadow episode is unknown to outside calls: only the gateway's own mirror (``_after``) records there.
+        ``role``: the request's key's (None: the server has no keys)."""
         if episode_id is not None and is_shadow_episode_id(episode_id):
             raise UnknownEpisodeError(episode_id)
-        if relay is not None and isinstance(body, dict) and not await _served_here(body.get("model")):
+        if relay is not None and isinstance(body, dict) and not await _served_here(body.get("model"), role):
             if episode_id is not None and gateway is None:
                 raise UnknownEpisodeError(episode_id)  # this server records no episodes
             return await relay.chat(body, episode_id)
@@ -288,21 +317,32 @@ def create_app(
             req = ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:
             raise RequestValidationError(exc.errors()) from None
-        return await _chat(req, episode_id)
+        return await _chat(req, episode_id, role)
 
-    async def _served_here(model: Any) -> bool:
+    async def _served_here(model: Any, role: Role | None) -> bool:
         if not isinstance(model, str):
             return True  # the engine's checks say what is wrong with it
         try:
-            await _resolve(model)
+            await _resolve(model, role=role)
         except (UnknownModelError, UnknownDeploymentError):
             return False
         return True
 
-    async def _resolve(model: str, episode_id: str | None = None) -> tuple[ServedModel, Route | None]:
+    async def _deployed(model: str) -> bool:
+        """Whether a deployment points at the checkpoint ``model`` names (``calc@3``)."""
+        name, _, step = model.rpartition("@")
+        if gateway is None or not step.isdigit():
+            return False
+        return any(d.target == model for d in await gateway.store.run(list_deployments, name))
+
+    async def _resolve(
+        model: str, episode_id: str | None = None, role: Role | None = None
+    ) -> tuple[ServedModel, Route | None]:
         """The served model a request names, and the route of an alias: an alias (``calc@production``, with a
         gateway's store) is the checkpoint its traffic policy sends the request to now (``calc@3``, or the
-        canary's step for a canary's share of episodes), read at each request."""
+        canary's step for a canary's share of episodes), read at each request. A name not served now is loaded
+        (a checkpoint, by the registry's loader) unless the request has an agent key and no deployment points at
+        it (``ModelNotAllowedError``)."""
         if traffic is not None and deployments.is_alias(model):
             route = await traffic.route(model, episode_id)
             try:
@@ -311,6 +351,12 @@ def create_app(
                 if (route := traffic.fall_back(route)) is None:
                     raise
                 return await registry.resolve(route.answer.target), route
+        if role is not None and role < Role.runner:
+            try:
+                return registry.get(model), None
+            except UnknownModelError:
+                if not await _deployed(model):
+                    raise ModelNotAllowedError(model, sorted(m.name for m in registry.all())) from None
         return await registry.resolve(model), None
 
     def _after(req: ChatCompletionRequest, episode_id: str | None, route: Route | None) -> BackgroundTask | None:
@@ -321,7 +367,7 @@ def create_app(
 
         async def mirror(shadow: str, shadow_episode: str) -> None:  # the same request, recorded in the shadow's
             await _chat(
-                req.model_copy(update={"model": shadow, "stream": False, "stream_options": None}), shadow_episode
+                req.model_copy(update={"model": shadow, "stream": False, "stream_options": None}), shadow_episode, None
             )
 
         return BackgroundTask(traffic.after, route, episode_id, mirror)
@@ -330,11 +376,13 @@ def create_app(
     async def episode_models(episode_id: str):
         return await list_models()
 
-    async def _chat(req: ChatCompletionRequest, episode_id: str | None):
+    async def _chat(req: ChatCompletionRequest, episode_id: str | None, role: Role | None):
+        """``role``: the request's key's (None: no keys, or the gateway's own mirror: no cap, any checkpoint)."""
         if episode_id is not None and gateway is None:
             raise UnknownEpisodeError(episode_id)  # this server records no episodes
         start = time.perf_counter()
-        served, route = await _resolve(req.model, episode_id)
+        cap = budgets.check(role, req.n, req.max_completion_tokens or req.max_tokens)  # before anything runs
+        served, route = await _resolve(req.model, episode_id, role)
         deployment = None if route is None else route.deployment  # the alias that answered
         engine, step = served.engine, served.current_step()  # the weights it starts with
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
@@ -345,7 +393,7 @@ def create_app(
             prompt = splice.prompt
         else:
             splice, prompt = None, render_prompt(engine.tokenizer, messages, tools)
-        params = _sampling(req, engine, len(prompt), await _guide(req, engine), logprobs=splice is not None)
+        params = _sampling(req, engine, len(prompt), await _guide(req, engine), logprobs=splice is not None, cap=cap)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
