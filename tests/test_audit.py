@@ -4,6 +4,7 @@ at once keep one chain. No model: store only."""
 
 from __future__ import annotations
 
+import threading
 from datetime import UTC, datetime
 
 import pytest
@@ -159,3 +160,33 @@ def test_concurrent_appends_from_several_threads_keep_one_chain(store):
     assert len({e.prev_hash for e in events}) == len(events)  # no fork
     report = verify(store)
     assert report.ok and report.count == threads * each, report
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["first-read", "after-a-read"])
+def test_verify_reads_one_snapshot_while_another_thread_appends(store, fresh):
+    """``verify`` reads the head and then the rows: an append committed in between is not tampering. One thread
+    appends as fast as it can while another verifies again and again, first thing in its unit of work or after a
+    read; every report is OK (each saw the chain as it was at one moment: a head and exactly its rows)."""
+    appended, reports, done = [], [], threading.Event()
+
+    def work(i: int) -> None:
+        if i == 0:
+            while not done.is_set():
+                appended.extend(append(store, 1))
+            return
+        try:
+            for _ in range(40):
+                with store.session() as s:
+                    if not fresh:
+                        s.execute(select(AuditEvent.id).limit(1)).all()
+                    reports.append(audit.verify(s))
+        finally:
+            done.set()
+
+    _, errors = at_once(2, work)
+    assert not errors, errors
+    broken = [r for r in reports if not r.ok]
+    assert not broken, (
+        f"{len(broken)} of {len(reports)} verifies saw tampering while {len(appended)} events were appended: {broken[0]}"
+    )
+    assert len(appended) > 10 and reports[-1].count <= len(appended)

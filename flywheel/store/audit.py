@@ -18,6 +18,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
+from psycopg.pq import TransactionStatus
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -132,11 +133,30 @@ def _bad(count: int, bad_id: int | None, message: str) -> AuditReport:
     return AuditReport(ok=False, count=count, bad_id=bad_id, message=message)
 
 
+def snapshot(s: Session) -> None:
+    """Make what this unit of work reads from now on agree with one moment of the chain: appends that other units of
+    work commit meanwhile are not seen (else the head read first and the rows read after it disagree). PostgreSQL:
+    a REPEATABLE READ transaction when nothing has been read in ``s`` yet, else a share lock on the head (appends
+    wait until this unit of work ends). SQLite: a read transaction begun now (Python's sqlite3 would run each read
+    on its own)."""
+    connection = s.connection()
+    raw = connection.connection.dbapi_connection
+    if connection.dialect.name == "postgresql":
+        if raw.info.transaction_status == TransactionStatus.IDLE:
+            connection.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        else:
+            s.execute(select(AuditHead.id).where(AuditHead.id == 1).with_for_update(read=True))
+    elif connection.dialect.name == "sqlite" and not raw.in_transaction:
+        connection.exec_driver_sql("BEGIN")
+
+
 def verify(s: Session) -> AuditReport:
     """Walk the chain in order and report the first row that is not what was appended: one whose contents do not
     give its hash (changed, or inserted without the right hash), one that the next row skips (inserted), the ids
     missing where the chain breaks at a gap (deleted), a row rewritten with a new hash (the next one does not
-    follow it), or a tail cut off or added past the head."""
+    follow it), or a tail cut off or added past the head. The head and the rows are read in one snapshot
+    (``snapshot``)."""
+    snapshot(s)
     head = s.get(AuditHead, 1)
     assert head is not None  # the migration writes it
     count, previous, before_previous, past_head = 0, None, GENESIS, None
