@@ -6,12 +6,17 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from alembic import command
+from alembic.config import Config
 from openai.types.chat import ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice
 from openai.types.chat.chat_completion_message_function_tool_call import (
     ChatCompletionMessageFunctionToolCall,
     Function,
 )
+from sqlalchemy import text
+
+from flywheel.store.db import MIGRATIONS, _engine
 
 if TYPE_CHECKING:
     from flywheel.train.trainer import Trainer
@@ -72,3 +77,18 @@ def at_once(n: int, fn: Callable[[int], Any]) -> tuple[list[Any], list[BaseExcep
     for thread in threads:
         thread.join(60)
     return results, errors
+
+
+def at_revision(url: str, revision: str, inserts: list[tuple[str, list[dict]]]) -> None:
+    """A database migrated up to ``revision`` only, with rows inserted as they were stored then."""
+    engine = _engine(url)
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    try:
+        with engine.begin() as connection:
+            config.attributes["connection"] = connection
+            command.upgrade(config, revision)
+            for statement, rows in inserts:
+                connection.execute(text(statement), rows)
+    finally:
+        engine.dispose()

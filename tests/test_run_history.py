@@ -9,18 +9,16 @@ import shutil
 
 import pytest
 import torch
-from alembic import command
-from alembic.config import Config
 from sqlalchemy import event, text
 
 from flywheel import runs as runs_module
 from flywheel.runs import HISTORY, OPEN_STORES, RUN, Checkpoint, CheckpointState, RunStore, model_path
 from flywheel.store import Store
-from flywheel.store import db as store_db
 from flywheel.store import history as history_db
-from flywheel.store.db import MIGRATIONS
 from flywheel.train.config import TrainedWeights
 from flywheel.types import Trajectory
+
+from helpers import at_revision
 
 
 def tiny(step: int, rows: list[dict]) -> Checkpoint:
@@ -181,21 +179,6 @@ def test_two_machines_training_one_name_into_one_store_keep_their_runs_apart(sto
     assert again.history() == [row(1)] and again.key.run != there.key.run
 
 
-def _at_revision(url: str, revision: str, inserts: list[tuple[str, list[dict]]]) -> None:
-    """A database migrated up to ``revision`` only, with rows inserted as they were stored then."""
-    engine = store_db._engine(url)
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
-    try:
-        with engine.begin() as connection:
-            config.attributes["connection"] = connection
-            command.upgrade(config, revision)
-            for statement, rows in inserts:
-                connection.execute(text(statement), rows)
-    finally:
-        engine.dispose()
-
-
 def test_rows_stored_before_run_ids_are_kept_and_their_directory_adopts_them(db_url: str, tmp_path):
     """Migration 0010 keeps the rows stored by project and model (their run is ""); the directory that wrote them,
     opened for the first time since, adopts them, branches and trajectories included (the export has neither);
@@ -203,7 +186,7 @@ def test_rows_stored_before_run_ids_are_kept_and_their_directory_adopts_them(db_
     r1, r2, r3 = row(1), row(2), row(3)
     t = Trajectory(messages_and_choices=[{"role": "user", "content": "q"}], reward=1.0)
     history = 'INSERT INTO run_history (project, model, step, split, time, "row", branch) VALUES '
-    _at_revision(db_url, "0009", [
+    at_revision(db_url, "0009", [
         (history + "('p', 'm', :step, 'train', :time, :row, :branch)", [
             {"step": r["step"], "time": r["time"], "row": json.dumps(r), "branch": b}
             for r, b in ((r1, None), (r2, "abandoned/x"), (r3, None))
