@@ -13,6 +13,7 @@ import asyncio
 import sqlite3
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -67,7 +68,14 @@ class Agent:
         self.turns = 0
 
     async def turn(self) -> Splice:
-        splice = await self.gateway.prepare(self.episode_id, self.messages, None, self.tokenizer, self.eos)
+        return await self.answer(await self.prepare())
+
+    async def prepare(self) -> Splice:
+        """The call's prompt: from here until it is recorded, the call is in flight (being generated)."""
+        return await self.gateway.prepare(self.episode_id, self.messages, None, self.tokenizer, self.eos)
+
+    async def answer(self, splice: Splice, **extra: Any) -> Splice:
+        """The call's reply (``Colour <turn>.``), recorded; ``extra``: more fields of its response."""
         self.turns += 1
         reply = f"Colour {self.turns}."
         completion = [*self.tokenizer.encode(reply, add_special_tokens=False), *self.eos]
@@ -75,7 +83,7 @@ class Agent:
             "index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop",
             "prompt_token_ids": splice.prompt, "token_ids": completion,
         }  # fmt: skip
-        response = {"id": f"chatcmpl-{self.episode_id}-{self.turns}", "choices": [choice], "usage": {}}
+        response = {"id": f"chatcmpl-{self.episode_id}-{self.turns}", "choices": [choice], "usage": {}, **extra}
         request = {"messages": list(self.messages)}
         await self.gateway.record(
             self.episode_id, splice, self.eos, model="m", step=None, request=request, response=response, latency_ms=1
@@ -151,10 +159,10 @@ async def test_outcome_and_exports_wait_for_queued_calls_and_shutdown_drains_the
         server.stop()
 
 
-async def test_a_call_that_cannot_be_written_after_its_answer_abandons_its_episode(store, tokenizer):
-    """Another process finishes the episode while its call is queued: the call was answered, and cannot be
-    written. The episode must not stay finished without it: it is abandoned, its finish is a 409 naming the call,
-    its next call is refused, and the lost call is counted."""
+async def test_a_call_arriving_after_its_episode_closed_is_counted_and_dropped(store, tokenizer):
+    """Another process finishes the episode while its call is queued (a straggler): the call is dropped and counted
+    (``late_calls``), and the finished outcome stands: the episode stays finished with its reward and trains (a
+    late call used to abandon it, and its group lost a member after its task completed)."""
     gateway = Gateway(store, redactor=None)
     server = BackgroundServer(create_app(ModelRegistry(), gateway)).start()
     root = server.base_url.removesuffix("/v1")
@@ -170,6 +178,33 @@ async def test_a_call_that_cannot_be_written_after_its_answer_abandons_its_episo
         await gateway.settled(agent.episode_id)
         with store.session() as s:
             episode = db.get_episode(s, agent.episode_id)
+        assert episode.status == EpisodeStatus.finished and episode.reward == 1
+        assert db.LOST_CALLS not in episode.meta and len(calls(store, agent.episode_id)) == 1
+        assert (gateway.late_calls, gateway.lost_calls) == (1, 0)
+        async with httpx.AsyncClient(base_url=root, timeout=60) as http:
+            again = await http.post(f"/episodes/{agent.episode_id}/finish", json={"reward": 1})
+            assert again.status_code == 200  # the same outcome again: accepted, nothing changed
+            groups = await http.get("/groups", params={"task_id": "t"})
+            assert groups.status_code == 200 and len(groups.json()["trajectories"]) == 1
+        with pytest.raises(EpisodeConflictError, match="finished"):
+            await agent.turn()  # refused before it runs: the episode is closed
+    finally:
+        server.stop()
+
+
+async def test_a_call_that_cannot_be_written_after_its_answer_abandons_its_open_episode(store, tokenizer):
+    """A call answered and then refused by the store (here: its response holds a NaN, which JSON has not) is lost: its episode, still open, is abandoned; its finish is a 409 naming the call, its next call is
+    refused, and the lost call is counted."""
+    gateway = Gateway(store, redactor=None)
+    server = BackgroundServer(create_app(ModelRegistry(), gateway)).start()
+    root = server.base_url.removesuffix("/v1")
+    agent = Agent(gateway, tokenizer, new_episode(store))
+    await agent.turn()
+    await agent.answer(await agent.prepare(), score=float("nan"))
+    await gateway.settled(agent.episode_id)
+    try:
+        with store.session() as s:
+            episode = db.get_episode(s, agent.episode_id)
         lost = f"chatcmpl-{agent.episode_id}-2"
         assert episode.status == EpisodeStatus.abandoned and episode.meta[db.LOST_CALLS] == 1
         assert lost in episode.meta["abandoned_because"]
@@ -181,6 +216,33 @@ async def test_a_call_that_cannot_be_written_after_its_answer_abandons_its_episo
             assert groups.status_code == 200 and groups.json()["trajectories"] == []  # it never trains
         with pytest.raises(EpisodeConflictError, match="lost a call"):
             await agent.turn()
+    finally:
+        server.stop()
+
+
+async def test_finish_waits_for_the_calls_still_being_generated(store, tokenizer):
+    """An episode's finish (and abandon) waits for its calls in the engine, not only for those queued for writing:
+    the call prepared before the finish arrived is in the finished episode. A call that never ends in a record (its
+    request failed, its client went away: its prompt dropped) holds nothing up."""
+    gateway = Gateway(store, redactor=None)
+    server = BackgroundServer(create_app(ModelRegistry(), gateway)).start()
+    root = server.base_url.removesuffix("/v1")
+    agent, other = Agent(gateway, tokenizer, new_episode(store)), Agent(gateway, tokenizer, new_episode(store))
+    await agent.turn()
+    await other.turn()
+    try:
+        async with httpx.AsyncClient(base_url=root, timeout=60) as http:
+            generating = await agent.prepare()
+            finished = asyncio.ensure_future(http.post(f"/episodes/{agent.episode_id}/finish", json={"reward": 1}))
+            await asyncio.sleep(0.5)
+            assert not finished.done()  # the call is still being generated
+            await agent.answer(generating)
+            assert (await asyncio.wait_for(finished, 20)).status_code == 200
+            assert len(calls(store, agent.episode_id)) == 2 and gateway.late_calls == 0
+            failed = await other.prepare()
+            del failed  # the engine raised, say: nothing to record
+            abandoned = await asyncio.wait_for(http.post(f"/episodes/{other.episode_id}/abandon", json={}), 20)
+            assert abandoned.status_code == 200
     finally:
         server.stop()
 

@@ -162,7 +162,7 @@ def queue_router(gateway: Gateway) -> APIRouter:
     @router.post("/attempts/{attempt_id}/heartbeat")
     @_refusals
     async def heartbeat(attempt_id: str, body: Heartbeat, request: Request):
-        await gateway.settled(body.episode_id)
+        await gateway.settled(body.episode_id, generating=False)  # a call being generated must not hold it up
         attempt = await run(queue.heartbeat, attempt_id, body.episode_id, body.lease_seconds)
         return attempt_body(attempt, root_url(request))
 

@@ -2,11 +2,13 @@
 what happened (``record``), written through the store behind the answer (write-behind).
 
 A call is answered once it is queued for the writer thread, which commits queued calls in batches. What reads or
-changes an episode waits for its queued calls first (``settled``): its next call's prompt is spliced onto its
+changes an episode waits for its calls first (``settled``): those being generated (from ``prepare`` until
+``record``, or until the request ends without one) and those queued; its next call's prompt is spliced onto its
 outputs in memory (named by a provisional id that the writer turns into the committed one), its outcome and its
 exports wait, and so does the server's shutdown (``drain``). A call that cannot be written after its answer left
-is a lost call: its episode is abandoned with the reason (``store.episodes.lose_call``: it never trains, its
-finish is a 409 naming the call) and counted.
+is a lost call: its open episode is abandoned with the reason (``store.episodes.lose_call``: it never trains, its
+finish is a 409 naming the call) and counted. A call whose episode was closed before it could be written (by
+another process, or a lease's expiry) is a late call: counted and dropped, the episode's outcome stands.
 
 A gateway killed between an answer and its commit loses the calls answered in that window (one batch: a few
 milliseconds of traffic). The agent's next call, to a restarted gateway, re-sends those replies as history; they
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import weakref
 from collections import Counter, OrderedDict
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
@@ -146,6 +149,11 @@ class Gateway:
         self._committed: OrderedDict[int, int] = OrderedDict()  # ticket -> the call's id, for splices on it
         self._lost: OrderedDict[str, str] = OrderedDict()  # episode -> why it lost a call, for those lost here
         self.lost_calls = 0  # calls answered and never recorded, since this gateway started
+        self.late_calls = 0  # calls answered after their episode closed (elsewhere), dropped, since it started
+        # calls being generated: episode -> each one's future, done once it is queued for the writer (or dropped);
+        # and the way to end each, by its Splice's id (``prepare`` starts one, ``record`` ends it)
+        self._generating: dict[str, set[Future[None]]] = {}
+        self._landings: dict[int, weakref.finalize] = {}
 
     def redacts(self, split: str | None) -> bool:
         """Whether what is stored for an episode of ``split`` is redacted (an unknown split: it is)."""
@@ -240,13 +248,44 @@ class Gateway:
         with self._queued:
             redacting = any(not p.held for p in self._unsettled.get(episode_id, ()))
         if redacting:
-            await self.settled(episode_id)
+            await self._written(episode_id)
         if (cached := self._cached(episode_id)) is not None:
-            return splice_prompt(tokenizer, messages, tools, cached)
-        await self.settled(episode_id)  # forgotten meanwhile (LRU): its queued calls first, then the store
-        return await asyncio.to_thread(self._prepare, episode_id, messages, tools, tokenizer, eos_ids)
+            return self._take_off(episode_id, splice_prompt(tokenizer, messages, tools, cached))
+        await self._written(episode_id)  # forgotten meanwhile (LRU): its queued calls first, then the store
+        splice = await asyncio.to_thread(self._prepare, episode_id, messages, tools, tokenizer, eos_ids)
+        return self._take_off(episode_id, splice)
 
-    async def settled(self, episode_id: str | None = None) -> None:
+    def _take_off(self, episode_id: str, splice: Splice) -> Splice:
+        """Count the call that ``splice`` is the prompt of as being generated, until ``record`` queues it or the
+        Splice is dropped unrecorded (its request failed, its client went away): what closes its episode waits."""
+        flight: Future[None] = Future()
+        flight.set_running_or_notify_cancel()
+        with self._queued:
+            self._generating.setdefault(episode_id, set()).add(flight)
+            self._landings[id(splice)] = weakref.finalize(splice, self._land, id(splice), episode_id, flight)
+        return splice
+
+    def _land(self, key: int, episode_id: str, flight: Future[None]) -> None:
+        """A call is no longer being generated (recorded, or its Splice dropped): whoever waits for it is told."""
+        with self._queued:
+            self._landings.pop(key, None)
+            flying = self._generating.get(episode_id, set())
+            flying.discard(flight)
+            if not flying:
+                self._generating.pop(episode_id, None)
+        flight.set_result(None)
+
+    async def settled(self, episode_id: str | None = None, *, generating: bool = True) -> None:
+        """Wait until an episode's calls are committed or lost: those being generated now (unless not
+        ``generating``: a lease's heartbeat) and those queued. None: the calls queued so far in any episode."""
+        if episode_id is not None and generating:
+            with self._queued:
+                flying = list(self._generating.get(episode_id, ()))
+            if flying:
+                await asyncio.gather(*(asyncio.wrap_future(f) for f in flying))  # each queued by now, or dropped
+        await self._written(episode_id)
+
+    async def _written(self, episode_id: str | None = None) -> None:
         """Wait until the calls queued so far in an episode (None: in any) are committed or lost."""
         with self._queued:
             queued = self._unsettled.values() if episode_id is None else [self._unsettled.get(episode_id, [])]
@@ -320,6 +359,10 @@ class Gateway:
                 self._writer = threading.Thread(target=self._write, name="flywheel-call-writer", daemon=True)
                 self._writer.start()
             self._queued.notify()
+        with self._queued:
+            landing = self._landings.get(id(splice))
+        if landing is not None:
+            landing()  # it was being generated: now it is queued
         if held:
             with self._lock:
                 if episode_id in self._outputs:
@@ -363,6 +406,9 @@ class Gateway:
                     ]
                 elif held is not None:
                     held += outputs_of(outcome, p.eos_ids)
+        elif self.write_behind and isinstance(outcome, EpisodeConflictError):  # closed before it was written
+            with self._lock:
+                self.late_calls += 1  # dropped: the episode's outcome (finished, or abandoned) stands
         elif self.write_behind:
             call = p.fields["response"].get("id", f"#{p.ticket}")
             self._lose(p.episode_id, f"call {call} was answered, then could not be recorded ({outcome})")

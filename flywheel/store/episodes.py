@@ -274,13 +274,14 @@ def abandon(s: Session, episode_id: str, reason: str | None = None) -> EpisodeRe
 
 def lose_call(s: Session, episode_id: str, reason: str) -> EpisodeRecord:
     """Note that an episode lost a call: one its agent was answered, that is not in the store (its write failed
-    after the answer, or its gateway stopped before writing it). The episode is abandoned with ``reason``, even a
-    finished one, so that it never trains with a call missing (its finish is then a conflict that names
-    ``reason``); ``meta[LOST_CALLS]`` counts its lost calls."""
+    after the answer, or its gateway stopped before writing it). An open episode is abandoned with ``reason``, so
+    that it never trains with a call missing (its finish is then a conflict that names ``reason``); a finished one
+    keeps its outcome (it was committed before the call could be: the call came after it, as a late call does);
+    ``meta[LOST_CALLS]`` counts its lost calls."""
     row = _episode(s, episode_id, lock=True)
     meta = {**row.meta, LOST_CALLS: int(row.meta.get(LOST_CALLS, 0)) + 1}
-    if row.status != EpisodeStatus.abandoned:
-        row.status, row.finished_at = EpisodeStatus.abandoned, row.finished_at or _now()
+    if row.status == EpisodeStatus.open:
+        row.status, row.finished_at = EpisodeStatus.abandoned, _now()
         meta["abandoned_because"] = reason
     row.meta = meta
     s.flush()
