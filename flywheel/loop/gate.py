@@ -2,8 +2,9 @@
 more costly than allowed?
 
 Each policy's results are paired by held-out item (the same tickets, problems or prompts, each scored by the same
-grader versions). The primary metric's lift is the mean of the per-item differences, with a bootstrap interval over
-items (expanded percentile, ``stats.expanded_level``; fixed seed: a report is reproducible). Promotion needs all of:
+grader versions). The primary metric's lift is the mean of the per-item differences, with an interval over items
+(``stats.mean_interval``: an expanded percentile bootstrap with a fixed seed, so a report is reproducible, or
+Student's t where a look's tail is too deep for the resamples). Promotion needs all of:
 
 - lift: the interval's lower bound, at the look's one-sided level (``levels``: the loop looks again and again, so
   each look spends part of a lifetime error budget, ``looks.py``), above ``min_lift`` (0.02 by default: better by
@@ -26,7 +27,7 @@ import numpy as np
 from pydantic import BaseModel, Field, field_validator
 
 from flywheel.loop.looks import look_budget
-from flywheel.stats import bootstrap_mean, expanded_level
+from flywheel.stats import mean_interval
 
 EFFICIENCY = {"tokens", "tool_calls", "latency_ms"}  # metrics that must not grow past a limit
 
@@ -173,8 +174,8 @@ def decide(
         raise GateInputError("no held-out results to compare")
     c = np.array([a.score for a, _ in pairs])
     p = np.array([b.score for _, b in pairs])
-    # resampling items (the pairs stay together), read as an expanded percentile interval (small sets of items)
-    low, high = bootstrap_mean(c - p, policy.resamples, policy.seed, alpha=expanded_level(level, len(pairs)))
+    # resampling items (the pairs stay together): an expanded percentile interval (``stats.mean_interval``)
+    low, high = mean_interval(c - p, policy.resamples, policy.seed, level)
     lift = Lift(
         mean=float((c - p).mean()), low=low, high=high, candidate=float(c.mean()), production=float(p.mean()),
         level=level,

@@ -20,7 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from flywheel.loop.looks import reached, schedule
-from flywheel.stats import bootstrap_mean, expanded_level
+from flywheel.stats import mean_interval
 
 RESAMPLES = 4000
 MAX_LISTED = 200  # episode ids an audit event lists
@@ -89,7 +89,7 @@ def verdict(pairs: list[Pair], policy: ShadowPolicy, seed: int = 0) -> ShadowVer
         return ShadowVerdict(action="wait", reason=f"{len(pairs)} of {policy.min_pairs} shadow episodes paired", **base)
     level = policy.alpha / len(points)
     mean = sum(diffs) / n
-    low, high = bootstrap_mean(diffs, RESAMPLES, seed, alpha=expanded_level(level, n))
+    low, high = mean_interval(diffs, RESAMPLES, seed, level)
     base |= {"difference": (mean, low, high), "level": level}
     said = (
         f"shadow - production reward {mean:+.3f} [{low:+.3f}, {high:+.3f}] over the first {n} of {len(pairs)} paired"
