@@ -1,9 +1,10 @@
 """``flywheel graders regress OLD NEW``: re-score stored episodes with two versions of a grader stack and report
 what changed, before the new version decides anything (a new grader or rubric is a policy change).
 
-An episode's sample is its last call's answer (its first choice), its item what its agent was given (the queued
-task's payload, or the ``item`` in its metadata). Both versions are registered in the store (an audit event for a
-new one) and their grades recorded, each naming its version.
+An episode's sample is its last call's answer (its first choice), with every choice of every call for the safety
+gate (``last_sample``); its item is what its agent was given (the queued task's payload, or the ``item`` in its
+metadata). Both versions are registered in the store (an audit event for a new one) and their grades recorded,
+each naming its version.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import asyncio
 from pydantic import BaseModel
 
 from flywheel.graders.model_graders import JudgeSettings
-from flywheel.graders.sample import Sample
+from flywheel.graders.sample import EpisodeSample, Sample
 from flywheel.graders.sandbox import PythonSandbox
 from flywheel.graders.stack import GraderStack, StackScore, score
 from flywheel.store import Store
@@ -48,12 +49,18 @@ class RegressReport(BaseModel):
     most_changed: list[EpisodeChange]  # by |new - old| of the total, largest first
 
 
-def last_sample(calls: list[CallRecord]) -> Sample:
-    """The episode's final answer: its last call's first choice (empty when it made no call)."""
-    if not calls or not calls[-1].response.get("choices"):
-        return Sample()
-    choice = calls[-1].response["choices"][0]
-    return Sample.from_message(choice.get("message") or {}, finish_reason=choice.get("finish_reason") or "stop")
+def last_sample(calls: list[CallRecord]) -> EpisodeSample:
+    """A stored episode as graders see it: its final answer, its last call's first choice (empty when it made no
+    call), and as ``turns`` every choice of every call, in order: the model produced each, and with n > 1 the record
+    does not say which one the agent acted on, so the safety gate leaves none out."""
+    turns = [
+        Sample.from_message(choice.get("message") or {}, finish_reason=choice.get("finish_reason") or "stop")
+        for call in calls
+        for choice in call.response.get("choices") or []
+    ]
+    last = calls[-1].response.get("choices") if calls else None
+    answer = turns[-len(last)] if last else Sample()  # the last call's first choice
+    return EpisodeSample(**answer.model_dump(), turns=turns)
 
 
 def _component(name: str, old: list[StackScore], new: list[StackScore]) -> ComponentChange:

@@ -1,9 +1,10 @@
 """Graders as rewards: score trajectories in a rollout or in ``gather``'s ``after_each``, and aggregate the
 per-grader metrics of a step.
 
-A trajectory's sample is its final assistant message: its text and tool calls (earlier turns are context, as in
-OpenAI's RFT, where the graded sample is the model's last output). Scoring sets ``trajectory.reward`` and adds
-metrics, which ``model.log`` averages per split and ``grader_metrics`` aggregates properly:
+A trajectory's sample is its final assistant message: its text and tool calls (as in OpenAI's RFT, where the
+graded sample is the model's last output); ``sample_of`` keeps every turn the model produced with it, which a grader
+stack's safety gate grades one by one (``stack.score``). Scoring sets ``trajectory.reward`` and adds metrics, which
+``model.log`` averages per split and ``grader_metrics`` aggregates properly:
 
 - ``grader/<name>``: the reward; ``grader/<name>/<key>``: a multi grader's sub-rewards;
 - ``grader/<name>/errors``: errors in this grade; ``grader/<name>/error/<kind>``: by kind (when any);
@@ -21,22 +22,31 @@ from openai.types.chat.chat_completion import Choice
 from flywheel.graders.data import RFTRow
 from flywheel.graders.model_graders import JudgeSettings
 from flywheel.graders.run import GradeResult, grade
-from flywheel.graders.sample import Sample
+from flywheel.graders.sample import EpisodeSample, Sample
 from flywheel.graders.sandbox import PythonSandbox
 from flywheel.graders.spec import Grader
-from flywheel.types import Trajectory, TrajectoryGroup
+from flywheel.types import Trajectory, TrajectoryGroup, choice_to_message
 
 ItemOf = Callable[[Trajectory], Mapping[str, Any]]
 
 
-def sample_of(trajectory: Trajectory) -> Sample:
-    """The final assistant message of a trajectory as a grader sample (empty if the model never answered)."""
+def sample_of(trajectory: Trajectory) -> EpisodeSample:
+    """A trajectory as graders see it: its final assistant message (empty if the model never answered) and, as
+    ``turns``, every turn the model produced: the sampled Choices of its main and additional histories (a
+    sub-agent's, a history the client edited), or, in a trajectory that holds none (made of message dicts), every
+    assistant message, since nothing tells the model's from the prompt's there."""
     last = trajectory.messages_and_choices[-1] if trajectory.messages_and_choices else None
     finish_reason = last.finish_reason if isinstance(last, Choice) else "stop"
-    for message in reversed(trajectory.messages()):
-        if message.get("role") == "assistant":
-            return Sample.from_message(message, finish_reason=finish_reason)
-    return Sample()
+    final = next((m for m in reversed(trajectory.messages()) if m.get("role") == "assistant"), None)
+    answer = Sample.from_message(final, finish_reason=finish_reason) if final is not None else Sample()
+    histories = [trajectory, *trajectory.additional_histories]
+    choices = [item for h in histories for item in h.messages_and_choices if isinstance(item, Choice)]
+    turns = (
+        [Sample.from_message(choice_to_message(c), finish_reason=c.finish_reason) for c in choices]
+        if choices
+        else [Sample.from_message(m) for h in histories for m in h.messages() if m.get("role") == "assistant"]
+    )
+    return EpisodeSample(**answer.model_dump(), turns=turns)
 
 
 def metrics_of(result: GradeResult) -> dict[str, float]:

@@ -56,3 +56,12 @@ class Sample(BaseModel):
         if valid:
             namespace["output_json"] = value
         return namespace
+
+
+class EpisodeSample(Sample):
+    """An episode as a grader stack grades it (``stack.score``): its final answer (this sample's own fields, what
+    every grader but the safety gate reads) and ``turns``, every assistant turn the model produced, in order, the
+    final answer included (what the safety gate grades, one by one). ``rewards.sample_of`` makes one of a
+    trajectory, ``regress.last_sample`` of an episode's stored calls."""
+
+    turns: list[Sample] = []
