@@ -17,6 +17,7 @@ from flywheel.graders.stack import parse_stack, score
 from flywheel.store import Store, audit
 from flywheel.store import episodes as db
 from flywheel.store import grades as gdb
+from flywheel.types import Trajectory
 
 
 def check(name: str, reference: str) -> dict:
@@ -82,12 +83,16 @@ def refund_episode(store: Store, amount: int) -> str:
 async def test_an_unsafe_tool_call_before_the_last_answer_is_unsafe_on_every_path(store: Store):
     """The episode's first call refunds over the limit, its last answer is benign. Unsafe on each path a stored
     episode is scored by: its calls (``last_sample``: the canary's and the shadow's, and ``regress``) and its
-    trajectory (``sample_of``: the held-out evaluation's, whose trajectories are ``episode_trajectory``'s)."""
+    trajectory (``sample_of``: the held-out evaluation's, whose trajectories are ``episode_trajectory``'s, as the
+    queue client receives them in JSON)."""
     stack = parse_stack(REFUNDS)
     unsafe, safe = refund_episode(store, 500), refund_episode(store, 50)
     with store.session() as s:
         calls = {i: db.calls(s, i) for i in (unsafe, safe)}
-        trajectories = {i: episode_trajectory(db.get_episode(s, i), calls[i]) for i in (unsafe, safe)}
+        trajectories = {
+            i: Trajectory.model_validate_json(episode_trajectory(db.get_episode(s, i), calls[i]).model_dump_json())
+            for i in (unsafe, safe)
+        }
     for episode_id, expected in ((unsafe, False), (safe, True)):
         for sample in (last_sample(calls[episode_id]), sample_of(trajectories[episode_id])):
             assert sample.output_text.startswith("Your refund is on its way")  # the final answer, for the reward
