@@ -233,18 +233,41 @@ def show(
 
 
 @audit_app.command()
-def verify(db: Db = None):
-    """Check the audit chain: exit 0 if every event is as appended, 1 naming the first row that is not."""
+def verify(
+    db: Db = None,
+    anchor: Annotated[
+        Path | None,
+        typer.Option(
+            help="The anchor file to check the chain against (default: $FLYWHEEL_AUDIT_ANCHOR, else"
+            " audit-anchor.jsonl next to a SQLite store or in $FLYWHEEL_HOME), e.g. a witness's copy.",
+            show_default=False,
+        ),
+    ] = None,
+    key_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="A file holding the audit key to check the events' MACs with (default: $FLYWHEEL_AUDIT_KEY or"
+            " $FLYWHEEL_AUDIT_KEY_FILE; without a key MACs are not checked).",
+            show_default=False,
+        ),
+    ] = None,
+):
+    """Check the audit chain, against the anchor file and the audit key too: exit 0 if every event is as appended
+    (the head's count and hash are printed, for a witness to keep), 1 naming the first row that is not, 2 if the
+    store, the key or the anchor file cannot be read."""
     store = _open(db)
     try:
+        witness = audit.Witness.configured(store.engine, key_file=key_file, anchor=anchor)
         with store.session() as s:
-            report = audit.verify(s)
+            report = audit.verify(s, witness)
+    except ValueError as exc:  # the key or the anchor file
+        _fail(str(exc))
     finally:
         store.close()
     if not report.ok:
         console.print(f"[red]Audit chain broken at row {report.bad_id}: {escape(report.message)}[/]", soft_wrap=True)
         raise typer.Exit(1)
-    console.print(report.message)
+    console.print(escape(report.message), soft_wrap=True)
 
 
 def show_deployments(

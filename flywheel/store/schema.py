@@ -120,6 +120,7 @@ class AuditEvent(Base):
     details: Mapped[dict[str, Any]]
     prev_hash: Mapped[str] = mapped_column(String(64))
     hash: Mapped[str] = mapped_column(String(64))
+    mac: Mapped[str | None] = mapped_column(String(64))  # HMAC over hash with the audit key, when one is set
 
 
 class AuditHead(Base):
