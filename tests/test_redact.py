@@ -37,6 +37,80 @@ def test_personal_data_is_replaced_and_counted(text, expected, kinds):
 
 
 @pytest.mark.parametrize(
+    "phone",
+    [
+        "(555) 123-4567",
+        "555-123-4567",
+        "555 123 4567",
+        "555.123.4567",
+        "1-800-555-0199",
+        "1 (800) 555-0199",
+        "+1 (555) 123-4567",
+        "+1-555-123-4567",
+        "+1 415 555 0132",
+        "+14155550123",
+        "+44 20 7946 0958",
+        "+44 (0)20 7946 0958",
+        "+33 1 23 45 67 89",
+        "+49 30 12345678",
+        "+81 3-1234-5678",
+        "+91 98765 43210",
+        "020 7946 0958",
+        "(020) 7946 0958",
+        "07700 900123",
+        "01 23 45 67 89",
+    ],
+)
+def test_phone_numbers_in_common_formats_are_replaced(phone):
+    assert default_redactor(f"Call {phone}, please.") == ("Call [phone], please.", Counter({"phone": 1}))
+    assert default_redactor(f'{{"phone": "{phone}"}}') == ('{"phone": "[phone]"}', Counter({"phone": 1}))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # issue #37, item 17: these were phone numbers to the redactor (a call with them lost its token ids)
+        "2024-11-27 10:30",
+        "Opened 2024-11-27 10:30, closed 2024-11-28 09:15:42",
+        "192.168.100.200",
+        "2024-11-27T10:30:00Z",
+        "2024-11-27T10:30:00.123+01:00",
+        "27.11.2024 10:30",
+        "01.12.2024 10:30",
+        "11-27-2024 10:30:15",
+        "20241127 103000",
+        "2024 11 27 10 30",
+        "10:30:00 10:45:00",
+        "12:30-13:45",
+        "UTC+05:30",
+        "GMT +05:30",
+        "between 2019-2024 and 2025-2030",
+        "10.0.0.1:8080, 255.255.255.0, 2001:db8::1",
+        "v1.22.333",
+        "version 10.15.7 build 2024.11.27",
+        "ORD-2024-1127-5531",
+        "order #2024-1127-553100",
+        "INV 2024 000 1234",
+        "id 555-1234-5678",
+        "user-555-123-4567",
+        "/api/v1/555-123-4567",
+        "ISBN 978-3-16-148410-0",
+        "zip 94105-1234",
+        "pages 123-456",
+        "1 234 567 890 tokens",
+        "12 345 678 901",
+        "$1,234,567.89",
+        "lat 48.8566, lon 2.3522",
+        "3.14159 2.71828 1.41421",
+        "uuid 123e4567-e89b-12d3-a456-426614174000",
+        "epoch 1732703400",
+    ],
+)
+def test_dates_times_addresses_versions_and_order_numbers_are_not_phone_numbers(text):
+    assert default_redactor(text) == (text, Counter())
+
+
+@pytest.mark.parametrize(
     "text",
     [
         "What is 12 + 7? The answer is 19.",
@@ -110,6 +184,46 @@ async def test_what_the_gateway_stores_is_redacted_and_what_it_answers_is_not(ga
     async with httpx.AsyncClient(base_url=gateway) as http:
         stats = (await http.get("/gateway/stats")).json()
     assert stats["redacted"] == {"email": 2, "card": 1, "phone": 1}
+    # issue #37, item 17: a redacted call leaves RL training: the share of them is shown
+    assert stats["calls"] == {"recorded": 2, "redacted": 1, "redacted_share": 0.5}
+
+
+async def test_free_text_is_redacted_and_ids_with_personal_data_are_refused(gateway: str):
+    """Issue #37, item 17: an abandon's reason, an agent's exception text (a failed attempt's reason) and a
+    feedback's source reached the store as sent. Ids are not redacted (two ids redacted alike would be one: two
+    tasks' groups merged, a second feedback taken for a repost of the first): one with personal data is a 400
+    that names the field and what it found, never the value; a training task's id is stored as given, as its
+    calls are."""
+    async with EpisodeClient(gateway) as client, httpx.AsyncClient(base_url=gateway, timeout=60) as http:
+        episode = await client.create("ticket-2", split="production")
+        why = "the user's request failed: call +1 (555) 123-4567 about the 2024-11-27 10:30 order"
+        abandoned = await client.abandon(episode.id, why)
+        assert abandoned.meta["abandoned_because"] == "the user's request failed: call [phone] about the 2024-11-27 10:30 order"  # fmt: skip
+        posted = await client.feedback(episode.id, "resolved", 1.0, source="agent jane@example.com", key="fb-1")
+        assert posted["source"] == "agent [email]" and posted["key"] == "fb-1"
+
+        def refused(r: httpx.Response, param: str, kind: str) -> bool:
+            error = r.json()["error"]
+            return r.status_code == 400 and error["param"] == param and f"personal data ({kind})" in error["message"]
+
+        by_key = await http.post(
+            f"/episodes/{episode.id}/feedback", json={"kind": "rating", "value": 1, "key": "jane@example.com"}
+        )
+        assert refused(by_key, "key", "email") and "jane" not in by_key.text
+        by_task = await http.post("/episodes", json={"task_id": "call 555-123-4567", "split": "production"})
+        assert refused(by_task, "task_id", "phone") and "4567" not in by_task.text
+        assert (await client.create("call 555-123-4567", split="train")).task_id == "call 555-123-4567"
+        queued = {"payload": {}, "group_size": 1, "max_tries": 1}
+        task = await http.post("/tasks", json={"task_id": "bob@example.com", "split": "production", **queued})
+        assert refused(task, "task_id", "email")
+        assert (await http.post("/tasks", json={"task_id": "q-1", **queued})).status_code == 201
+        lease = (await http.post("/tasks/claim", json={"runner": "r1"})).json()
+        failure = {"episode_id": lease["episode_id"], "reason": "KeyError: 'bob@example.com' at 2024-11-27 10:30"}
+        failed = (await http.post(f"/attempts/{lease['id']}/fail", json=failure)).json()
+        assert failed["error"] == "KeyError: '[email]' at 2024-11-27 10:30"
+        assert (await client.get(lease["episode_id"])).meta["abandoned_because"] == failed["error"]
+        stats = (await http.get("/gateway/stats")).json()
+    assert stats["redacted"] == {"phone": 1, "email": 2} and stats["calls"]["recorded"] == 0
 
 
 async def test_training_episodes_are_stored_as_sampled(gateway: str):

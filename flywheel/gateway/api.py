@@ -22,6 +22,11 @@ An unknown id is a 404; an outcome that contradicts a closed episode's, or a cal
 a 400. Posting the same outcome twice is accepted and changes nothing. An episode's outcome, its calls and its
 exports wait for its calls that the gateway answered and has not written yet (``Gateway.settled``); an episode that
 lost one (answered, never written) is abandoned, and its outcome is a 409 that says which call.
+
+Free text reaches the store through the gateway's redactor (``Gateway.redact``): metadata (as its episode's split
+says), an abandon's reason, a feedback's note and source (always). Ids are never redacted, since two ids redacted
+alike would become one (two tasks' groups merged, a second feedback taken for a repost of the first): a task id (of
+an episode whose split is redacted) or a feedback key in which the redactor finds personal data is a 400.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import math
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -102,6 +108,21 @@ class Abandon(BaseModel):
     reason: str | None = Field(None, max_length=2000)
 
 
+def refuse_personal_id(gateway: Gateway, field: str, value: str | None, split: str | None = None) -> None:
+    """A 400 at ``field`` if the redactor finds personal data in the id ``value`` (stored for an episode of
+    ``split``: None, any). The message names what it found, never the value."""
+    if value is None or not gateway.redacts(split):
+        return
+    assert gateway.redactor is not None  # redacts() says there is one
+    if found := gateway.redactor(value)[1]:
+        kinds = ", ".join(sorted(found))
+        message = (
+            f"{field} holds personal data ({kinds}); ids are stored as given, never redacted: use an opaque id (a "
+            "ticket number, a hash)"
+        )
+        raise RequestValidationError([{"type": "value_error", "loc": ("body", field), "msg": message, "input": None}])
+
+
 def episode_url(root: str, episode_id: str) -> str:
     """The OpenAI base URL of an episode on the server at ``root``."""
     return f"{root}/episodes/{episode_id}/v1"
@@ -132,6 +153,7 @@ def episode_router(gateway: Gateway) -> APIRouter:
 
     @router.post("/episodes", status_code=201)
     async def create(body: NewEpisode, request: Request):
+        refuse_personal_id(gateway, "task_id", body.task_id, body.split)
         meta, _ = gateway.redact(body.metadata, body.split)
         episode = await run(db.create_episode, body.task_id, split=body.split, model=body.model, meta=meta)
         return episode_body(episode, root_url(request), Usage(currency=gateway.prices.currency))
@@ -185,14 +207,18 @@ def episode_router(gateway: Gateway) -> APIRouter:
     @router.post("/episodes/{episode_id}/abandon")
     async def abandon(episode_id: str, body: Abandon, request: Request):
         await gateway.settled(episode_id)
-        episode = await run(db.abandon, episode_id, body.reason)
+        reason = gateway.redact(body.reason)[0] if body.reason is not None else None
+        episode = await run(db.abandon, episode_id, reason)
         gateway.forget(episode)
         return await body_of(episode, request)
 
     @router.post("/episodes/{episode_id}/feedback", status_code=201)
     async def feedback(episode_id: str, body: NewFeedback):
-        note = gateway.redact(body.note)[0] if body.note is not None else None
-        record, created = await run(fb.add_feedback, episode_id, **body.model_dump(exclude={"note"}), note=note)
+        refuse_personal_id(gateway, "key", body.key)
+        note, source = gateway.redact([body.note, body.source])[0]
+        record, created = await run(
+            fb.add_feedback, episode_id, kind=body.kind, value=body.value, note=note, source=source, key=body.key
+        )
         return JSONResponse(record.model_dump(mode="json"), status_code=201 if created else 200)
 
     @router.get("/episodes/{episode_id}/feedback")
@@ -223,10 +249,18 @@ def episode_router(gateway: Gateway) -> APIRouter:
 
     @router.get("/gateway/stats")
     async def stats(request: Request):
-        """What the gateway did since it started: redactions by kind, canary and shadow traffic, lost calls."""
+        """What the gateway did since it started: redactions by kind, canary and shadow traffic, lost calls.
+        ``calls``: the calls it recorded and how many of them it redacted (a redacted call keeps no token ids: its
+        episode is text-only from there on and leaves RL training; a high share says redaction starves training)."""
         traffic = getattr(request.app.state, "traffic", None)
+        recorded, redacted = gateway.recorded_calls, gateway.redacted_calls
         return {
             "redacted": dict(gateway.redactions),
+            "calls": {
+                "recorded": recorded,
+                "redacted": redacted,
+                "redacted_share": redacted / recorded if recorded else 0.0,
+            },
             "lost_calls": gateway.lost_calls,
             "traffic": dataclasses.asdict(traffic.counts) if traffic is not None else {},
         }

@@ -27,7 +27,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from flywheel.gateway.api import Outcome, episode_url, root_url
+from flywheel.gateway.api import Outcome, episode_url, refuse_personal_id, root_url
 from flywheel.gateway.recorder import Gateway
 from flywheel.server.protocol import ErrorDetail, ErrorResponse
 from flywheel.store import tasks as queue
@@ -121,6 +121,7 @@ def queue_router(gateway: Gateway) -> APIRouter:
     @router.post("/tasks", status_code=201)
     @_refusals
     async def enqueue(body: NewTask):
+        refuse_personal_id(gateway, "task_id", body.task_id, body.split)  # its episodes' group key: never redacted
         task, new = await run(
             queue.enqueue,
             body.task_id,
@@ -186,7 +187,8 @@ def queue_router(gateway: Gateway) -> APIRouter:
     @_refusals
     async def fail(attempt_id: str, body: Failure, request: Request):
         await gateway.settled(body.episode_id)
-        attempt, episode = await run(queue.fail, attempt_id, body.episode_id, body.reason)
+        reason = gateway.redact(body.reason)[0]  # an agent's exception text, often quoting what it was given
+        attempt, episode = await run(queue.fail, attempt_id, body.episode_id, reason)
         gateway.forget(episode)
         return attempt_body(attempt, root_url(request))
 

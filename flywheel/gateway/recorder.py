@@ -139,6 +139,7 @@ class Gateway:
         self.redacted_splits = redacted_splits
         self._splits: OrderedDict[str, str] = OrderedDict()  # episode -> its split, for those this process read
         self.redactions: Counter[str] = Counter()  # what it replaced, by kind, since this gateway started
+        self.recorded_calls = self.redacted_calls = 0  # calls it wrote (or tried to), those of them it redacted
         self._outputs: OrderedDict[str, list[Output]] = OrderedDict()  # episode -> its outputs, most recent last
         self._lock = threading.Lock()
         self._queue: list[_Pending] = []  # calls to record, in the order they finished
@@ -187,6 +188,9 @@ class Gateway:
         split = _call_split(split, fields["deployment"])
         request, in_request = self.redact(fields["request"], split)
         response, in_response = self.redact(fields["response"], split)
+        with self._lock:
+            self.recorded_calls += 1
+            self.redacted_calls += bool(in_request or in_response)
         if not (in_request or in_response):
             return fields
         return fields | {"request": request, "response": without_token_ids(response), "text_only": True}
