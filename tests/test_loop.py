@@ -71,7 +71,8 @@ async def test_held_out_items_run_by_runners_are_scored_recorded_and_paired(back
     assert len(first.episodes) == 6 and first.stack == STACK.version and first.heldout.startswith("colours@")
     answered = first.results[:3]
     assert all(r.tokens > 0 and r.latency_ms > 0 and r.safe and r.tool_calls == 0 for r in answered)
-    assert first.results[3].score == 0.0  # every attempt failed: the item counts as not done
+    # every attempt failed: the item counts as not done, and not safe (missing evidence is not good evidence)
+    assert (first.results[3].score, first.results[3].safe, first.results[3].failures) == (0.0, False, 2)
     with backend.gateway.store.session() as s:
         grades = [g for e in first.episodes for g in gdb.grades_of(s, e)]
     assert len(grades) == 12 and {g.version for g in grades} == {STACK.version}  # reward + safety per episode
@@ -95,9 +96,10 @@ def write_config(tmp_path: Path) -> Path:
         "stack": "stack.json", "heldout": "heldout.json", "group_size": 2, "groups_per_step": 2, "steps": 4,
         "candidate_every": 2, "canary": {"share": 0.25, "min_episodes": 2}, "max_wait": 300,
         "train": {"learning_rate": 1e-5},
-        # any candidate passes (a random reward, no safety grader): this test is about what follows; latency has no
-        # limit (on a loaded 2-core machine one side's wall time was 14x the other's: the gate held the candidate)
-        "gate": {"min_items": 2, "min_lift": -2.0, "max_increase": {"tokens": 10, "tool_calls": 10, "latency_ms": 1e9}},
+        # any candidate passes (a random reward, no safety grader, turned off explicitly): this test is about what
+        # follows; latency has no limit (on a loaded 2-core machine one side's wall time was 14x the other's)
+        "gate": {"min_items": 2, "min_lift": -2.0, "require_safety": False,
+                 "max_increase": {"tokens": 10, "tool_calls": 10, "latency_ms": 1e9}},
     }  # fmt: skip
     (tmp_path / "loop.yaml").write_text(yaml.safe_dump(config))
     return tmp_path / "loop.yaml"

@@ -187,6 +187,12 @@ class Loop:
         self.config, self.backend, self.actor = config, backend, actor
         self.stack: GraderStack = load_stack(config.stack)
         self.heldout = HeldOutSet.model_validate_json(Path(config.heldout).read_text())
+        if self.stack.safety is None:
+            log.warning(
+                "the grader stack %s has no safety grader: %s", self.stack.name,
+                "candidates are promoted with safety not checked (gate.require_safety is off)"
+                if not config.gate.require_safety else "the gate promotes nothing (gate.require_safety)",
+            )  # fmt: skip
         self.pool: dict[str, dict[str, Any]] = {}
         if config.tasks is not None:
             for n, line in enumerate(Path(config.tasks).read_text().splitlines(), start=1):
@@ -282,6 +288,8 @@ class Loop:
         decision = decide(candidate.results, current.results, self.config.gate)
         log.info("candidate %s vs %s: %s", name, production, "promote" if decision.promote else "hold")
         failed = ", ".join(f"{c.name}: {c.detail}" for c in decision.failed)
+        # a stack without a safety grader (gate.require_safety off, or the gate held it): the trail says so
+        unchecked = {"safety": "not checked"} if not all(r.safety_checked for r in candidate.results) else {}
         first = production == self.config.base_model  # no production traffic to split: it becomes production
         # an older shadow's pairs scored up to now (its evidence, if it is replaced), and its verdict if they decide it
         older = await self.watch_shadow() if decision.promote and not first else None
@@ -294,12 +302,13 @@ class Loop:
                 action="gate.pass" if decision.promote else "gate.hold",
                 subject=name,
                 reason=(f"lift {decision.lift.mean:+.3f} [{decision.lift.low:+.3f}, {decision.lift.high:+.3f}]"
-                        + (f"; failed {failed}" if failed else "") + (f"; held: {held}" if held else ""))[:2000],
+                        + ("; safety not checked" if unchecked else "") + (f"; failed {failed}" if failed else "")
+                        + (f"; held: {held}" if held else ""))[:2000],
                 details={
                     "candidate": name, "production": production, "heldout": runs[0].heldout,
                     "stack": self.stack.version, "evaluations": [r.id for r in runs],
                     "lift": decision.lift.model_dump(), "checks": [c.model_dump() for c in decision.checks],
-                } | ({"held": held} if held else {}),
+                } | unchecked | ({"held": held} if held else {}),
             )  # fmt: skip
             deployed = None if stage is None else self._deploy(s, stage, step, event.id)
         return Candidate(

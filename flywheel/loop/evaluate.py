@@ -3,8 +3,9 @@ environment against one served model name (a checkpoint ``calc@12`` or a deploym
 episode scored by a grader stack, the grades recorded, one ``ItemResult`` per item for the gate.
 
 The items go to the rollout queue as tasks of split ``eval`` (``samples`` attempts each: their mean is the item's
-result), so the same runners that collect training groups run them, wherever they are. An item whose attempts all
-failed scores 0 (the agent could not finish it); one that was unsafe in any attempt is unsafe.
+result), so the same runners that collect training groups run them, wherever they are. Every attempt counts: one
+that did not finish scores 0 and is not safe (``_item_result``), so an item is safe only if all its attempts
+finished and passed the safety grader.
 """
 
 from __future__ import annotations
@@ -38,17 +39,23 @@ def _tool_calls(trajectory: Trajectory) -> int:
     return sum(len(m.get("tool_calls") or []) for m in trajectory.messages() if m.get("role") == "assistant")
 
 
-def _item_result(item_id: str, trajectories: list[Trajectory], scores: list[StackScore]) -> ItemResult:
-    if not trajectories:
-        return ItemResult(item=item_id, score=0.0, safe=True)
-    n = len(trajectories)
+def _item_result(
+    item_id: str, attempts: int, trajectories: list[Trajectory], scores: list[StackScore], *, safety_checked: bool
+) -> ItemResult:
+    """An item's result over its ``attempts``, of which ``trajectories`` finished: the others score 0 and are not
+    safe (a candidate that crashes on exactly the risky items must not pass the safety gate); the costs are the
+    finished attempts' means."""
+    finished = len(trajectories) or 1
     return ItemResult(
         item=item_id,
-        score=sum(s.reward for s in scores) / n,
-        safe=all(s.safe for s in scores),
-        tokens=sum(float(t.metrics.get("completion_tokens", 0)) for t in trajectories) / n,
-        tool_calls=sum(_tool_calls(t) for t in trajectories) / n,
-        latency_ms=sum(float(t.metrics.get("latency_ms", 0)) for t in trajectories) / n,
+        score=sum(s.reward for s in scores) / attempts,
+        safe=len(trajectories) == attempts and all(s.safe for s in scores),
+        attempts=attempts,
+        failures=attempts - len(trajectories),
+        safety_checked=safety_checked,
+        tokens=sum(float(t.metrics.get("completion_tokens", 0)) for t in trajectories) / finished,
+        tool_calls=sum(_tool_calls(t) for t in trajectories) / finished,
+        latency_ms=sum(float(t.metrics.get("latency_ms", 0)) for t in trajectories) / finished,
     )
 
 
@@ -94,7 +101,7 @@ async def evaluate(
         model=model,
         heldout=f"{heldout.name}@{heldout.version}",
         stack=stack.version,
-        results=[_item_result(i, *scored[i]) for i in heldout.items],
+        results=[_item_result(i, samples, *scored[i], safety_checked=stack.safety is not None) for i in heldout.items],
         episodes=episodes,
         failed_items=[i for i, (ts, _) in scored.items() if not ts],
     )

@@ -9,7 +9,9 @@ Student's t where a look's tail is too deep for the resamples). Promotion needs 
 - lift: the interval's lower bound, at the look's one-sided level (``levels``: the loop looks again and again, so
   each look spends part of a lifetime error budget, ``looks.py``), above ``min_lift`` (0.02 by default: better by
   something, not merely not worse); with ``confirm``, again on a fresh evaluation of both sides (``confirmed``);
-- safety: the candidate passed the safety grader on every held-out item (no tolerance; it is a gate, not a score);
+- safety: the candidate passed the safety grader on every held-out item, every attempt finished (no tolerance; it
+  is a gate, not a score); a stack without a safety grader promotes nothing unless ``require_safety`` is off;
+- failures: each side's attempts that did not finish at most ``max_failure_rate`` of its attempts;
 - efficiency: mean tokens, tool calls and latency no more than the configured share above production's;
 - enough items: an interval over a handful of items says little.
 
@@ -24,7 +26,7 @@ import math
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from flywheel.loop.looks import look_budget
 from flywheel.stats import mean_interval
@@ -46,12 +48,17 @@ class HeldOutSet(BaseModel):
 
 
 class ItemResult(BaseModel):
-    """One policy's result on one held-out item (the mean of its episodes there, when it ran several)."""
+    """One policy's result on one held-out item over its ``attempts`` (the episodes it was to run there). Every
+    attempt counts: one that did not finish (a crash, a timeout) scores 0 and is not safe, so missing evidence never
+    reads as good evidence. The costs are per finished attempt (0 when none finished)."""
 
     item: str
-    score: float  # the primary metric
-    safe: bool  # the safety grader passed on every episode of the item
-    tokens: float = 0.0  # per episode: completion tokens
+    score: float  # the primary metric: the mean over all attempts
+    safe: bool  # every attempt finished and passed the safety grader (without one, ``safety_checked``: finished)
+    attempts: int = Field(1, ge=1)
+    failures: int = Field(0, ge=0)  # attempts that did not finish
+    safety_checked: bool = True  # False: the grader stack had no safety grader
+    tokens: float = 0.0  # per finished episode: completion tokens
     tool_calls: float = 0.0
     latency_ms: float = 0.0
 
@@ -61,6 +68,12 @@ class ItemResult(BaseModel):
         if not math.isfinite(value):
             raise ValueError(f"must be a finite number, got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _failures_of_attempts(self) -> ItemResult:
+        if self.failures > self.attempts:
+            raise ValueError(f"item {self.item}: {self.failures} failures of only {self.attempts} attempts")
+        return self
 
 
 class GatePolicy(BaseModel):
@@ -79,6 +92,10 @@ class GatePolicy(BaseModel):
     planned_looks: int = Field(25, ge=1)  # looks the budget is spread over evenly (later ones share a reserve)
     confirm: bool = True  # a candidate that passes is evaluated again on fresh samples before it is deployed
     min_items: int = Field(20, ge=2)
+    # the share of each side's held-out attempts that may fail to finish: beyond it the evidence is missing
+    max_failure_rate: float = Field(0.05, ge=0, le=1)
+    # False: a grader stack without a safety grader may promote (the evidence then says "safety not checked")
+    require_safety: bool = True
     resamples: int = Field(10_000, ge=100)
     seed: int = 0
     max_increase: dict[str, float] = Field(
@@ -95,7 +112,7 @@ class GatePolicy(BaseModel):
 
 
 class Check(BaseModel):
-    name: str  # lift | safety | items | tokens | tool_calls | latency_ms
+    name: str  # lift | safety | failures | items | tokens | tool_calls | latency_ms
     passed: bool
     detail: str
 
@@ -193,15 +210,7 @@ def decide(
             f"(one-sided level {level:.3g}) must exceed {policy.min_lift:+.4f}",
         ),
     ]
-    unsafe = [a.item for a, _ in pairs if not a.safe]
-    checks.append(
-        Check(
-            name="safety",
-            passed=not unsafe,
-            detail=f"the candidate failed the safety grader on {len(unsafe)} of {len(pairs)} items"
-            + (f": {unsafe[:5]}" if unsafe else ""),
-        )
-    )
+    checks += [_safety(pairs, policy), _failures(pairs, policy)]
     for metric, limit in policy.max_increase.items():
         mean_c = float(np.mean([getattr(a, metric) for a, _ in pairs]))
         mean_p = float(np.mean([getattr(b, metric) for _, b in pairs]))
@@ -214,6 +223,44 @@ def decide(
             )
         )
     return GateDecision(promote=all(ch.passed for ch in checks), items=len(pairs), lift=lift, checks=checks)
+
+
+def _safety(pairs: list[tuple[ItemResult, ItemResult]], policy: GatePolicy) -> Check:
+    """The candidate safe on every item: each attempt finished and passed the safety grader. A stack without one
+    checks nothing: that holds the candidate unless ``require_safety`` is off, and the detail says so either way."""
+    unsafe = [a.item for a, _ in pairs if not a.safe]
+    unfinished = sum(1 for a, _ in pairs if not a.safe and a.failures)
+    listed = f": {unsafe[:5]}" if unsafe else ""
+    if unfinished:
+        listed = f" ({unfinished} of them with attempts that did not finish){listed}"
+    if all(a.safety_checked for a, _ in pairs):
+        detail = f"the candidate failed the safety grader on {len(unsafe)} of {len(pairs)} items{listed}"
+        return Check(name="safety", passed=not unsafe, detail=detail)
+    detail = "safety not checked: the grader stack has no safety grader; " + (
+        "no promotion without one (gate.require_safety: false promotes unchecked)"
+        if policy.require_safety
+        else "gate.require_safety is off"
+    )
+    if unsafe:
+        detail += f"; {len(unsafe)} of {len(pairs)} items not safe{listed}"
+    return Check(name="safety", passed=not policy.require_safety and not unsafe, detail=detail)
+
+
+def _failures(pairs: list[tuple[ItemResult, ItemResult]], policy: GatePolicy) -> Check:
+    """Each side's share of attempts that did not finish, within ``max_failure_rate``: past it, that side's
+    evidence is missing (and a side scored 0 on what it could not run would make the other look better)."""
+    limit, parts, passed = policy.max_failure_rate, [], True
+    for side, results in (("the candidate's", [a for a, _ in pairs]), ("production's", [b for _, b in pairs])):
+        failures, attempts = sum(r.failures for r in results), sum(r.attempts for r in results)
+        rate = failures / attempts
+        over = f", {(rate - limit) * 100:.1f} points over" if rate > limit else ""
+        parts.append(f"{side} {failures} of {attempts} attempts ({rate:.1%}{over})")
+        passed = passed and rate <= limit
+    return Check(
+        name="failures",
+        passed=passed,
+        detail=f"attempts that did not finish: {', '.join(parts)}; at most {limit:.1%} each",
+    )
 
 
 Results = tuple[list[ItemResult], list[ItemResult]]  # a held-out evaluation of both sides: (candidate, production)

@@ -1,0 +1,128 @@
+"""The evidence the gate decides on (issue #37, items 1, 2, 4, 5): every attempt of a held-out item counts (one that
+did not finish scores 0 and is not safe), each side's failure rate has a limit of its own, a stack without a safety
+grader promotes nothing unless safety was turned off (and then the evidence says it was not checked); held-out items
+never enter the training pool; each side is evaluated by its checkpoint; canary and shadow take production traffic
+only; both sides are warm before they are timed, and their items interleave."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flywheel.backend import LocalBackend
+from flywheel.graders.stack import parse_stack, score
+from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.loop.driver import Loop, LoopConfig
+from flywheel.loop.evaluate import HeldOutRun, _item_result
+from flywheel.loop.gate import GatePolicy, ItemResult, decide
+from flywheel.store import audit
+from flywheel.types import Trajectory
+
+SAFE_STACK = parse_stack({
+    "name": "refunds",
+    "reward": {"type": "string_check", "name": "refund", "input": "{{sample.output_text}}", "reference": "refund", "operation": "ilike"},
+    "safety": {"type": "string_check", "name": "not-empty", "input": "{{sample.output_text}}", "reference": "", "operation": "ne"},
+})  # fmt: skip
+NO_SAFETY = parse_stack({"name": "refunds", "reward": SAFE_STACK.reward.model_dump(exclude_none=True)})
+
+
+def answered(text: str) -> Trajectory:
+    return Trajectory(
+        messages_and_choices=[{"role": "user", "content": "my card?"}, {"role": "assistant", "content": text}],
+        metrics={"completion_tokens": 10, "latency_ms": 100.0},
+    )
+
+
+def side(n: int, *, score: float = 1.0, failures: int = 0, attempts: int = 1, checked: bool = True) -> list[ItemResult]:
+    """``n`` items; the first ``failures`` of them with one attempt of ``attempts`` that did not finish."""
+    return [
+        ItemResult(item=f"t{i}", score=score, safe=i >= failures, attempts=attempts, failures=int(i < failures),
+                   safety_checked=checked, tokens=10, latency_ms=100)
+        for i in range(n)
+    ]  # fmt: skip
+
+
+async def test_every_attempt_counts_a_failed_one_scores_zero_and_is_not_safe():
+    """1 of 3 attempts finished (well): the item scores 1/3, not 1, and is not safe; none finished: 0, not safe."""
+    good = answered("Your refund is on its way.")
+    result = _item_result(
+        "t0", 3, [good], [await score(SAFE_STACK, good.messages()[-1]["content"])], safety_checked=True
+    )
+    assert (result.score, result.safe, result.attempts, result.failures) == (pytest.approx(1 / 3), False, 3, 2)
+    assert (result.tokens, result.latency_ms) == (10, 100)  # what the finished ones cost, per finished attempt
+    none = _item_result("t1", 2, [], [], safety_checked=True)
+    assert (none.score, none.safe, none.attempts, none.failures) == (0.0, False, 2, 2)
+    all_done = _item_result(
+        "t2", 1, [good], [await score(SAFE_STACK, "Your refund is on its way.")], safety_checked=True
+    )
+    assert (all_done.score, all_done.safe, all_done.failures) == (1.0, True, 0)
+
+
+def test_a_candidate_that_fails_on_the_risky_items_is_not_safe_and_fails_the_failure_limit():
+    """Better on what it finished, crashed on 3 of 20: held by safety (those items are not safe) and by the
+    failure check, which says by how much it is over the limit."""
+    decision = decide(side(20, failures=3), side(20, score=0.0), GatePolicy(min_lift=0.0))
+    failed = {c.name: c.detail for c in decision.failed}
+    assert not decision.promote and set(failed) == {"safety", "failures"}
+    assert "3 of 20 items" in failed["safety"] and "did not finish" in failed["safety"]
+    assert "the candidate's 3 of 20 attempts (15.0%, 10.0 points over)" in failed["failures"]
+
+
+def test_production_failing_its_attempts_is_missing_evidence_too():
+    """Production's failures would score it 0 and make any candidate look better: its rate has the same limit."""
+    decision = decide(side(20), side(20, score=0.0, failures=4, attempts=2), GatePolicy(min_lift=0.0))
+    assert [c.name for c in decision.failed] == ["failures"]
+    assert "production's 4 of 40 attempts (10.0%, 5.0 points over)" in decision.failed[0].detail
+    allowed = decide(
+        side(20), side(20, score=0.0, failures=4, attempts=2), GatePolicy(min_lift=0.0, max_failure_rate=0.1)
+    )
+    assert allowed.promote
+
+
+def test_a_stack_without_a_safety_grader_promotes_nothing_unless_safety_is_turned_off():
+    held = decide(side(20, checked=False), side(20, score=0.0, checked=False), GatePolicy(min_lift=0.0))
+    assert not held.promote and [c.name for c in held.failed] == ["safety"]
+    assert held.failed[0].detail.startswith("safety not checked: the grader stack has no safety grader")
+    off = GatePolicy(min_lift=0.0, require_safety=False)
+    unchecked = decide(side(20, checked=False), side(20, score=0.0, checked=False), off)
+    safety = next(c for c in unchecked.checks if c.name == "safety")
+    assert unchecked.promote and safety.passed and safety.detail.startswith("safety not checked")
+
+
+def test_an_item_result_cannot_have_more_failures_than_attempts():
+    with pytest.raises(ValueError, match="failures"):
+        ItemResult(item="t0", score=0.0, safe=False, attempts=1, failures=2)
+
+
+def loop_config(tmp_path: Path, name: str, **fields) -> LoopConfig:
+    """A loop of its own (``name``) whose stack has no safety grader, on a held-out set of 20 items."""
+    (tmp_path / "stack.json").write_text(json.dumps(NO_SAFETY.model_dump(exclude_none=True)))
+    items = {f"t{i}": {"id": f"t{i}", "question": f"refund {i}?"} for i in range(20)}
+    (tmp_path / "heldout.json").write_text(json.dumps({"name": "refunds", "items": items}))
+    return LoopConfig(name=name, project="tests", agent="test_loop:agent", stack=tmp_path / "stack.json",
+                      heldout=tmp_path / "heldout.json", **fields)  # fmt: skip
+
+
+def run_of(model: str, results: list[ItemResult]) -> HeldOutRun:
+    return HeldOutRun(id=f"run-{model}", model=model, heldout="refunds@1", stack="s", results=results, episodes=[],
+                      failed_items=[])  # fmt: skip
+
+
+async def test_the_gate_event_says_safety_was_not_checked(backend: LocalBackend, tmp_path):
+    """A loop whose stack has no safety grader: held by the gate (the event names the safety check); with safety
+    turned off explicitly it passes, and the gate.pass event says in its reason and details that safety was not
+    checked."""
+    store = backend.gateway.store
+    for name, require, action in (("unchecked-held", True, "gate.hold"), ("unchecked-off", False, "gate.pass")):
+        gate = GatePolicy(min_lift=0.0, confirm=False, require_safety=require)
+        loop = Loop(loop_config(tmp_path, name, gate=gate), backend, actor="test")
+        candidate = run_of(f"{name}@2", side(20, checked=False))
+        decided = await loop.settle(2, EMBEDDED_MODEL, candidate, run_of(EMBEDDED_MODEL, side(20, score=0.0, checked=False)))  # fmt: skip
+        with store.session() as s:
+            (event,) = audit.events(s, subject=f"{name}@2", actions=("gate.pass", "gate.hold"))
+        assert event.action == action and decided.decision.promote is (not require)
+        assert "safety not checked" in event.reason and event.details["safety"] == "not checked"
+        safety = next(c for c in event.details["checks"] if c["name"] == "safety")
+        assert safety["passed"] is (not require) and safety["detail"].startswith("safety not checked")
