@@ -18,6 +18,7 @@ from flywheel.loop.driver import Loop, LoopConfig
 from flywheel.loop.evaluate import HeldOutRun, _item_result
 from flywheel.loop.gate import GatePolicy, ItemResult, decide
 from flywheel.store import audit
+from flywheel.store import episodes as db
 from flywheel.types import Trajectory
 
 SAFE_STACK = parse_stack({
@@ -126,3 +127,35 @@ async def test_the_gate_event_says_safety_was_not_checked(backend: LocalBackend,
         assert "safety not checked" in event.reason and event.details["safety"] == "not checked"
         safety = next(c for c in event.details["checks"] if c["name"] == "safety")
         assert safety["passed"] is (not require) and safety["detail"].startswith("safety not checked")
+
+
+def production_episode(store, split: str, item: dict) -> str:
+    """A finished production episode (of ``split``) whose item is ``item``, written through the store's API."""
+    with store.session() as s:
+        e = db.create_episode(s, "ticket", split=split, meta={"item": item})
+        db.set_outcome(s, e.id, reward=1.0, finish=True)
+    return e.id
+
+
+async def test_held_out_items_never_enter_the_training_pool_by_id_or_by_content(backend: LocalBackend, tmp_path):
+    """Seed tasks and production episodes whose item is a held-out one (its id, or its content under another id)
+    stay out of the pool, their episodes out of the off-policy members; the exclusions are counted by source."""
+    held = {"id": "t3", "question": "refund 3?"}
+    (tmp_path / "tasks.jsonl").write_text(
+        "\n".join(
+            json.dumps(t) for t in (held, {"id": "copy", "question": "refund 3?"}, {"id": "s1", "question": "new?"})
+        )
+    )
+    split = "production-heldout-test"  # episodes of this test's own
+    config = loop_config(tmp_path, "excluding", tasks=tmp_path / "tasks.jsonl", intake_split=split)
+    store = backend.gateway.store
+    fresh = production_episode(store, split, {"id": "p1", "question": "where is my parcel?"})
+    by_id = production_episode(store, split, {"id": "t5", "question": "reworded, same id"})
+    by_content = production_episode(store, split, {"id": "s1", "question": "refund 7?"})  # a seed's id, held-out text
+    loop = Loop(config, backend, actor="test")
+    assert sorted(loop.pool) == ["s1"]  # t3 (its id) and copy (its content) are held-out items
+    assert loop.intake() == 1 and sorted(loop.pool) == ["p1", "s1"]
+    assert loop.off_policy_candidates(["p1", "s1"]) == {"p1": [fresh], "s1": []}
+    assert loop.excluded_heldout() == {"seed": 2, "intake": 2, "off_policy": 1}
+    assert loop.intake() == 0 and loop.excluded_heldout()["intake"] == 2  # read again: counted once
+    assert {by_id, by_content} == loop.excluded["intake"]

@@ -1,6 +1,8 @@
 """The flywheel loop: production episodes in, a gated candidate out.
 
-Each step: new finished production episodes' items join the task pool (deduplicated by item id); groups of tasks are
+Each step: new finished production episodes' items join the task pool (deduplicated by item id; held-out items,
+by id or by content, never do, nor seed tasks that are held-out items, nor their episodes as off-policy members:
+``Loop.is_heldout``, counted in the report's ``excluded_heldout``); groups of tasks are
 queued for the gateway's runners against the model's live weights; with ``off_policy_members``, logged production
 episodes of a group's item join it as off-policy members (``offpolicy.py``: their sampler log-probs, the truncated
 importance ratio, left out when stale or without token ids); every episode is scored by the grader stack (its grades
@@ -35,6 +37,7 @@ queued (ids ``train:<name>:...``, ``eval:<name>:...``) and did not use are cance
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import random
@@ -175,11 +178,22 @@ class LoopReport(BaseModel):
     cancelled: int = 0  # tasks an earlier run of the loop had left open, cancelled at the start
     off_policy: list[OffPolicyStep] = []  # per iteration, with off_policy_members: who joined, who was left out
     rewinds: list[Rewind] = []  # with rewind_on_rollback: training went back to production's weights
+    # held-out items kept out of training (``Loop.excluded``), by source: seed tasks, production episodes at intake,
+    # production episodes kept from joining a group as off-policy members
+    excluded_heldout: dict[str, int] = {}
 
 
 def item_id(item: dict[str, Any], fallback: str) -> str:
     value = item.get("id")
     return str(value) if value is not None else fallback
+
+
+def item_hash(item: dict[str, Any]) -> str:
+    """An item's content whatever its id: a hash of its canonical JSON without the ``id`` field (a held-out item
+    copied under another id is still that item)."""
+    content = {k: v for k, v in item.items() if k != "id"}
+    canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 class Loop:
@@ -193,6 +207,13 @@ class Loop:
                 "candidates are promoted with safety not checked (gate.require_safety is off)"
                 if not config.gate.require_safety else "the gate promotes nothing (gate.require_safety)",
             )  # fmt: skip
+        # the held-out items, by id and by content (``item_hash``): never trained on, or the gate would score items
+        # the candidate learnt (the normal case when the held-out set was sampled from production traffic)
+        self._heldout_ids = set(self.heldout.items) | {item_id(v, k) for k, v in self.heldout.items.items()}
+        self._heldout_hashes = {item_hash(item) for item in self.heldout.items.values()}
+        # what was kept out, by source: seed tasks (by pool key), production episodes at intake and off-policy
+        # members (by episode id); each counted once however often it is read again
+        self.excluded: dict[str, set[str]] = {"seed": set(), "intake": set(), "off_policy": set()}
         self.pool: dict[str, dict[str, Any]] = {}
         if config.tasks is not None:
             for n, line in enumerate(Path(config.tasks).read_text().splitlines(), start=1):
@@ -204,7 +225,14 @@ class Loop:
                     raise ValueError(f"{config.tasks} line {n}: not JSON ({exc})") from None
                 if not isinstance(task, dict):
                     raise ValueError(f"{config.tasks} line {n}: a task is a JSON object, not {type(task).__name__}")
-                self.pool[item_id(task, f"seed-{n}")] = task
+                key = item_id(task, f"seed-{n}")
+                if self.is_heldout(key, task):
+                    self.excluded["seed"].add(key)
+                else:
+                    self.pool[key] = task
+            if self.excluded["seed"]:
+                log.warning("%d seed task(s) are held-out items, left out of training: %s",
+                            len(self.excluded["seed"]), sorted(self.excluded["seed"])[:10])  # fmt: skip
         self._rng = random.Random(config.seed)
         self.step_means: list[dict[str, float]] = []  # per training step: its step, reward and holdout graders' means
         self.alarm: str | None = None  # while raised (audit events: alarm.state), nothing is promoted
@@ -228,17 +256,46 @@ class Loop:
     def store(self):
         return self.backend.gateway.store
 
+    def is_heldout(self, key: str, item: dict[str, Any]) -> bool:
+        """Whether an item (under pool key ``key``) is a held-out one: its id, or its content under any id."""
+        return key in self._heldout_ids or item_hash(item) in self._heldout_hashes
+
+    def excluded_heldout(self) -> dict[str, int]:
+        """How many held-out items were kept out of training, by source (``excluded``)."""
+        return {source: len(kept) for source, kept in self.excluded.items()}
+
     def intake(self) -> int:
-        """Production episodes' items into the pool; how many were new."""
+        """Production episodes' items into the pool, held-out ones excluded (counted and logged); how many were
+        new."""
         with self.store.session() as s:
             found = gdb.recent_finished(s, split=self.config.intake_split, limit=self.config.intake_limit)
             items = [(item_id(item, e.task_id), item, e.id) for e in found if (item := gdb.item_of(s, e.id))]
         self.production = {}
         for k, _, episode_id in items:
             self.production.setdefault(k, []).append(episode_id)
-        new = {k: item for k, item, _ in items if k not in self.pool}  # an item two episodes share: once
+        heldout = {episode_id for k, item, episode_id in items if self.is_heldout(k, item)}
+        if fresh := heldout - self.excluded["intake"]:
+            log.warning("%d production episode(s) of held-out items left out of training", len(fresh))
+            self.excluded["intake"] |= fresh
+        # an item two episodes share: once
+        new = {k: item for k, item, e in items if e not in heldout and k not in self.pool}
         self.pool.update(new)
         return len(new)
+
+    def off_policy_candidates(self, keys: list[str]) -> dict[str, list[str]]:
+        """The production episodes that may join the groups of pool keys ``keys`` as off-policy members: those of
+        held-out items excluded (an episode under a pool item's id with a held-out item's content), counted."""
+        candidates, kept = {}, []
+        for key in keys:
+            episodes = self.production.get(key, [])
+            candidates[key] = [e for e in episodes if e not in self.excluded["intake"]]
+            kept += [e for e in episodes if e in self.excluded["intake"]]
+        if fresh := set(kept) - self.excluded["off_policy"]:
+            log.warning(
+                "%d production episode(s) of held-out items kept from joining as off-policy members", len(fresh)
+            )
+            self.excluded["off_policy"] |= fresh
+        return candidates
 
     async def score_groups(self, groups: list[TrajectoryGroup], payloads: list[dict[str, Any]]) -> None:
         """The stack's reward on every trajectory (and its components as metrics); grades recorded."""
@@ -643,11 +700,12 @@ class Loop:
             return None
         prefix = f"{self.task_prefixes[0]}{step + 1}:"  # a spec's id: <prefix><pool key>:<random part>
         keys = [spec.task_id.removeprefix(prefix).rpartition(":")[0] for spec in specs]
+        candidates = self.off_policy_candidates(keys)
 
         def read() -> OffPolicyDraw:
             with self.store.session() as s:
                 return draw(
-                    s, self.production, keys, model=config.name, base_model=config.base_model, step=step,
+                    s, candidates, keys, model=config.name, base_model=config.base_model, step=step,
                     per_group=config.off_policy_members, max_staleness=config.max_staleness_steps,
                     used=self.off_policy_used,
                 )  # fmt: skip
@@ -727,6 +785,7 @@ class Loop:
             for task in runners:
                 task.cancel()
         report.alarm = self.alarm
+        report.excluded_heldout = self.excluded_heldout()
         return report
 
 
