@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 from flywheel.backend import LocalBackend
+from flywheel.gateway.traffic import TrafficPolicy
 from flywheel.graders.stack import parse_stack, score
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.loop.driver import Loop, LoopConfig
 from flywheel.loop.evaluate import HeldOutRun, _item_result
 from flywheel.loop.gate import GatePolicy, ItemResult, decide
-from flywheel.store import audit
+from flywheel.store import Store, audit, deployments
 from flywheel.store import episodes as db
 from flywheel.types import Trajectory
 
@@ -159,3 +160,35 @@ async def test_held_out_items_never_enter_the_training_pool_by_id_or_by_content(
     assert loop.excluded_heldout() == {"seed": 2, "intake": 2, "off_policy": 1}
     assert loop.intake() == 0 and loop.excluded_heldout()["intake"] == 2  # read again: counted once
     assert {by_id, by_content} == loop.excluded["intake"]
+
+
+async def test_production_is_evaluated_by_its_checkpoint_not_through_its_alias(backend: LocalBackend, tmp_path):
+    """``MODEL@production`` may send a share of an episode's calls to the canary: production's side of the gate is
+    the checkpoint the deployment points at (the base model before any)."""
+    loop = Loop(loop_config(tmp_path, "by-checkpoint"), backend, actor="test")
+    assert await loop.production_name() == EMBEDDED_MODEL
+    with backend.gateway.store.session() as s:
+        deployments.deploy(s, "by-checkpoint@production", 3, actor="test")
+        deployments.deploy(s, "by-checkpoint@canary", 5, actor="test", share=1.0)
+    assert await loop.production_name() == "by-checkpoint@3"
+
+
+async def test_only_production_episodes_go_to_the_canary_or_are_mirrored_to_the_shadow(tmp_path):
+    """A held-out evaluation or a training group calling ``MODEL@production`` is answered by production, however
+    large the canary's share; only production episodes are mirrored to a shadow."""
+    store = Store(f"sqlite:///{tmp_path / 'traffic.db'}")
+    try:
+        with store.session() as s:
+            deployments.deploy(s, "m@production", 1, actor="test")
+            deployments.deploy(s, "m@canary", 2, actor="test", share=1.0)
+            ids = {split: db.create_episode(s, "t", split=split).id for split in ("production", "eval", "train")}
+        traffic = TrafficPolicy(store)
+        routed = {split: (await traffic.route("m@production", e)).deployment for split, e in ids.items()}
+        assert routed == {"production": "m@canary", "eval": "m@production", "train": "m@production"}
+        with store.session() as s:
+            deployments.remove(s, "m@canary", actor="test")
+            deployments.deploy(s, "m@shadow", 2, actor="test", share=1.0)
+        mirrored = {split: (await traffic.route("m@production", e)).shadow is not None for split, e in ids.items()}
+        assert mirrored == {"production": True, "eval": False, "train": False}
+    finally:
+        store.close()

@@ -147,9 +147,9 @@ async def test_the_loop_takes_production_tasks_trains_and_sends_a_gated_candidat
     extra = await loop.model.checkpoint_extra()  # joined once, across restarts too: kept with the checkpoint
     assert extra["loop"]["off_policy"] == dict.fromkeys(logged[:2], 0)
     (candidate,) = report.candidates
-    # it meets the production deployment and, passing, becomes the shadow (no production traffic yet: it waits)
+    # it meets the production deployment's checkpoint and, passing, becomes the shadow (no production traffic yet)
     assert (candidate.step, candidate.production, candidate.deployed) == (
-        2, "loop-agent@production", "loop-agent@shadow"
+        2, "loop-agent@1", "loop-agent@shadow"
     ), candidate.decision.checks  # fmt: skip
     assert report.canary == [] and report.shadow == []
     with store.session() as s:
@@ -158,7 +158,7 @@ async def test_the_loop_takes_production_tasks_trains_and_sends_a_gated_candidat
         assert deployments.find(s, "loop-agent@canary") is None
         gate_event = next(e for e in audit.events(s, subject="loop-agent@2") if e.action == "gate.pass")
         assert gate_event.id == candidate.event_id and len(gate_event.details["evaluations"]) == 2
-        assert gate_event.details["production"] == "loop-agent@production"
+        assert gate_event.details["production"] == "loop-agent@1"  # production's checkpoint, not its alias
         assert deployments.history(s, "loop-agent@shadow")[-1].details["gate_event"] == gate_event.id
         trained = [
             e for e in db.list_episodes(s, split="train", limit=1000) if e.task_id.startswith("train:loop-agent:")
@@ -399,6 +399,26 @@ async def test_the_shadow_watch_reads_an_unpaired_episode_again_only_once_a_late
     mirrored(store, origin, shadow, 2, "Your refund is on its way.")  # the original's last call, mirrored late
     late = await loop.watch_shadow()
     assert (late.action, late.pairs, read.count(missed)) == ("wait", 1, 2)
+
+
+async def test_a_shadow_pairs_only_with_production_originals(backend: LocalBackend, tmp_path):
+    """A shadow episode whose original is not production traffic (an evaluation that called the alias) never
+    pairs, whatever it answered."""
+    path = write_config(tmp_path)
+    (tmp_path / "stack.json").write_text(json.dumps(WATCH_STACK))
+    config = LoopConfig.load(path).model_copy(update={"name": "split-agent", "shadow": ShadowPolicy(share=1.0)})
+    loop, store = Loop(config, backend, actor="test"), backend.gateway.store
+    prod, shadow, good = "split-agent@production", "split-agent@shadow", "Your refund is on its way."
+    with store.session() as s:
+        deployments.deploy(s, prod, 1, actor="test")
+        deployments.deploy(s, shadow, 2, actor="test", share=1.0)
+        evaluation = db.create_episode(s, "ticket", split="eval", meta={"item": {"id": "ticket"}})
+        record_call(s, evaluation.id, prod, 1, good)
+        db.set_outcome(s, evaluation.id, reward=0.0, finish=True)
+    mirrored(store, evaluation.id, shadow, 2, good)
+    assert (await loop.watch_shadow()).pairs == 0
+    mirrored(store, answered(store, prod, 1, good), shadow, 2, good)
+    assert (await loop.watch_shadow()).pairs == 1
 
 
 def heldout_run(model: str, score: float) -> HeldOutRun:

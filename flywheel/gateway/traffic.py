@@ -4,19 +4,21 @@ which calls are mirrored to a shadow.
 - Canary: while ``MODEL@canary`` exists with a share ``s > 0``, a share ``s`` of production's *episodes* is
   answered by the canary's checkpoint (by production's, counted, if that one cannot be served). An episode's side
   is a hash of its id (``arm_hash``): every call of it goes to the same side, in every gateway process and after a
-  restart; a call with no episode is drawn at random. The recorded call names the canary (``deployment``,
+  restart; a call with no episode is drawn at random. Only production traffic is split: an episode of another
+  split (a held-out evaluation, a training group) is always answered by production, so that production's own
+  evaluation never measures the canary. The recorded call names the canary (``deployment``,
   ``step``) and the episode's ``meta["flywheel_arm"]`` the deployment that answered it
   (``flywheel/store/arms.py``). The canary removed or its share set to 0: production answers from the next
   request on.
 - Shadow: while ``MODEL@shadow`` exists with a share ``s > 0``, the calls of a share ``s`` of the episodes that
-  production answers (another hash) are also sent to the shadow's checkpoint, after the user's answer is sent,
+  production answers (another hash), of the production split only, are also sent to the shadow's checkpoint, after the user's answer is sent,
   and recorded in the production episode's shadow episode (split ``shadow``, ``meta["flywheel_shadow_of"]``), so
   that the candidate's answers can be graded on the same contexts (only the mirror records there: outside calls
   into it are refused). A shadow's failure is logged and counted, never seen by the user; at most
   ``max_in_flight`` shadow calls run at once, and one more is dropped (and counted).
 
-One store read per aliased request (the model's deployments, as resolving the alias already took); what follows
-the answer (marking the episode's arm, mirroring) runs in tasks of its own after the response is sent.
+One store read per aliased request (the model's deployments, as resolving the alias already took), and one per
+episode while a canary or a shadow takes a share (its split, remembered); what follows the answer (marking the episode's arm, mirroring) runs in tasks of its own after the response is sent.
 """
 
 from __future__ import annotations
@@ -28,16 +30,20 @@ import random
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from flywheel.store import Store
 from flywheel.store import arms as arm_store
 from flywheel.store.deployments import DeploymentRecord, UnknownDeploymentError, list_deployments, parse_alias
+from flywheel.store.episodes import splits_of
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PRODUCTION, CANARY, SHADOW = "production", "canary", "shadow"
 SHADOW_IN_FLIGHT = 4  # shadow calls at once, by default: the rest are dropped
-MARKED_EPISODES = 4096  # episodes whose arm this process remembers having recorded
+MARKED_EPISODES = 4096  # episodes whose arm (or split) this process remembers having recorded (or read)
+PRODUCTION_SPLIT = "production"  # the episodes a canary and a shadow take a share of (the loop's intake_split)
 
 
 def arm_hash(episode_id: str, salt: str) -> float:
@@ -90,6 +96,7 @@ class TrafficPolicy:
     _in_flight: int = 0
     _tasks: set[asyncio.Task] = field(default_factory=set)
     _marked: OrderedDict[str, str] = field(default_factory=OrderedDict)  # episode -> its arm, as recorded
+    _splits: OrderedDict[str, str | None] = field(default_factory=OrderedDict)  # episode -> its split (None: unknown)
 
     async def route(self, model: str, episode_id: str | None = None) -> Route:
         """The route of a request for the alias ``model`` (``UnknownDeploymentError`` if there is none) in
@@ -102,6 +109,10 @@ class TrafficPolicy:
         if stage != PRODUCTION:
             return Route(model, asked)
         canary, shadow = found.get(CANARY), found.get(SHADOW)
+        if _share(canary) == 0 and _share(shadow) == 0:
+            return Route(model, asked)
+        if episode_id is not None and await self._split(episode_id) != PRODUCTION_SPLIT:
+            return Route(model, asked)  # an evaluation or a training episode: production's own answers
         draw = random.random() if episode_id is None else arm_hash(episode_id, CANARY)
         if canary is not None and draw < _share(canary):
             self.counts.canary += 1
@@ -109,6 +120,12 @@ class TrafficPolicy:
         if episode_id is not None and shadow is not None and arm_hash(episode_id, SHADOW) < _share(shadow):
             return Route(model, asked, shadow)
         return Route(model, asked)
+
+    async def _split(self, episode_id: str) -> str | None:
+        """The split of ``episode_id`` (None: no such episode), read once and remembered (a split never changes)."""
+        if episode_id not in self._splits:
+            _remember(self._splits, episode_id, (await self.store.run(splits_of, [episode_id])).get(episode_id))
+        return self._splits[episode_id]
 
     def fall_back(self, route: Route) -> Route | None:
         """The route to production for a request the canary was to answer but cannot (its checkpoint is not
@@ -154,10 +171,7 @@ class TrafficPolicy:
             self.counts.arm_failed += 1
             log.exception("could not record that %s answered episode %s", arm, episode_id)
             return
-        self._marked[episode_id] = marked
-        self._marked.move_to_end(episode_id)
-        while len(self._marked) > MARKED_EPISODES:
-            self._marked.popitem(last=False)
+        _remember(self._marked, episode_id, marked)
 
     async def _mirror(
         self, shadow: DeploymentRecord, episode_id: str, mirror: Callable[[str, str], Awaitable[object]]
@@ -178,3 +192,11 @@ class TrafficPolicy:
         async with asyncio.timeout(60):
             while self.counts.followed < followed or self._tasks:  # noqa: ASYNC110  (on the server's loop)
                 await asyncio.sleep(0.01)
+
+
+def _remember(memory: OrderedDict[str, T], episode_id: str, value: T) -> None:
+    """Keep ``episode_id``'s value, the most recent ``MARKED_EPISODES`` of them."""
+    memory[episode_id] = value
+    memory.move_to_end(episode_id)
+    while len(memory) > MARKED_EPISODES:
+        memory.popitem(last=False)

@@ -7,8 +7,8 @@ queued for the gateway's runners against the model's live weights; with ``off_po
 episodes of a group's item join it as off-policy members (``offpolicy.py``: their sampler log-probs, the truncated
 importance ratio, left out when stale or without token ids); every episode is scored by the grader stack (its grades
 recorded under the stack's version) and the groups train one step. Every ``candidate_every`` steps the
-latest checkpoint is a candidate: it and production (``MODEL@production``, or the base model before any promotion)
-run the frozen held-out set through the same runners, the gate decides (``gate.decide``), the decision is an audit
+latest checkpoint is a candidate: it and production (the checkpoint ``MODEL@production`` points at, by its own name,
+not the alias a canary shares; or the base model before any promotion) run the frozen held-out set through the same runners, the gate decides (``gate.decide``), the decision is an audit
 event linking its evidence, and a candidate that passes is deployed as ``MODEL@canary`` with a share of traffic;
 with a ``shadow`` stage it is ``MODEL@shadow`` first (a share of production's calls mirrored to it, its answers
 never returned), and once ``min_pairs`` of its episodes are paired with their production originals and scored, it
@@ -315,11 +315,13 @@ class Loop:
         await asyncio.to_thread(record)
 
     async def production_name(self) -> str:
-        """What a candidate is compared with: the production deployment, else the base model (served for it)."""
-        alias = f"{self.config.name}@production"
+        """What a candidate is compared with: the checkpoint the production deployment points at (``MODEL@<step>``,
+        which the backend serves), never the alias (``MODEL@production`` sends a canary's share of episodes to the
+        canary); else the base model (served for it)."""
         with self.store.session() as s:
-            if deployments.find(s, alias) is not None:
-                return alias
+            production = deployments.find(s, f"{self.config.name}@production")
+        if production is not None:
+            return production.target
         await self.backend.load(self.config.base_model)
         return self.config.base_model
 
@@ -564,7 +566,8 @@ class Loop:
 
     async def watch_shadow(self) -> ShadowVerdict | None:
         """If ``MODEL@shadow`` serves (a shadow stage is configured): pair its shadow episodes since its deployment
-        with their production originals (finished, the shadow answered the same last messages), score both answers
+        with their production originals (finished, of ``intake_split``, the shadow answered the same last
+        messages), score both answers
         with the stack (grades recorded), and send it to canary or stop it (``shadow.verdict``), audited with its
         evidence; the shadow alias goes either way. It waits while a canary is still watched. None without one."""
         name, policy = self.config.name, self.config.shadow
@@ -582,8 +585,9 @@ class Loop:
                 key = (shadow.event_id, shadow_id)
                 if key in self._pairs or self._unpaired.get(key) == count:  # no new call since it was looked at
                     continue
-                if db.get_episode(s, origin).status != "finished":
-                    continue
+                original = db.get_episode(s, origin)
+                if original.status != "finished" or original.split != self.config.intake_split:
+                    continue  # not yet, or never: only production traffic pairs (an evaluation's never does)
                 mirror, answered = db.calls(s, shadow_id), db.calls(s, origin)
                 same = (
                     mirror and answered and mirror[-1].request.get("messages") == answered[-1].request.get("messages")
