@@ -22,7 +22,19 @@ import httpx
 from openai.types.chat import ChatCompletion, ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice
 
-from flywheel.types import History, Message, Trajectory, set_sampled_tokens
+from flywheel.types import (
+    GUIDED,
+    LOGPROBS_TEMPERATURE,
+    PROMPT_TOKEN_IDS,
+    TEMPERATURE,
+    TOKEN_IDS,
+    TOKENIZER,
+    TOP_P,
+    History,
+    Message,
+    Trajectory,
+    set_sampled_tokens,
+)
 
 _current: contextvars.ContextVar[Trajectory | None] = contextvars.ContextVar("flywheel_auto_trajectory", default=None)
 _installed = False
@@ -160,7 +172,11 @@ def _streamed_choice(text: str) -> Choice | None:
     )
     choice = Choice(index=0, finish_reason=finish_reason, message=message)
     if extras is not None:
-        set_sampled_tokens(choice, extras["prompt_token_ids"], extras["token_ids"], extras.get("temperature") or 1.0)
+        set_sampled_tokens(
+            choice, extras[PROMPT_TOKEN_IDS], extras[TOKEN_IDS], extras.get(TEMPERATURE, 1.0),
+            top_p=extras.get(TOP_P, 1.0), guided=bool(extras.get(GUIDED)),
+            logprobs_temperature=extras.get(LOGPROBS_TEMPERATURE), tokenizer=extras.get(TOKENIZER),
+        )  # fmt: skip
     return choice
 
 

@@ -51,8 +51,9 @@ MessageOrChoice = Annotated[
     Discriminator(_message_or_choice),
 ]
 """A turn of a conversation. A Choice is a sampled assistant turn; our server adds ``token_ids``,
-``prompt_token_ids`` and ``temperature`` to it as extra fields, which the OpenAI SDK's models keep (in memory and
-through JSON). Read and write them with the accessors below, never by string name."""
+``prompt_token_ids``, ``temperature``, ``top_p``, ``guided``, ``logprobs_temperature`` and ``tokenizer`` to it as
+extra fields, which the OpenAI SDK's models keep (in memory and through JSON). Read and write them with the
+accessors below, never by string name."""
 
 Messages = list[Message]
 MessagesAndChoices = list[MessageOrChoice]
@@ -61,6 +62,7 @@ Tools = list[dict[str, Any]]
 history's turns, its tool definitions (OpenAI ``{"type": "function", "function": {...}}`` dicts)."""
 
 TOKEN_IDS, PROMPT_TOKEN_IDS, TEMPERATURE = "token_ids", "prompt_token_ids", "temperature"
+TOP_P, GUIDED, LOGPROBS_TEMPERATURE, TOKENIZER = "top_p", "guided", "logprobs_temperature", "tokenizer"
 INTERMEDIATE_REWARD = "intermediate_reward"
 # Trajectory.metadata: a logged episode that joined a group as an off-policy member (sampled by an earlier
 # checkpoint): the trainer reports its tokens' importance ratios apart (``off_policy_is_ratio_mean``)
@@ -70,31 +72,79 @@ OFF_POLICY = "off_policy"
 @dataclass(frozen=True)
 class SampledTokens:
     """What the sampler did for one Choice: the exact prompt it was fed, the ids it drew, the log-probability of
-    each drawn id under the distribution it drew from (``None`` when the client did not ask for log-probs), and
-    the temperature of that distribution (1.0 for a greedy draw or when none was recorded)."""
+    each drawn id as the sampler reported it (``None`` when the client did not ask for log-probs), the temperature
+    the turn trains at (its sampling temperature; 1.0 for a greedy draw or when none was recorded), and how it was
+    drawn: greedily (``greedy``), from the top-p nucleus (``top_p`` < 1), under a grammar (``guided``: a forced
+    tool call, ``guided_choice`` or a JSON ``response_format``), and the temperature its log-probs are at
+    (``logprobs_temperature``: an upstream's may be T = 1's whatever it sampled at, ``gateway/upstream.py``)."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float] | None
     temperature: float
+    greedy: bool = False
+    top_p: float = 1.0
+    guided: bool = False
+    logprobs_temperature: float | None = 1.0  # None: at no temperature the trainer computes (truncated)
+
+    @property
+    def importance_logprobs(self) -> list[float] | None:
+        """The sampler's log-probs as truncated importance sampling may compare the trainer's with, which scores
+        the unconstrained softmax(logits / T) at ``temperature``: none for a guided turn (its log-probs are the
+        masked distribution's) or one whose log-probs are at another temperature than it trains at. Top-p is left
+        out of both sides (the sampler reports log-probs before the cut, ``inference/sampling.py``)."""
+        if self.guided or self.logprobs_temperature != self.temperature:
+            return None
+        return self.logprobs
 
 
 def sampled_tokens(choice: Choice) -> SampledTokens | None:
-    """The sampled ids of a Choice that came from our engine (``None`` for one built by hand or by another API)."""
+    """The sampled ids of a Choice that came from our engine (``None`` for one built by hand or by another API).
+    A Choice recorded before ``top_p``, ``guided`` and ``logprobs_temperature`` were: top-p 1, not guided (the
+    off-policy members also read the request, ``loop/offpolicy.py``), log-probs at its temperature."""
     prompt, completion = getattr(choice, PROMPT_TOKEN_IDS, None), getattr(choice, TOKEN_IDS, None)
     if prompt is None or completion is None:
         return None
     content = choice.logprobs.content if choice.logprobs and choice.logprobs.content else None
     logprobs = [t.logprob for t in content] if content and len(content) == len(completion) else None
-    temperature = float(getattr(choice, TEMPERATURE, None) or 1.0)  # greedy (0) trains as the T=1 distribution
-    return SampledTokens(list(prompt), list(completion), logprobs, temperature)
+    sampled_at = getattr(choice, TEMPERATURE, None)
+    temperature = float(sampled_at or 1.0)  # greedy (0) trains as the T=1 distribution
+    logprobs_at = getattr(choice, LOGPROBS_TEMPERATURE, temperature)  # recorded null: None
+    return SampledTokens(
+        list(prompt),
+        list(completion),
+        logprobs,
+        temperature,
+        greedy=sampled_at is not None and float(sampled_at) == 0.0,
+        top_p=float(getattr(choice, TOP_P, None) or 1.0),
+        guided=bool(getattr(choice, GUIDED, False)),
+        logprobs_temperature=None if logprobs_at is None else float(logprobs_at or 1.0),
+    )
 
 
-def set_sampled_tokens(choice: Choice, prompt_ids: list[int], completion_ids: list[int], temperature: float) -> None:
-    """Record on a Choice what the sampler was fed and drew, and the temperature it drew at."""
+def set_sampled_tokens(
+    choice: Choice,
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    temperature: float,
+    *,
+    top_p: float = 1.0,
+    guided: bool = False,
+    logprobs_temperature: float | None = None,
+    tokenizer: str | None = None,
+) -> None:
+    """Record on a Choice what the sampler was fed and drew, and how: the temperature and top-p it drew at, whether
+    a grammar guided it, the temperature its log-probs are at (default: the one it drew at; 1.0 for a greedy draw,
+    as our engine reports them) and the tokenizer whose ids these are (``gateway/splice.py``'s ``tokenizer_key``)."""
     setattr(choice, PROMPT_TOKEN_IDS, list(prompt_ids))
     setattr(choice, TOKEN_IDS, list(completion_ids))
     setattr(choice, TEMPERATURE, float(temperature))
+    setattr(choice, TOP_P, float(top_p))
+    setattr(choice, GUIDED, bool(guided))
+    at = logprobs_temperature if logprobs_temperature is not None else temperature
+    setattr(choice, LOGPROBS_TEMPERATURE, float(at or 1.0))
+    if tokenizer is not None:
+        setattr(choice, TOKENIZER, tokenizer)
 
 
 def completion_token_count(choice: Choice) -> int:

@@ -33,15 +33,20 @@ def logged(
     upstream: str | None = None,
     response_format: dict | None = None,
     calls: int = 1,
+    drawn: dict[str, Any] | None = None,
+    asked: dict[str, Any] | None = None,
 ) -> str:
-    """A finished production episode of item "q1" whose calls were answered as given."""
+    """A finished production episode of item "q1" whose calls were answered as given (``drawn``: how its choice
+    says it was drawn; ``asked``: more request fields)."""
     choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": "blue"}, "finish_reason": "stop"}
     if not text_only:
-        choice |= {"token_ids": [7, 8], "prompt_token_ids": [1, 2, 3], "temperature": 1.0}
+        choice |= {"token_ids": [7, 8], "prompt_token_ids": [1, 2, 3], "temperature": 1.0} | (drawn or {})
         if logprobs:
             choice["logprobs"] = {"content": [{"token": t, "logprob": -0.5, "top_logprobs": []} for t in "bl"]}
-    request = {"messages": [{"role": "user", "content": "A colour?"}]} | (
-        {"response_format": response_format} if response_format else {}
+    request = (
+        {"messages": [{"role": "user", "content": "A colour?"}]}
+        | ({"response_format": response_format} if response_format else {})
+        | (asked or {})
     )
     with store.session() as s:
         e = db.create_episode(s, "ticket", split="production", meta={"item": {"id": "q1"}})
@@ -101,3 +106,32 @@ def test_the_newest_join_first_up_to_the_limit_and_an_episode_joins_once(store):
     with store.session() as s:
         (call,) = db.calls(s, older)
     assert answering_step([call, call.model_copy(update={"step": 1})], "calc", BASE) == 1
+
+
+def test_constrained_greedy_top_p_and_other_temperature_calls_are_left_out_by_reason(store):
+    """Item 13/14 of issue #37: a constrained call's log-probs are the masked distribution's (the trainer scores the
+    unmasked one), a greedy or top-p call was not drawn from the distribution its log-probs describe, and log-probs
+    at another temperature than the call's (an upstream's raw ones) cannot be compared: none joins as off-policy."""
+    forced = {"tools": [{"type": "function", "function": {"name": "calc", "parameters": {}}}]}
+    ok = logged(store, drawn={"top_p": 1.0, "guided": False, "logprobs_temperature": 1.0})
+    left = {
+        logged(store, drawn={"guided": True}): LeftOut.guided,  # as the server records it now
+        logged(store, asked=forced | {"tool_choice": "required"}): LeftOut.guided,  # recorded before it did
+        logged(store, asked=forced | {"tool_choice": {"type": "function", "function": {"name": "calc"}}}): (
+            LeftOut.guided
+        ),
+        logged(store, asked={"guided_choice": ["red", "blue"]}): LeftOut.guided,
+        logged(store, response_format={"type": "json_schema", "json_schema": {"name": "x"}}): LeftOut.guided,
+        logged(store, drawn={"temperature": 0.0}): LeftOut.greedy,
+        logged(store, drawn={"top_p": 0.9}): LeftOut.top_p,
+        logged(store, drawn={"temperature": 0.7, "logprobs_temperature": 1.0}): LeftOut.no_logprobs,
+        logged(store, drawn={"temperature": 0.7, "logprobs_temperature": None}): LeftOut.no_logprobs,
+    }
+    # not constrained: tool_choice "auto" or "none", a text response_format
+    free = [
+        logged(store, asked=forced | {"tool_choice": "auto"}),
+        logged(store, response_format={"type": "text"}, drawn={"temperature": 0.7, "logprobs_temperature": 0.7}),
+    ]
+    found = take(store, [ok, *free, *left])
+    assert set(found.answered) == {ok, *free}
+    assert found.left_out == {r.value: list(left.values()).count(r) for r in set(left.values())}

@@ -153,7 +153,8 @@ class EpisodeClient:
         """The task's finished episodes as a group (``text_only`` as for ``trajectory``)."""
         params = {"split": split} if split else {}
         body = await self._call("GET", "/groups", params={"task_id": task_id, "text_only": text_only, **params})
-        return TrajectoryGroup([Trajectory.model_validate(t) for t in body["trajectories"]])
+        trajectories = [Trajectory.model_validate(t) for t in body["trajectories"]]
+        return TrajectoryGroup(trajectories, metrics=body.get("metrics"))  # e.g. the episodes it left out
 
     async def transitions(self, episode_id: str, *, text_only: TextOnly = "refuse") -> str:
         """The episode as transitions, JSON lines (``flywheel.agents.transitions``; ``text_only`` as for

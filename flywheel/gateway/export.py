@@ -4,9 +4,15 @@ An episode's calls form chains: a call whose prompt continues an earlier output 
 the chain that output ended. The chain holding the episode's last call is the trajectory's main history, every
 other chain an additional history (a sub-agent, a retry, a history the client edited). A chain's history is its
 last request's messages with each continued output put back as the ``Choice`` that produced it (its exact ids and
-log-probs), then the last call's first choice. An output that two chains continue trains in the first only: in
-the second its ids are prompt context. Other choices of an n > 1 call that nothing continued are not part of the
+log-probs), then the last call's choice. An output that two chains continue trains in the first only: in the
+second its ids are prompt context. Other choices of an n > 1 call that nothing continued are not part of the
 trajectory (they stay in the record).
+
+Which choice of an n > 1 call the agent went on with, its next call's history says (``Call.prefix_choice``, found by
+the splice). A chain's last call has no next call: if it returned choices that differ, nothing says which one the
+agent used, so the episode's reward cannot be given to one: such an episode is no trajectory
+(``AmbiguousChoiceError``; a group leaves it out and counts it in its metrics, ``AMBIGUOUS_CHOICE``). An agent that
+samples n > 1 at its last call and picks one should end with a call that continues it, or ask n = 1 there.
 
 A text-only call (an upstream that returned no token ids) has nothing the RL losses can use: an episode with one
 becomes a trajectory only where text is enough (SFT, graders, evaluation), when the caller says so
@@ -15,14 +21,23 @@ becomes a trajectory only where text is enough (SFT, graders, evaluation), when 
 
 from __future__ import annotations
 
+import json
+
 from openai.types.chat.chat_completion import Choice
 
 from flywheel.store import CallRecord, EpisodeRecord, EpisodeStatus
-from flywheel.types import History, MessageOrChoice, Trajectory, TrajectoryGroup, set_intermediate_reward
+from flywheel.types import TOKEN_IDS, History, MessageOrChoice, Trajectory, TrajectoryGroup, set_intermediate_reward
 
 
 class NotTrainableError(ValueError):
     """An episode that cannot become a trajectory (not finished, or without a reward, or text-only for RL)."""
+
+
+class AmbiguousChoiceError(NotTrainableError):
+    """An episode whose chain ends with an n > 1 call of differing choices: which one the agent used is unknown."""
+
+
+AMBIGUOUS_CHOICE = "episodes_ambiguous_choice"  # a group's metric: its episodes left out as AmbiguousChoiceError
 
 
 TEXT_ONLY_REASON = "its upstream returned no token ids: usable for SFT, graders and evaluation, not RL"
@@ -62,9 +77,22 @@ def _history(chain: list[tuple[CallRecord, int]], trained: set[tuple[int, int]])
         if (call.id, choice) not in trained and nxt.prefix_message is not None and nxt.prefix_message < len(items):
             items[nxt.prefix_message] = _choice(call, choice)
             trained.add((call.id, choice))
-    items.append(_choice(last, 0))
+    items.append(_choice(last, 0))  # its choices are alike (else _check_ends refused the episode)
     trained.add((last.id, 0))
     return History(messages_and_choices=items, tools=last.request.get("tools"))
+
+
+def _check_ends(episode: EpisodeRecord, chains: list[list[tuple[CallRecord, int]]]) -> None:
+    """Raise ``AmbiguousChoiceError`` if a chain's last call returned choices that differ (ids or message)."""
+    for chain in chains:
+        last, _ = chain[-1]
+        choices = last.response.get("choices") or []
+        if len({json.dumps([c.get("message"), c.get(TOKEN_IDS)], sort_keys=True) for c in choices}) > 1:
+            raise AmbiguousChoiceError(
+                f"Episode {episode.id!r}: call {last.id} returned {len(choices)} different choices and no later call"
+                " continued one of them, so which one the agent used, and so what its reward is for, is unknown."
+                " Ask n = 1 for the call that ends an episode (or continue the chosen choice in a next call)."
+            )
 
 
 def episode_trajectory(episode: EpisodeRecord, calls: list[CallRecord], *, text_only: bool = False) -> Trajectory:
@@ -86,6 +114,7 @@ def episode_trajectory(episode: EpisodeRecord, calls: list[CallRecord], *, text_
             " Ask for it with text_only=allow to use it for SFT, graders or evaluation."
         )
     chains = _chains(calls)
+    _check_ends(episode, chains)
     main = next(i for i, chain in enumerate(chains) if any(call.id == calls[-1].id for call, _ in chain))
     trained: set[tuple[int, int]] = set()
     histories = {i: _history(chain, trained) for i, chain in sorted(enumerate(chains), key=lambda ic: ic[0] != main)}
@@ -112,11 +141,13 @@ def trajectory_group(
     episodes: list[tuple[EpisodeRecord, list[CallRecord]]], *, text_only: bool = False
 ) -> TrajectoryGroup:
     """The finished episodes of one task as a group (the others are left out; one with a text-only call refuses
-    the group unless ``text_only``)."""
-    return TrajectoryGroup(
-        [
-            episode_trajectory(e, calls, text_only=text_only)
-            for e, calls in episodes
-            if e.status == EpisodeStatus.finished and e.reward is not None and calls
-        ]
-    )
+    the group unless ``text_only``; one whose last call's choice is ambiguous is left out and counted in the
+    group's metrics, ``AMBIGUOUS_CHOICE``)."""
+    trajectories, ambiguous = [], 0
+    for e, calls in episodes:
+        if e.status == EpisodeStatus.finished and e.reward is not None and calls:
+            try:
+                trajectories.append(episode_trajectory(e, calls, text_only=text_only))
+            except AmbiguousChoiceError:
+                ambiguous += 1
+    return TrajectoryGroup(trajectories, metrics={AMBIGUOUS_CHOICE: ambiguous} if ambiguous else None)

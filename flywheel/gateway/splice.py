@@ -8,9 +8,11 @@ Lightning #326, prime-rl #1352).
 
 So the gateway keeps each output it returned in an episode (the ids fed, the ids drawn, the message the client
 saw) and, for a new request, looks for the latest assistant message that is one of them, said the same way up to
-re-serialisation (same text, same tool calls with the same parsed arguments) after the same conversation. The
+re-serialisation (same text, same tool calls with the same parsed arguments) after the same conversation, drawn
+with the same tokenizer as the request's model (``tokenizer_key``: another model's ids are not this one's). The
 prompt is then that output's exact ids, then the template's rendering of what follows it, cut at the output's own
-end-of-turn token. A request whose history matches no output (edited, or after an output that stopped without
+end-of-turn token. Where outputs say the same: a later call's wins (the agent's latest attempt); among the choices
+of one call (n > 1), the first (their messages alike, the history cannot tell them apart). A request whose history matches no output (edited, or after an output that stopped without
 its end-of-turn token) is rendered from text, and each assistant turn in it that was re-tokenized is counted. In
 training (``flywheel.train.batch``) a call whose prompt extends the previous one token for token continues its
 sequence; one that does not starts its own: no token trains unless it was sampled.
@@ -18,7 +20,9 @@ sequence; one that does not starts its own: no token trains unless it was sample
 
 from __future__ import annotations
 
+import hashlib
 import json
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +55,20 @@ def tools_key(tools: list[dict] | None) -> str:
     return json.dumps(tools or [], sort_keys=True, ensure_ascii=False)
 
 
+_tokenizer_keys: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, str] = weakref.WeakKeyDictionary()
+
+
+def tokenizer_key(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Which tokenizer drew a choice's ids: a hash of its vocabulary and special tokens (the same for every process
+    and host that loads it, whatever its path), computed once per tokenizer object."""
+    key = _tokenizer_keys.get(tokenizer)
+    if key is None:
+        vocab = sorted(tokenizer.get_vocab().items())
+        body = json.dumps([vocab, tokenizer.all_special_tokens], ensure_ascii=False).encode()
+        key = _tokenizer_keys[tokenizer] = hashlib.sha256(body).hexdigest()[:16]
+    return key
+
+
 @dataclass(frozen=True)
 class Output:
     """One choice an episode's call returned: the conversation it answered, what it said, its exact ids."""
@@ -60,6 +78,7 @@ class Output:
     key: tuple[str, ...]  # tools_key, then message_key of each request message, then of the reply
     ids: list[int]  # the prompt it was fed, then the completion it drew
     ended: bool  # the completion ends with an end-of-turn token (it can be continued exactly)
+    tokenizer: str | None = None  # tokenizer_key of the tokenizer that drew it (None: not recorded, never spliced)
 
 
 @dataclass(frozen=True)
@@ -81,7 +100,11 @@ def splice_prompt(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None, outputs: list[Output]
 ) -> Splice:
     """The prompt for ``messages``, continuing the latest of ``outputs`` found in them (see the module doc)."""
-    by_key = {o.key: o for o in outputs if o.ended}  # later outputs win: the agent's latest attempt
+    by_key: dict[tuple[str, ...], Output] = {}
+    this = tokenizer_key(tokenizer)
+    for o in outputs:  # later calls' outputs win (the agent's latest attempt); among one call's choices, the first
+        if o.ended and o.tokenizer == this and not ((was := by_key.get(o.key)) and was.call_id == o.call_id):
+            by_key[o.key] = o
     keys = (tools_key(tools), *(message_key(m) for m in messages))
     assistant = [k for k, m in enumerate(messages) if m.get("role") == "assistant"]
     for k in reversed(assistant):

@@ -7,9 +7,20 @@ asks the upstream for what training needs, ``logprobs: true`` and vLLM's ``retur
 returns the prompt's ids as the response's ``prompt_token_ids`` and each choice's sampled ids as its ``token_ids``;
 streamed, the prompt's ids come on the first chunk and each chunk's choices carry their new ids), and strips the
 log-probs the client did not ask for from what it returns. A response with the prompt's ids and every choice's
-sampled ids is recorded as a local call is (``flywheel.types.set_sampled_tokens``, the request's temperature);
-one without them (a hosted API) is recorded *text-only*: usable for SFT, graders and evaluation, never for RL. An
-upstream that answers 400 to the extra fields is asked once more without them (and recorded text-only).
+sampled ids is recorded as a local call is (``flywheel.types.set_sampled_tokens``: the request's temperature and
+top-p, whether it asked for a grammar); one without them (a hosted API) is recorded *text-only*: usable for SFT,
+graders and evaluation, never for RL. An upstream that answers 400 to the extra fields is asked once more without
+them (and recorded text-only).
+
+The temperature an upstream's log-probs are at is recorded apart from the one it sampled at
+(``logprobs_temperature``): vLLM reports, by default (``--logprobs-mode raw_logprobs``), the log-probs of the raw
+distribution, T = 1's, whatever the request's temperature; with ``processed_logprobs``, those of the distribution
+it drew from, after temperature and after top-p / top-k (then no temperature the trainer computes when the request
+truncates: recorded as null). ``Upstream.logprobs_mode`` says which the upstream was started with; an upstream that
+states the temperature on its choices (a Flywheel server) is taken at its word. The trainer compares the sampler's
+log-probs with its own (truncated importance sampling) only where they are at the temperature the turn trains at
+(``SampledTokens.importance_logprobs``): an upstream call at T = 0.7 with raw log-probs trains at weight 1, counted
+among ``tokens_without_sampler_logprobs``, and never joins as an off-policy member.
 
 The gateway does not know an upstream's tokenizer, so it splices nothing into an upstream's prompt: each assistant
 turn an upstream call re-sends counts as re-tokenized, and each upstream call trains (if it has ids) as the
@@ -36,23 +47,26 @@ from openai.types.chat.chat_completion import Choice
 from flywheel.gateway.recorder import Gateway, without_choice_fields
 from flywheel.gateway.splice import Splice
 from flywheel.server.protocol import ErrorDetail, ErrorResponse
-from flywheel.types import set_sampled_tokens
+from flywheel.types import LOGPROBS_TEMPERATURE, set_sampled_tokens
 
 log = logging.getLogger(__name__)
 
 TRAINING_FIELDS = {"logprobs": True, "return_token_ids": True}  # what the gateway asks an upstream for
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's --logprobs-mode values that are log-probs
 
 
 @dataclass(frozen=True)
 class Upstream:
     """An OpenAI-compatible server the gateway relays to: ``base_url`` is its OpenAI base URL (with ``/v1``),
-    ``api_key`` the key it wants (never logged, never shown), ``timeout`` the seconds a call may take, and
-    ``models_timeout`` those that its model list may take in ``GET /v1/models``."""
+    ``api_key`` the key it wants (never logged, never shown), ``timeout`` the seconds a call may take,
+    ``models_timeout`` those that its model list may take in ``GET /v1/models``, and ``logprobs_mode`` the log-probs
+    it returns (vLLM's ``--logprobs-mode``: ``raw_logprobs``, its default, or ``processed_logprobs``)."""
 
     base_url: str
     api_key: str | None = field(default=None, repr=False)
     timeout: float = 300.0
     models_timeout: float = 2.0
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.base_url)
@@ -62,6 +76,10 @@ class Upstream:
             raise ValueError("The upstream URL must not hold credentials: give its key as the upstream's api_key.")
         if not (self.timeout > 0 and self.models_timeout > 0):
             raise ValueError("The upstream's timeouts must be positive numbers of seconds.")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"The upstream's logprobs_mode {self.logprobs_mode!r} is not one of {', '.join(LOGPROBS_MODES)}."
+            )
         object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
 
     @staticmethod
@@ -80,9 +98,31 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
     return JSONResponse(status_code=status, content=body.model_dump())
 
 
-def _temperature(body: dict[str, Any]) -> float:
-    value = body.get("temperature")
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 1.0
+def _number(body: dict[str, Any], key: str, default: float) -> float:
+    value = body.get(key)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else default
+
+
+def _logprobs_temperature(body: dict[str, Any], logprobs_mode: str) -> float | None:
+    """The temperature an upstream's log-probs are at, for a request ``body`` (see the module doc): T = 1's for raw
+    log-probs; the request's for processed ones, or None where top-p / top-k / min-p truncated them."""
+    if logprobs_mode == "raw_logprobs":
+        return 1.0
+    truncated = _number(body, "top_p", 1.0) < 1.0 or _number(body, "top_k", -1) > 0 or _number(body, "min_p", 0) > 0
+    return None if truncated else _number(body, "temperature", 1.0) or 1.0
+
+
+GUIDES = ("guided_choice", "guided_json", "guided_regex", "guided_grammar", "structured_outputs")  # vLLM's fields
+
+
+def guided_request(body: dict[str, Any]) -> bool:
+    """Whether a chat completion request asks for a grammar, so that its choices are drawn from (and their log-probs
+    are those of) a masked distribution: a forced tool call (``tool_choice`` "required" or a named function, with
+    tools), a ``response_format`` other than text, or one of vLLM's guided-decoding fields."""
+    choice, fmt = body.get("tool_choice"), body.get("response_format")
+    forced = bool(body.get("tools")) and (choice == "required" or isinstance(choice, dict))
+    formatted = isinstance(fmt, dict) and fmt.get("type") not in (None, "text")
+    return forced or formatted or any(body.get(k) is not None for k in GUIDES)
 
 
 def _ids(value: Any) -> list[int] | None:
@@ -91,11 +131,16 @@ def _ids(value: Any) -> list[int] | None:
     return None
 
 
-def recorded_response(response: dict[str, Any], temperature: float) -> tuple[dict[str, Any], bool]:
-    """The body to record for an upstream's chat.completion, and whether it is text-only: each choice with the
-    prompt's ids (the response's, or its own) and its sampled ids gets them as a local call's choice has them."""
+def recorded_response(
+    response: dict[str, Any], request: dict[str, Any], logprobs_mode: str = "raw_logprobs"
+) -> tuple[dict[str, Any], bool]:
+    """The body to record for an upstream's chat.completion to ``request`` (as the client sent it), and whether it
+    is text-only: each choice with the prompt's ids (the response's, or its own) and its sampled ids gets them as a
+    local call's choice has them, with how it was drawn and the temperature its log-probs are at (the choice's own
+    ``logprobs_temperature`` if the upstream states it, else as ``logprobs_mode`` says)."""
     shared = _ids(response.get("prompt_token_ids"))
     choices, text_only = [], not response.get("choices")
+    temperature, top_p = _number(request, "temperature", 1.0), _number(request, "top_p", 1.0)
     for raw in response.get("choices") or []:
         prompt, completion = _ids(raw.get("prompt_token_ids")) or shared, _ids(raw.get("token_ids"))
         if prompt is None or completion is None:
@@ -103,8 +148,11 @@ def recorded_response(response: dict[str, Any], temperature: float) -> tuple[dic
             choices.append(raw)
             continue
         choice = Choice.model_validate(raw)
-        set_sampled_tokens(choice, prompt, completion, temperature)
-        choices.append(choice.model_dump(mode="json", exclude_none=True))
+        stated = raw.get(LOGPROBS_TEMPERATURE)
+        logprobs_at = stated if isinstance(stated, int | float) else _logprobs_temperature(request, logprobs_mode)
+        set_sampled_tokens(choice, prompt, completion, temperature, top_p=top_p, guided=guided_request(request))
+        setattr(choice, LOGPROBS_TEMPERATURE, logprobs_at)  # None (kept as null): at no temperature TIS computes
+        choices.append(choice.model_dump(mode="json", exclude_none=True) | {LOGPROBS_TEMPERATURE: logprobs_at})
     return {k: v for k, v in response.items() if k != "prompt_token_ids"} | {"choices": choices}, text_only
 
 
@@ -322,7 +370,7 @@ class _Call:
     async def record(self, full: dict[str, Any]) -> None:
         gateway = self.relay.gateway
         assert gateway is not None
-        response, text_only = recorded_response(full, _temperature(self.body))
+        response, text_only = recorded_response(full, self.body, self.relay.upstream.logprobs_mode)
         messages = self.body.get("messages") or []
         turns = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
         await gateway.record(

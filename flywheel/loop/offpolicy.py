@@ -13,12 +13,21 @@ An episode is left out, and the reason counted, when it cannot be corrected for 
   (the ratio of a far-off policy is mostly the cap);
 - ``text_only`` / ``redacted``: a call has no token ids (an upstream returned none; or personal data was redacted
   before it was stored, and its token ids with it);
-- ``no_logprobs``: a sampled turn without the sampler's log-probs (nothing to correct with);
-- ``guided``: a call with a ``response_format``: its log-probs are the constrained distribution's, which the trainer
-  does not recompute;
+- ``guided``: a constrained call (a forced tool call: ``tool_choice`` "required" or named; ``guided_choice``; a JSON
+  ``response_format``), as its choices record it (``guided``) or, for a call recorded before they did, as its
+  request asks: its log-probs are the grammar-masked distribution's, the trainer scores the unmasked one, so the
+  ratio would not be the policies' (the rule: constrained calls train as on-policy only, at weight 1, never as
+  off-policy members; ``train/batch.py``);
+- ``greedy``: a call drawn at temperature 0: no distribution drew it, so there is no ratio to weight it by;
+- ``top_p``: a call drawn from the top-p nucleus (``top_p`` < 1): it was drawn from the truncated distribution
+  while its log-probs, and the trainer's, are the untruncated one's;
+- ``no_logprobs``: a sampled turn without log-probs TIS can compare (none recorded, or at another temperature than
+  it was drawn at: an upstream's raw log-probs, ``gateway/upstream.py``);
 - ``other_model``: a call answered by a model that is neither this loop's (``name``, ``name@k``, its aliases) nor its
   base model (which is its step 0);
-- ``no_calls``: nothing to train on.
+- ``no_calls``: nothing to train on;
+- ``ambiguous_choice``: an n > 1 call whose differing choices no later call tells apart: which one the agent used,
+  and so what the reward is for, is unknown (``gateway/export.py``).
 
 An episode joins at most once (``used``: the loop keeps the ids with their answering step in its checkpoint, and
 drops them once they are stale anyway).
@@ -32,7 +41,8 @@ from enum import StrEnum
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
-from flywheel.gateway.export import episode_trajectory
+from flywheel.gateway.export import AmbiguousChoiceError, episode_trajectory
+from flywheel.gateway.upstream import guided_request
 from flywheel.store import CallRecord
 from flywheel.store import episodes as db
 from flywheel.train.credit import sampled_turns
@@ -47,8 +57,11 @@ class LeftOut(StrEnum):
     redacted = "redacted"
     no_logprobs = "no_logprobs"
     guided = "guided"
+    greedy = "greedy"
+    top_p = "top_p"
     other_model = "other_model"
     no_calls = "no_calls"
+    ambiguous_choice = "ambiguous_choice"
 
 
 class OffPolicyDraw(BaseModel):
@@ -97,15 +110,25 @@ def member(
         return LeftOut.no_calls
     if any(c.text_only for c in calls):
         return LeftOut.text_only if any(c.upstream for c in calls if c.text_only) else LeftOut.redacted
-    if any(c.request.get("response_format") for c in calls):
+    if any(guided_request(c.request) for c in calls):  # a call recorded before its choices said so
         return LeftOut.guided
     answered = answering_step(calls, model, base_model)
     if answered is None:
         return LeftOut.other_model
     if step - answered > max_staleness:
         return LeftOut.stale
-    trajectory = episode_trajectory(episode, list(calls))
-    if any((s := sampled_tokens(c)) is None or s.logprobs is None for c in sampled_turns(trajectory)):
+    try:
+        trajectory = episode_trajectory(episode, list(calls))
+    except AmbiguousChoiceError:
+        return LeftOut.ambiguous_choice
+    turns = [sampled_tokens(c) for c in sampled_turns(trajectory)]
+    if any(s is not None and s.guided for s in turns):
+        return LeftOut.guided
+    if any(s is not None and s.greedy for s in turns):
+        return LeftOut.greedy
+    if any(s is not None and s.top_p < 1.0 for s in turns):
+        return LeftOut.top_p
+    if any(s is None or s.importance_logprobs is None for s in turns):
         return LeftOut.no_logprobs
     trajectory.metadata |= {OFF_POLICY: True, ANSWERED_AT: answered}
     return trajectory

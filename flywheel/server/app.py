@@ -36,6 +36,7 @@ from flywheel.gateway.auth import ApiKeyAuth, ApiKeys, Role, TokenBudgetError, T
 from flywheel.gateway.export import NotTrainableError
 from flywheel.gateway.queue import queue_router
 from flywheel.gateway.recorder import Gateway
+from flywheel.gateway.splice import tokenizer_key
 from flywheel.gateway.traffic import SHADOW_IN_FLIGHT, Route, TrafficPolicy
 from flywheel.gateway.upstream import Relay, Upstream, without_logprobs
 from flywheel.inference.chat import parse_tool_calls, partial_tool_call, render_prompt
@@ -158,6 +159,13 @@ async def _json_body(request: Request) -> Any:
         ) from None
 
 
+def _sampled_how(engine: InferenceEngine, params: SamplingParams) -> dict[str, Any]:
+    """How a choice was drawn, recorded on it with its ids (extra fields, kept by the SDK): its top-p, whether a
+    grammar guided it (its log-probs are then the masked distribution's, which TIS leaves out), and the tokenizer
+    its ids are of (what a later call's prompt may splice them into)."""
+    return {"top_p": params.top_p, "guided": params.guide is not None, "tokenizer": tokenizer_key(engine.tokenizer)}
+
+
 def _completion_body(
     engine: InferenceEngine,
     results: list[Completion],
@@ -176,7 +184,7 @@ def _completion_body(
         message, finish = _message(c, tools, forced)
         logprobs = ChoiceLogprobs(content=_logprob_items(engine, c)) if params.logprobs else None
         choice = Choice(index=c.index, message=message, finish_reason=finish, logprobs=logprobs)
-        set_sampled_tokens(choice, prompt, c.token_ids, params.temperature)  # extra fields, kept by the SDK
+        set_sampled_tokens(choice, prompt, c.token_ids, params.temperature, **_sampled_how(engine, params))
         choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in results)
     usage = CompletionUsage(
@@ -489,7 +497,7 @@ async def _stream(
                 lp = ChunkLogprobs(content=_logprob_items(engine, c)) if show_logprobs else None
                 yield chunk([ChunkChoice(index=ev.index, delta=delta, logprobs=lp)])
             final = ChunkChoice(index=ev.index, delta=ChoiceDelta(), finish_reason=finish)
-            set_sampled_tokens(final, prompt, c.token_ids, params.temperature)  # type: ignore[arg-type]  # same extras
+            set_sampled_tokens(final, prompt, c.token_ids, params.temperature, **_sampled_how(engine, params))  # type: ignore[arg-type]  # same extras
             yield chunk([final])
         if on_done is not None:
             await on_done([held[i] for i in range(params.n)])

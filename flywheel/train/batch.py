@@ -1,10 +1,19 @@
 """From trajectories to packed token sequences with a mask of the positions that train.
 
 Only tokens the model sampled train: every ``Choice`` of a trajectory, with the exact ids the engine returned
-(``flywheel.types.sampled_tokens``), the sampler's log-probs of them and the temperature they were drawn at. System, user and tool tokens, and assistant message dicts (context that was
-not sampled), are masked. Consecutive turns whose prompt extends the previous sequence token for token are merged
-into one sequence (the shared prefix is processed once); a turn whose prompt does not (a template that re-renders
-history differently) starts a sequence of its own, so nothing is ever trained on re-tokenised text.
+(``flywheel.types.sampled_tokens``), the sampler's log-probs of them and the temperature they were drawn at.
+System, user and tool tokens, and assistant message dicts (context that was not sampled), are masked.
+
+A constrained turn (a forced tool call, ``guided_choice``, a JSON ``response_format``) was drawn from a
+grammar-masked distribution while the trainer scores the unmasked one; a turn whose log-probs are at another
+temperature than it was drawn at (an upstream's raw log-probs) cannot be compared either. Their tokens train (as
+if the policy had drawn them: an on-policy rollout's weight is 1) but carry no sampler log-probs, so truncated
+importance sampling leaves them at weight 1 and its metrics leave them out (``tokens_without_sampler_logprobs``);
+the loop's off-policy members exclude such episodes (``loop/offpolicy.py``).
+
+Consecutive turns whose prompt extends the previous sequence token for token are merged into one sequence (the
+shared prefix is processed once); a turn whose prompt does not (a template that re-renders history differently)
+starts a sequence of its own, so nothing is ever trained on re-tokenised text.
 """
 
 from __future__ import annotations
@@ -64,10 +73,12 @@ class MicroBatch:
 def _turn_tokens(
     tokenizer: PreTrainedTokenizerBase, choice: Choice, context: list[dict], tools: list[dict] | None
 ) -> tuple[list[int], list[int], list[float] | None, float]:
-    """(prompt ids, completion ids, sampler log-probs, sampling temperature) of one sampled turn."""
+    """(prompt ids, completion ids, sampler log-probs, sampling temperature) of one sampled turn. The log-probs are
+    those TIS may compare with the trainer's (``SampledTokens.importance_logprobs``): none for a guided turn or one
+    whose log-probs are at another temperature; its tokens then train with weight 1 and are counted apart."""
     sampled = sampled_tokens(choice)
     if sampled is not None:
-        return sampled.prompt_ids, sampled.completion_ids, sampled.logprobs, sampled.temperature
+        return sampled.prompt_ids, sampled.completion_ids, sampled.importance_logprobs, sampled.temperature
     # A Choice built by hand (not sampled by our engine): render it the way the engine would have.
     return assistant_turn_tokens(tokenizer, context, choice_to_message(choice), tools) + (None, 1.0)
 
