@@ -63,8 +63,9 @@ async def test_held_out_items_run_by_runners_are_scored_recorded_and_paired(back
     runner = asyncio.create_task(Runner(root, agent, concurrency=4, poll_interval=0.1).run())
     try:
         async with QueueClient(root) as queue:
-            first = await evaluate(queue, HELDOUT, EMBEDDED_MODEL, STACK, samples=2, max_wait=300, store=backend.gateway.store)  # fmt: skip
-            again = await evaluate(queue, HELDOUT, EMBEDDED_MODEL, STACK, samples=2, max_wait=300)
+            # the same model on both sides: its runs are queued warm-ups first, then item by item, alternating
+            first, again = await evaluate(queue, HELDOUT, [EMBEDDED_MODEL] * 2, STACK, samples=2, max_wait=300,
+                                          store=backend.gateway.store)  # fmt: skip
     finally:
         runner.cancel()
     assert [r.item for r in first.results] == ["q0", "q1", "q2", "q3"] and first.failed_items == ["q3"]
@@ -76,6 +77,12 @@ async def test_held_out_items_run_by_runners_are_scored_recorded_and_paired(back
     with backend.gateway.store.session() as s:
         grades = [g for e in first.episodes for g in gdb.grades_of(s, e)]
     assert len(grades) == 12 and {g.version for g in grades} == {STACK.version}  # reward + safety per episode
+    with backend.gateway.store.session() as s:  # as the runners claimed them: warm-ups, then item by item
+        timed = sorted((db.get_episode(s, i) for i in first.episodes + again.episodes), key=lambda e: e.created_at)
+        warm = [e for r in (first, again) for e in db.list_episodes(s, task_id=f"eval:colours:{HELDOUT.version}:{r.id}-warm")]  # fmt: skip
+    assert [e.task_id.rsplit(":", 2)[1] for e in timed] == [first.id, first.id, again.id, again.id] * 3  # q0..q2
+    assert len(warm) == 2 and max(e.created_at for e in warm) < timed[0].created_at  # one untimed episode a side
+
     assert {g.component for g in grades} == {"reward", "safety"}
     # greedy decoding: the same model twice gives the same scores, and the gate sees no lift
     assert [r.score for r in again.results] == [r.score for r in first.results]

@@ -329,13 +329,12 @@ class Loop:
         """Evaluate checkpoint ``step`` against production on the held-out set; the gate decides (``settle``)."""
         production = await self.production_name()
         name = self.model.get_inference_name(step)
-        runs = [
-            await evaluate(queue, self.heldout, model, self.stack, samples=self.config.eval_samples,
-                           max_wait=self.config.max_wait, store=self.store, actor=self.actor,
-                           prefix=f"eval:{self.config.name}")
-            for model in (name, production)
-        ]  # fmt: skip
-        return await self.settle(step, production, runs[0], runs[1])
+        # both sides warmed up, then their items interleaved: their latencies are comparable (``evaluate``)
+        candidate, current = await evaluate(
+            queue, self.heldout, [name, production], self.stack, samples=self.config.eval_samples,
+            max_wait=self.config.max_wait, store=self.store, actor=self.actor, prefix=f"eval:{self.config.name}",
+        )  # fmt: skip
+        return await self.settle(step, production, candidate, current)
 
     async def settle(self, step: int, production: str, candidate: HeldOutRun, current: HeldOutRun) -> Candidate:
         """The gate's decision on checkpoint ``step``'s held-out run and production's, audited. One that passes is

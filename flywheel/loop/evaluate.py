@@ -1,6 +1,7 @@
 """Held-out evaluation through the gateway's runners: every item of a frozen set run by the agent in its own
-environment against one served model name (a checkpoint ``calc@12`` or a deployment ``calc@production``), each
-episode scored by a grader stack, the grades recorded, one ``ItemResult`` per item for the gate.
+environment against served model names (checkpoints such as ``calc@12``, or a base model: the loop names each side
+by its checkpoint, never by a deployment's alias, which a canary shares), each episode scored by a grader stack, the
+grades recorded, one ``ItemResult`` per item and model for the gate.
 
 The items go to the rollout queue as tasks of split ``eval`` (``samples`` attempts each: their mean is the item's
 result), so the same runners that collect training groups run them, wherever they are. Every attempt counts: one
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Sequence
 
 from pydantic import BaseModel
 
@@ -62,7 +64,7 @@ def _item_result(
 async def evaluate(
     queue: QueueClient,
     heldout: HeldOutSet,
-    model: str,
+    models: Sequence[str],
     stack: GraderStack,
     *,
     samples: int = 1,
@@ -70,38 +72,58 @@ async def evaluate(
     store: Store | None = None,
     actor: str = "loop",
     prefix: str = "eval",
-) -> HeldOutRun:
-    """Run ``model`` on every held-out item through the queue's runners; score and (with ``store``) record. The
-    tasks' ids are ``<prefix>:<held-out name>:<version>:<run id>:<item id>`` (a loop's prefix names it)."""
-    run_id = secrets.token_hex(6)
-    task_of = {i: f"{prefix}:{heldout.name}:{heldout.version}:{run_id}:{i}" for i in heldout.items}
+) -> list[HeldOutRun]:
+    """Run each of ``models`` on every held-out item through the queue's runners; score and (with ``store``)
+    record; one run per model, in their order.
+
+    The sides are timed alike: each first runs one untimed warm-up episode (the first item: a checkpoint loaded,
+    or kernels compiled, then are not in its timed run), and the timed tasks are queued item by item with the
+    models alternating (the runners claim in that order), so that no side has a stretch of the machine to itself.
+    Task ids: ``<prefix>:<held-out name>:<version>:<run id>:<item id>``, a warm-up's ``...:<run id>-warm`` (a
+    loop's prefix names it)."""
+    base, run_ids = f"{prefix}:{heldout.name}:{heldout.version}", [secrets.token_hex(6) for _ in models]
+    if (first := next(iter(heldout.items.values()), None)) is not None:
+        warm_ups = [
+            TaskSpec(task_id=f"{base}:{run_id}-warm", payload=first, group_size=1, split="eval", model=model)
+            for model, run_id in zip(models, run_ids, strict=True)
+        ]
+        await queue.gather_groups(
+            warm_ups, max_wait=max_wait, allow_failed=True
+        )  # unscored: a failure shows in the timed run
+    sides = list(zip(models, run_ids, strict=True))
     specs = [
-        TaskSpec(task_id=task_of[i], payload=item, group_size=samples, split="eval", model=model)
+        TaskSpec(task_id=f"{base}:{run_id}:{i}", payload=item, group_size=samples, split="eval", model=model)
         for i, item in heldout.items.items()
+        for model, run_id in sides
     ]
-    groups = await queue.gather_groups(specs, max_wait=max_wait, allow_failed=True)
-    scored: dict[str, tuple[list[Trajectory], list[StackScore]]] = {}
-    for (item_id, item), group in zip(heldout.items.items(), groups, strict=True):
-        trajectories = list(group.trajectories)
-        scores = await asyncio.gather(*(score(stack, sample_of(t), item) for t in trajectories))
-        scored[item_id] = (trajectories, list(scores))
-    episodes = [str(t.metadata["episode_id"]) for ts, _ in scored.values() for t in ts]
+    groups = iter(await queue.gather_groups(specs, max_wait=max_wait, allow_failed=True))
+    scored: list[dict[str, tuple[list[Trajectory], list[StackScore]]]] = [{} for _ in sides]
+    for item_id, item in heldout.items.items():
+        for side in scored:
+            trajectories = list(next(groups).trajectories)
+            scores = await asyncio.gather(*(score(stack, sample_of(t), item) for t in trajectories))
+            side[item_id] = (trajectories, list(scores))
     if store is not None:
 
         def record() -> None:
             with store.session() as s:
                 stack.register(s, actor=actor)
-                for trajectories, scores in scored.values():
-                    for t, result in zip(trajectories, scores, strict=True):
-                        result.record(s, str(t.metadata["episode_id"]))
+                for side in scored:
+                    for trajectories, scores in side.values():
+                        for t, result in zip(trajectories, scores, strict=True):
+                            result.record(s, str(t.metadata["episode_id"]))
 
         await asyncio.to_thread(record)
-    return HeldOutRun(
-        id=run_id,
-        model=model,
-        heldout=f"{heldout.name}@{heldout.version}",
-        stack=stack.version,
-        results=[_item_result(i, samples, *scored[i], safety_checked=stack.safety is not None) for i in heldout.items],
-        episodes=episodes,
-        failed_items=[i for i, (ts, _) in scored.items() if not ts],
-    )
+    checked = stack.safety is not None
+    return [
+        HeldOutRun(
+            id=run_id,
+            model=model,
+            heldout=f"{heldout.name}@{heldout.version}",
+            stack=stack.version,
+            results=[_item_result(i, samples, *side[i], safety_checked=checked) for i in heldout.items],
+            episodes=[str(t.metadata["episode_id"]) for ts, _ in side.values() for t in ts],
+            failed_items=[i for i, (ts, _) in side.items() if not ts],
+        )
+        for (model, run_id), side in zip(sides, scored, strict=True)
+    ]
