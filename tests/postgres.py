@@ -44,8 +44,9 @@ def find_bindir() -> Path | None:
 class PostgresServer:
     """One cluster: ``start()``, then ``create_database(name)`` per test (its SQLAlchemy URL), ``stop()`` at the end."""
 
-    def __init__(self, bindir: Path):
+    def __init__(self, bindir: Path, settings: tuple[str, ...] = SETTINGS):
         self.bindir = bindir
+        self.settings = settings
         # short (a socket path has at most 107 bytes), and readable by the server's user (pytest's tmp dirs are not)
         self.root = Path(tempfile.mkdtemp(prefix="flywheel-pg-"))
         self.data = self.root / "data"
@@ -69,8 +70,16 @@ class PostgresServer:
 
     def start(self) -> None:
         self._run("initdb", "-D", str(self.data), "-U", ROLE, "-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync")
-        options = " ".join([f"-k {self.root}", "-c listen_addresses=''", *(f"-c {s}" for s in SETTINGS)])
+        self.resume()
+
+    def resume(self) -> None:
+        """Run the server (again, after ``kill``) on the cluster ``start`` made."""
+        options = " ".join([f"-k {self.root}", "-c listen_addresses=''", *(f"-c {s}" for s in self.settings)])
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.root / "server.log"), "-o", options, "-w", "start")
+
+    def kill(self) -> None:
+        """Stop the server at once (``immediate``: connections dropped, as a crash would), keeping its cluster."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
 
     def url(self, database: str) -> str:
         """The URL as a user would write it (``postgresql://``; the store picks the driver)."""

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from flywheel.gateway.recorder import Gateway
+from flywheel.gateway.recorder import Gateway, GatewayBusyError, WriteLimits
 from flywheel.gateway.splice import Splice
 from flywheel.inference.loading import EMBEDDED_MODEL, resolve_model
 from flywheel.inference.registry import ModelRegistry
@@ -359,3 +359,40 @@ async def test_a_waiter_that_gives_up_leaves_the_call_to_be_written_for_the_othe
     await agent.turn()  # the writer is alive: the next call is written too
     await gateway.settled(agent.episode_id)
     assert len(calls(store, agent.episode_id)) == 3
+
+
+async def test_a_full_queue_refuses_calls_before_they_run_and_a_wait_that_lasts_too_long_is_a_503(store, tokenizer):
+    """The writer is held back (another connection's write lock): at most ``max_queued`` calls are held, one more is
+    refused before it runs (the agent is told to retry); an outcome whose calls are not written within ``wait_s``
+    is a 503 with Retry-After, nothing changed. Once the lock goes, the calls are written and the finish passes."""
+    gateway = Gateway(store, redactor=None, limits=WriteLimits(max_queued=2, wait_s=0.5))
+    server = BackgroundServer(create_app(ModelRegistry(), gateway)).start()
+    root = server.base_url.removesuffix("/v1")
+    agent = Agent(gateway, tokenizer, new_episode(store))
+    try:
+        async with httpx.AsyncClient(base_url=root, timeout=60) as http:
+            with Lock(store):
+                await agent.turn()
+                await agent.turn()
+                with pytest.raises(GatewayBusyError, match="holds 2 calls not yet written"):
+                    await agent.prepare()
+                busy = await http.post(f"/episodes/{agent.episode_id}/finish", json={"reward": 1})
+                assert busy.status_code == 503 and int(busy.headers["Retry-After"]) >= 1
+                assert busy.json()["error"]["code"] == "gateway_busy"
+            await gateway.settled(agent.episode_id)
+            assert len(calls(store, agent.episode_id)) == 2
+            done = await http.post(f"/episodes/{agent.episode_id}/finish", json={"reward": 1})
+            assert done.status_code == 200 and done.json()["status"] == "finished"
+    finally:
+        server.stop()
+
+
+def test_write_limits_come_from_the_environment_and_bad_ones_are_named(monkeypatch):
+    monkeypatch.setenv("FLYWHEEL_WRITE_RETRY_S", "2.5")
+    monkeypatch.setenv("FLYWHEEL_WRITE_MAX_QUEUED", "7")
+    assert WriteLimits.from_env() == WriteLimits(retry_s=2.5, max_queued=7)
+    monkeypatch.setenv("FLYWHEEL_WRITE_WAIT_S", "soon")
+    with pytest.raises(ValueError, match="FLYWHEEL_WRITE_WAIT_S was 'soon'"):
+        WriteLimits.from_env()
+    with pytest.raises(ValueError, match="max_queued >= 1"):
+        WriteLimits(max_queued=0)

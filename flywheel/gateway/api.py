@@ -249,7 +249,7 @@ def episode_router(gateway: Gateway) -> APIRouter:
 
     @router.get("/gateway/stats")
     async def stats(request: Request):
-        """What the gateway did since it started: redactions by kind, canary and shadow traffic, lost calls.
+        """What the gateway did since it started: redactions by kind, canary and shadow traffic, lost and late calls.
         ``calls``: the calls it recorded and how many of them it redacted (a redacted call keeps no token ids: its
         episode is text-only from there on and leaves RL training; a high share says redaction starves training)."""
         traffic = getattr(request.app.state, "traffic", None)
@@ -262,6 +262,8 @@ def episode_router(gateway: Gateway) -> APIRouter:
                 "redacted_share": redacted / recorded if recorded else 0.0,
             },
             "lost_calls": gateway.lost_calls,
+            "lost_calls_unmarked": gateway.unmarked_calls,  # not yet marked in the store (it did not answer)
+            "late_calls": gateway.late_calls,  # answered after their episode closed: dropped
             "traffic": dataclasses.asdict(traffic.counts) if traffic is not None else {},
         }
 

@@ -10,6 +10,13 @@ is a lost call: its open episode is abandoned with the reason (``store.episodes.
 finish is a 409 naming the call) and counted. A call whose episode was closed before it could be written (by
 another process, or a lease's expiry) is a late call: counted and dropped, the episode's outcome stands.
 
+The database may go away for a while (a restart, a failover): a write that fails on its side is retried with
+backoff for ``WriteLimits.retry_s``, and only then are its calls lost; a lost call that cannot be marked in the
+store then is marked once it answers again (this process refuses the episode meanwhile). What the gateway holds is
+bounded (``max_queued`` calls being generated or queued: one more is a 503 with Retry-After, before it runs), and
+so is every wait for it (``wait_s``: a 503; the shutdown's ``drain``: ``retry_s`` + ``wait_s``, then what it could
+not write is logged).
+
 A gateway killed between an answer and its commit loses the calls answered in that window (one batch: a few
 milliseconds of traffic). The agent's next call, to a restarted gateway, re-sends those replies as history; they
 match no recorded output, so they are fed as re-tokenized context and counted as such (``retokenized_turns``),
@@ -24,7 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import os
 import threading
+import time
 import weakref
 from collections import Counter, OrderedDict
 from concurrent.futures import Future
@@ -32,6 +42,8 @@ from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, replace
 from typing import Any
 
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from transformers import PreTrainedTokenizerBase
 
 from flywheel.gateway.redact import Redactor, default_redactor, redact_value
@@ -39,12 +51,67 @@ from flywheel.gateway.splice import Output, Splice, output_key, splice_prompt
 from flywheel.store import CallRecord, EpisodeConflictError, EpisodeRecord, Store
 from flywheel.store import episodes as db
 from flywheel.store.costs import Prices
-from flywheel.types import TOKENIZER
 
 CACHED_EPISODES = 4096  # open episodes whose outputs stay in memory (others are read back from the store)
 REDACTED_SPLITS = frozenset({"production", "shadow"})  # whose calls are redacted by default: what users sent
 WRITER_IDLE_S = 5.0  # the call writer's thread ends after this long with nothing to write
 COMMITTED_IDS = 65536  # provisional -> committed ids kept, for splices prepared before their prefix's commit
+RETRY_PAUSE_S = (0.05, 2.0)  # the writer's first pause after a failed write, and its longest (doubling between)
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WriteLimits:
+    """How long write-behind keeps trying and how much it holds. A write that fails on the database's side (a
+    disconnect, a server restarting, a lock not granted: ``transient``) is retried with backoff for up to
+    ``retry_s`` seconds before its calls are lost; at most ``max_queued`` calls are queued or being generated at
+    once (one more is refused before it runs: a 503 with Retry-After); what waits for an episode's calls (its
+    outcome, its reads) gives up after ``wait_s`` seconds (a 503 with Retry-After), the server's shutdown after
+    ``retry_s`` + ``wait_s``. ``from_env``: ``FLYWHEEL_WRITE_RETRY_S``, ``FLYWHEEL_WRITE_MAX_QUEUED``,
+    ``FLYWHEEL_WRITE_WAIT_S``."""
+
+    retry_s: float = 30.0
+    max_queued: int = 10_000
+    wait_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not (self.retry_s >= 0 and self.wait_s > 0 and self.max_queued >= 1):
+            raise ValueError(
+                f"write limits {self}: retry_s must be >= 0, wait_s > 0 (seconds) and max_queued >= 1 (calls)"
+            )
+
+    @classmethod
+    def from_env(cls) -> WriteLimits:
+        """The defaults, each overridden by its environment variable if set."""
+        given: dict[str, float | int] = {}
+        for field, variable, kind in (
+            ("retry_s", "FLYWHEEL_WRITE_RETRY_S", float),
+            ("max_queued", "FLYWHEEL_WRITE_MAX_QUEUED", int),
+            ("wait_s", "FLYWHEEL_WRITE_WAIT_S", float),
+        ):
+            if (value := os.environ.get(variable)) is not None:
+                try:
+                    given[field] = kind(value)
+                except ValueError:
+                    raise ValueError(f"{variable} was {value!r}; it must be a number ({kind.__name__})") from None
+        return cls(**given)  # type: ignore[arg-type]
+
+
+class GatewayBusyError(RuntimeError):
+    """The gateway cannot take or settle a call now: too many calls queued for writing, or an episode's calls not
+    written in time (the database is not answering). A 503; ``retry_after``: seconds to wait before trying again."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether a failed write may succeed if tried again: the database unreachable or restarting, a connection
+    dropped, a lock or a pooled connection not granted in time (not a value the database refuses, nor a bug)."""
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    return isinstance(exc, OperationalError | InterfaceError | PoolTimeoutError)
 
 
 def without_choice_fields(response: dict[str, Any], *fields: str) -> dict[str, Any]:
@@ -76,8 +143,7 @@ def _outputs(
         if prompt is None or not completion:
             continue
         key = output_key(messages, tools, _reply(choice))
-        ended = completion[-1] in eos_ids
-        found.append(Output(call_id, choice["index"], key, prompt + completion, ended, choice.get(TOKENIZER)))
+        found.append(Output(call_id, choice["index"], key, prompt + completion, completion[-1] in eos_ids))
     return found
 
 
@@ -128,8 +194,10 @@ class Gateway:
         redacted_splits: frozenset[str] | None = REDACTED_SPLITS,
         write_behind: bool = True,
         prices: Prices | None = None,
+        limits: WriteLimits | None = None,
     ):
         self.store = store
+        self.limits = limits or WriteLimits.from_env()
         self.prices = prices or Prices.from_env()  # what the episode API prices calls at (store/costs.py)
         # answer a call once it is queued for the writer (True), or once it is committed (False: for gateway
         # replicas on one database that do not route an episode's calls to one replica, see the module doc)
@@ -157,6 +225,9 @@ class Gateway:
         # and the way to end each, by its Splice's id (``prepare`` starts one, ``record`` ends it)
         self._generating: dict[str, set[Future[None]]] = {}
         self._landings: dict[int, weakref.finalize] = {}
+        self._held = 0  # calls being generated or queued, until written or lost: at most limits.max_queued
+        self._unmarked: OrderedDict[str, list[str]] = OrderedDict()  # lost calls not yet marked in the store
+        self._marking = threading.Lock()  # one marks them at a time (the writer, or the shutdown's drain)
 
     def redacts(self, split: str | None) -> bool:
         """Whether what is stored for an episode of ``split`` is redacted (an unknown split: it is)."""
@@ -232,6 +303,7 @@ class Gateway:
         ``EpisodeConflictError``). An episode whose outputs this process holds is open as far as it knows (one
         closed meanwhile elsewhere is refused when its call is recorded, as ``prepare`` says)."""
         self.refuse_lost(episode_id)
+        self._admit()
         if self._cached(episode_id) is None:
             self._note_split(await self.store.run(db.check_open, episode_id))
 
@@ -249,8 +321,10 @@ class Gateway:
         query, so that its request reaches the engine as soon as a plain one would (a few milliseconds later, it
         would often miss the engine's next batch and wait a decode step); its calls still queued are in it (those
         of an episode whose calls may be redacted join it once committed: it waits for them). One closed meanwhile
-        by another process (or by a lease's expiry) loses its call when the call is written, after it ran."""
+        by another process (or by a lease's expiry) is a late call when the call is written, after it ran. With
+        ``limits.max_queued`` calls held already: ``GatewayBusyError``, before it runs."""
         self.refuse_lost(episode_id)
+        self._admit()
         with self._queued:
             redacting = any(not p.held for p in self._unsettled.get(episode_id, ()))
         if redacting:
@@ -261,6 +335,18 @@ class Gateway:
         splice = await asyncio.to_thread(self._prepare, episode_id, messages, tools, tokenizer, eos_ids)
         return self._take_off(episode_id, splice)
 
+    def _admit(self) -> None:
+        """Refuse a call while ``limits.max_queued`` calls are being generated or queued for writing (the database
+        is slower than the traffic, or not answering): the queue stays bounded and the agent is told to retry."""
+        with self._queued:
+            held = self._held
+        if held >= self.limits.max_queued:
+            raise GatewayBusyError(
+                f"The gateway holds {held} calls not yet written to its store (at most {self.limits.max_queued}):"
+                " retry shortly.",
+                retry_after=max(1, round(min(self.limits.retry_s, 5.0))),
+            )
+
     def _take_off(self, episode_id: str, splice: Splice) -> Splice:
         """Count the call that ``splice`` is the prompt of as being generated, until ``record`` queues it or the
         Splice is dropped unrecorded (its request failed, its client went away): what closes its episode waits."""
@@ -268,6 +354,7 @@ class Gateway:
         flight.set_running_or_notify_cancel()
         with self._queued:
             self._generating.setdefault(episode_id, set()).add(flight)
+            self._held += 1
             self._landings[id(splice)] = weakref.finalize(splice, self._land, id(splice), episode_id, flight)
         return splice
 
@@ -276,20 +363,32 @@ class Gateway:
         with self._queued:
             self._landings.pop(key, None)
             flying = self._generating.get(episode_id, set())
-            flying.discard(flight)
+            if flight in flying:
+                flying.discard(flight)
+                self._held -= 1
             if not flying:
                 self._generating.pop(episode_id, None)
         flight.set_result(None)
 
     async def settled(self, episode_id: str | None = None, *, generating: bool = True) -> None:
         """Wait until an episode's calls are committed or lost: those being generated now (unless not
-        ``generating``: a lease's heartbeat) and those queued. None: the calls queued so far in any episode."""
-        if episode_id is not None and generating:
-            with self._queued:
-                flying = list(self._generating.get(episode_id, ()))
-            if flying:
-                await asyncio.gather(*(asyncio.wrap_future(f) for f in flying))  # each queued by now, or dropped
-        await self._written(episode_id)
+        ``generating``: a lease's heartbeat) and those queued. None: the calls queued so far in any episode. After
+        ``limits.wait_s`` seconds: ``GatewayBusyError`` (the calls go on being written)."""
+        try:
+            async with asyncio.timeout(self.limits.wait_s):
+                if episode_id is not None and generating:
+                    with self._queued:
+                        flying = list(self._generating.get(episode_id, ()))
+                    if flying:  # each queued by now, or dropped
+                        await asyncio.gather(*(asyncio.wrap_future(f) for f in flying))
+                await self._written(episode_id)
+        except TimeoutError:
+            which = f"episode {episode_id!r}'s calls" if episode_id is not None else "the calls queued"
+            raise GatewayBusyError(
+                f"Waited {self.limits.wait_s:g} s for {which} to be written to the store (the database is slow or"
+                " not answering): retry shortly; nothing was changed.",
+                retry_after=max(1, round(min(self.limits.retry_s, 5.0))),
+            ) from None
 
     async def _written(self, episode_id: str | None = None) -> None:
         """Wait until the calls queued so far in an episode (None: in any) are committed or lost."""
@@ -300,10 +399,22 @@ class Gateway:
             await asyncio.gather(*(asyncio.wrap_future(f) for f in waiting))  # each holds its outcome, never raises
 
     def drain(self) -> None:
-        """Wait until every call queued so far is committed or lost (before the server exits)."""
+        """Wait until every call queued so far is committed or lost, and lost calls are marked in the store (before
+        the server exits), for at most ``limits.retry_s`` + ``limits.wait_s`` seconds; what is left then is logged
+        (the calls are answered and not in the store: the module doc's gateway killed before its commit)."""
         with self._queued:
             waiting = [p.done for pending in self._unsettled.values() for p in pending]
-        wait_all(waiting)
+        _, left = wait_all(waiting, timeout=self.limits.retry_s + self.limits.wait_s)
+        self._mark_lost()
+        with self._queued:
+            unmarked = sum(len(reasons) for reasons in self._unmarked.values())
+        if left or unmarked:
+            log.error(
+                "The gateway stops with %d calls answered and not written to its store, and %d lost calls not"
+                " marked there (the database did not answer): their episodes are open in the store",
+                len(left),
+                unmarked,
+            )
 
     def refuse_lost(self, episode_id: str) -> None:
         """Raise ``EpisodeConflictError`` if the episode lost a call in this process (the store is told too, when
@@ -361,6 +472,7 @@ class Gateway:
         with self._queued:
             self._queue.append(pending)
             self._unsettled.setdefault(episode_id, []).append(pending)
+            self._held += 1
             if self._writer is None:
                 self._writer = threading.Thread(target=self._write, name="flywheel-call-writer", daemon=True)
                 self._writer.start()
@@ -380,16 +492,21 @@ class Gateway:
             raise outcome
 
     def _write(self) -> None:
-        """The writer thread: commits what is queued, one transaction per batch, until nothing came for
-        ``WRITER_IDLE_S`` seconds."""
+        """The writer thread: commits what is queued, one transaction per batch, and marks lost calls in the store
+        (retried with backoff while it does not answer), until nothing came for ``WRITER_IDLE_S`` seconds and
+        every lost call is marked."""
+        pause = RETRY_PAUSE_S[0]
         while True:
             with self._queued:
                 if not self._queue:
-                    self._queued.wait(WRITER_IDLE_S)
-                if not self._queue:
+                    self._queued.wait(pause if self._unmarked else WRITER_IDLE_S)
+                if not self._queue and not self._unmarked:
                     self._writer = None  # the next call starts another
                     return
                 batch, self._queue = self._queue, []
+            if not batch:  # only lost calls to mark: try again, a little later each time
+                pause = RETRY_PAUSE_S[0] if self._mark_lost() else min(pause * 2, RETRY_PAUSE_S[1])
+                continue
             try:
                 splits = self._splits_of(batch)
                 for p in batch:  # here, not on the event loop: it reads every string of the call
@@ -399,6 +516,7 @@ class Gateway:
                 outcomes = [exc] * len(batch)
             for p, outcome in zip(batch, outcomes, strict=True):
                 self._settle(p, outcome)
+            self._mark_lost()
 
     def _settle(self, p: _Pending, outcome: CallRecord | BaseException) -> None:
         """A call's outcome: its outputs given their committed id (or, not held yet, added); if it failed after
@@ -423,19 +541,53 @@ class Gateway:
             pending.remove(p)
             if not pending:
                 self._unsettled.pop(p.episode_id, None)
+            self._held -= 1
         p.done.set_result(outcome)
 
     def _lose(self, episode_id: str, reason: str) -> None:
-        """An episode lost a call (answered, not in the store): counted, refused here, abandoned in the store."""
+        """An episode lost a call (answered, not in the store): counted, refused here, to be marked in the store
+        (abandoned there: ``_mark_lost``)."""
         with self._lock:
             self.lost_calls += 1
             _remember(self._lost, episode_id, reason)
             self._outputs.pop(episode_id, None)
-        try:
-            with self.store.session() as s:
-                db.lose_call(s, episode_id, reason)
-        except Exception:  # the store unreachable (or the episode gone): this process refuses it, as refuse_lost says
-            pass
+        with self._queued:
+            self._unmarked.setdefault(episode_id, []).append(reason)
+
+    @property
+    def unmarked_calls(self) -> int:
+        """Lost calls not yet marked in the store (it did not answer): their episodes look open there."""
+        with self._queued:
+            return sum(len(reasons) for reasons in self._unmarked.values())
+
+    def _mark_lost(self) -> bool:
+        """Mark the lost calls not yet marked in the store (``store.episodes.lose_call``), oldest first; stop at
+        the first that the store cannot take now (kept for the writer's next try). An episode the store no longer
+        has is logged and dropped. Whether every one is marked now."""
+        with self._marking:
+            return self._mark_each()
+
+    def _mark_each(self) -> bool:
+        while True:
+            with self._queued:
+                if not self._unmarked:
+                    return True
+                episode_id, reasons = next(iter(self._unmarked.items()))
+                reason = reasons[0]
+            try:
+                with self.store.session() as s:
+                    db.lose_call(s, episode_id, reason)
+            except Exception as exc:
+                if transient(exc):
+                    log.warning(
+                        "Cannot mark a lost call of episode %s in the store yet (%s): will retry", episode_id, exc
+                    )
+                    return False
+                log.error("Cannot mark a lost call of episode %s in the store (%s): dropped", episode_id, exc)
+            with self._queued:
+                reasons.pop(0)
+                if not reasons:
+                    self._unmarked.pop(episode_id, None)
 
     def _splits_of(self, batch: list[_Pending]) -> dict[str, str]:
         """The splits of a batch's episodes: as this process read them when it prepared their calls, else (an
@@ -462,23 +614,37 @@ class Gateway:
             return fields | {"prefix_call": None, "prefix_choice": None, "prefix_message": None}
         return fields | {"prefix_call": found}
 
-    def _commit(self, batch: list[_Pending]) -> list[CallRecord | BaseException]:
-        """Write a batch of calls in one transaction; if it fails as a whole, each call alone (so that one call's
-        failure is that call's only)."""
+    def _commit(self, batch: list[_Pending], deadline: float | None = None) -> list[CallRecord | BaseException]:
+        """Write a batch of calls in one transaction, tried again with backoff while the database fails on its side
+        (``transient``) until ``deadline`` (``limits.retry_s`` from now); if it fails otherwise, each call alone (so
+        that one call's failure is that call's only)."""
+        deadline = time.monotonic() + self.limits.retry_s if deadline is None else deadline
+        pause = RETRY_PAUSE_S[0]
+        while True:
+            try:
+                return self._commit_once(batch)
+            except Exception as exc:
+                if not transient(exc):
+                    if len(batch) == 1:
+                        return [exc]
+                    return [outcome for p in batch for outcome in self._commit([p], deadline)]
+                if time.monotonic() + pause > deadline:
+                    log.error("Gave up writing %d calls after %.0f s: %s", len(batch), self.limits.retry_s, exc)
+                    return [exc] * len(batch)
+                log.warning("Writing %d calls failed (%s): retrying in %.2f s", len(batch), exc, pause)
+            time.sleep(pause)
+            pause = min(pause * 2, RETRY_PAUSE_S[1])
+
+    def _commit_once(self, batch: list[_Pending]) -> list[CallRecord | BaseException]:
         ids: dict[int, int] = {}
-        try:
-            with self.store.session() as s:
-                outcomes: list[CallRecord | BaseException] = []
-                for part in _parts(batch):
-                    rows = [(p.episode_id, self._resolved(p.fields, ids)) for p in part]
-                    for p, outcome in zip(part, db.add_calls(s, rows), strict=True):
-                        if isinstance(outcome, CallRecord):
-                            ids[p.ticket] = outcome.id
-                        outcomes.append(outcome)
-        except Exception as exc:
-            if len(batch) == 1:
-                return [exc]
-            return [outcome for p in batch for outcome in self._commit([p])]
+        with self.store.session() as s:
+            outcomes: list[CallRecord | BaseException] = []
+            for part in _parts(batch):
+                rows = [(p.episode_id, self._resolved(p.fields, ids)) for p in part]
+                for p, outcome in zip(part, db.add_calls(s, rows), strict=True):
+                    if isinstance(outcome, CallRecord):
+                        ids[p.ticket] = outcome.id
+                    outcomes.append(outcome)
         with self._lock:
             for ticket, call_id in ids.items():
                 _remember(self._committed, ticket, call_id, COMMITTED_IDS)

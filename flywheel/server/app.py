@@ -29,13 +29,14 @@ from openai.types.chat.chat_completion_message_tool_call import ChatCompletionMe
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob, TopLogprob
 from openai.types.completion_usage import CompletionUsage
 from pydantic import ValidationError
+from sqlalchemy.exc import DBAPIError
 from starlette.background import BackgroundTask
 
 from flywheel.gateway.api import episode_router
 from flywheel.gateway.auth import ApiKeyAuth, ApiKeys, Role, TokenBudgetError, TokenBudgets, request_role
 from flywheel.gateway.export import NotTrainableError
 from flywheel.gateway.queue import queue_router
-from flywheel.gateway.recorder import Gateway
+from flywheel.gateway.recorder import Gateway, GatewayBusyError, transient
 from flywheel.gateway.splice import tokenizer_key
 from flywheel.gateway.traffic import SHADOW_IN_FLIGHT, Route, TrafficPolicy
 from flywheel.gateway.upstream import Relay, Upstream, without_logprobs
@@ -298,6 +299,21 @@ def create_app(
     @app.exception_handler(EpisodeConflictError)
     async def _episode_conflict(_: Request, exc: EpisodeConflictError):
         return error_response(409, str(exc), "invalid_request_error", param="episode_id", code="episode_closed")
+
+    @app.exception_handler(GatewayBusyError)
+    async def _busy(_: Request, exc: GatewayBusyError):  # its calls not written yet: the database is slow or down
+        response = error_response(503, str(exc), "server_error", code="gateway_busy")
+        response.headers["Retry-After"] = str(exc.retry_after)
+        return response
+
+    @app.exception_handler(DBAPIError)
+    async def _store_down(_: Request, exc: DBAPIError):  # a read or an outcome the database could not answer
+        if not transient(exc):
+            raise exc
+        message = f"The store's database did not answer ({type(exc.orig or exc).__name__}): retry shortly."
+        response = error_response(503, message, "server_error", code="store_unavailable")
+        response.headers["Retry-After"] = "2"
+        return response
 
     @app.exception_handler(NotTrainableError)
     async def _not_trainable(_: Request, exc: NotTrainableError):
