@@ -123,6 +123,13 @@ def serve(
         typer.Option(envvar="FLYWHEEL_UPSTREAM_API_KEY", show_default=False, help="The upstream's API key."),
     ] = None,
     upstream_timeout: Annotated[float, typer.Option(help="Seconds an upstream call may take.")] = 300.0,
+    upstream_logprobs_mode: Annotated[
+        str,
+        typer.Option(
+            help="The log-probs the upstream returns, as vLLM's --logprobs-mode it was started with: raw_logprobs"
+            " (vLLM's default: T = 1's, never compared by TIS for a call at another temperature) or processed_logprobs."
+        ),
+    ] = "raw_logprobs",
     redact: Annotated[
         RedactScope,
         typer.Option(
@@ -161,7 +168,11 @@ def serve(
     from flywheel.gateway.upstream import Upstream
 
     try:
-        relay_to = Upstream(upstream, api_key=upstream_api_key, timeout=upstream_timeout) if upstream else None
+        relay_to = (
+            Upstream(upstream, api_key=upstream_api_key, timeout=upstream_timeout, logprobs_mode=upstream_logprobs_mode)
+            if upstream
+            else None
+        )
     except ValueError as exc:
         console.print(f"[red]Invalid --upstream: {exc}[/]")
         raise typer.Exit(2) from None

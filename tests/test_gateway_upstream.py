@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 
 import httpx
@@ -346,3 +347,63 @@ async def test_a_local_call_never_continues_an_upstream_output_with_its_ids(serv
         calls = await episodes.calls(episode.id)
     assert [c["upstream"] is None for c in calls] == [False, True]
     assert calls[1]["prefix_call"] is None and calls[1]["retokenized_turns"] == 1
+
+
+def vllm_api(upstream: BackgroundServer) -> FastAPI:
+    """vLLM's stand-in, as far as log-probs go: the upstream's answers with the prompt's and choices' ids, but without
+    the fields vLLM does not send (the temperature its log-probs are at, how it drew, its tokenizer)."""
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        async with httpx.AsyncClient(base_url=upstream.base_url, timeout=120) as http:
+            answer = (await http.post("/chat/completions", json=await request.json())).json()
+        for choice in answer["choices"]:
+            for key in ("temperature", "top_p", "guided", "logprobs_temperature", "tokenizer"):
+                choice.pop(key, None)
+        return answer
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def vllm_gateways(engine, upstream, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm-gateways")
+    vllm = BackgroundServer(vllm_api(upstream)).start()
+    built = {
+        mode: gateway_server(engine, tmp, mode, Upstream(vllm.base_url, logprobs_mode=mode))
+        for mode in ("raw_logprobs", "processed_logprobs")
+    }
+    yield built
+    for server in [*built.values(), vllm]:
+        server.stop()
+
+
+async def test_upstream_log_probs_at_another_temperature_than_the_call_are_never_compared_by_tis(
+    vllm_gateways, tokenizer
+):
+    """vLLM's default raw log-probs are T = 1's whatever the request's temperature: a call at T = 0.7 is recorded
+    with both, and its tokens carry no sampler log-probs for TIS (weight 1); processed log-probs are at the call's
+    temperature, unless top-p truncated them. Issue #37 item 14."""
+    found = {}
+    for mode, asked in [("raw_logprobs", 0.7), ("raw_logprobs", 1.0), ("processed_logprobs", 0.7)] + [
+        ("processed_logprobs", {"temperature": 0.7, "top_p": 0.9})
+    ]:
+        sampling = asked if isinstance(asked, dict) else {"temperature": asked}
+        async with EpisodeClient(root(vllm_gateways[mode])) as episodes:
+            episode = await episodes.create(f"task-{mode}")
+            await agent(episode.base_url).chat.completions.create(
+                model=UPSTREAM_MODEL, messages=QUESTION, max_tokens=6, seed=2, **sampling
+            )
+            await episodes.finish(episode.id, 1.0)
+            (call,) = await episodes.calls(episode.id)
+            (sequence,) = trajectory_sequences(await episodes.trajectory(episode.id), tokenizer)
+        recorded = call["response"]["choices"][0]
+        compared = [not math.isnan(x) for x, on in zip(sequence.sampler_logprobs, sequence.trained) if on]
+        found[mode, str(asked)] = (recorded["temperature"], recorded["logprobs_temperature"], set(compared))
+    assert found == {
+        ("raw_logprobs", "0.7"): (0.7, 1.0, {False}),  # T = 1's log-probs for a T = 0.7 draw: not compared
+        ("raw_logprobs", "1.0"): (1.0, 1.0, {True}),
+        ("processed_logprobs", "0.7"): (0.7, 0.7, {True}),
+        ("processed_logprobs", str({"temperature": 0.7, "top_p": 0.9})): (0.7, None, {False}),  # cut by top-p
+    }
