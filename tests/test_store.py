@@ -157,3 +157,23 @@ def test_a_store_opened_while_another_process_switches_the_new_database_to_wal_w
         other.close()
     with contextlib.closing(sqlite3.connect(path)) as check:
         assert check.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+
+def test_a_sqlite_commit_is_on_disk_when_it_returns(tmp_path):
+    """Every SQLite connection of a store runs in WAL mode with ``synchronous=FULL``: the WAL is synced at each
+    commit, so a committed row (an audit event, a deployment's move, a recorded call) survives a power loss, not only
+    a crash of the process (``NORMAL`` synced only at checkpoints). A power loss cannot be caused here: the test
+    checks the settings every connection gets, the pooled ones included."""
+    store = Store(f"sqlite:///{tmp_path / 'flywheel.db'}")
+    try:
+
+        def settings(_: int) -> tuple[str, int]:
+            with store.session() as s:
+                connection = s.connection()
+                mode = connection.exec_driver_sql("PRAGMA journal_mode").scalar_one()
+                return mode, connection.exec_driver_sql("PRAGMA synchronous").scalar_one()
+
+        results, errors = at_once(4, settings)
+        assert errors == [] and results == [("wal", 2)] * 4  # 2: FULL
+    finally:
+        store.close()

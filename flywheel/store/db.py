@@ -37,7 +37,11 @@ def default_url(home: Path | None = None) -> str:
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor = dbapi_connection.cursor()
     _switch_to_wal(cursor)  # readers (a dashboard, an export) never block the writer
-    cursor.execute("PRAGMA synchronous=NORMAL")  # durable at each WAL checkpoint; a crash loses no committed row
+    # Every commit is on disk when it returns: in WAL mode, FULL syncs the WAL at each commit, so a committed row (an
+    # audit event, a deployment's move, a finished episode) survives a power loss as well as a crash (NORMAL synced
+    # only at checkpoints: a power loss could take the last commits back). It costs a sync per commit, which the
+    # gateway's group commit shares among the calls of a batch. A disk that lies about syncing keeps no promise.
+    cursor.execute("PRAGMA synchronous=FULL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA busy_timeout=30000")  # another process writing: wait for it rather than fail
     cursor.close()
