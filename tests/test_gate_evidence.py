@@ -2,7 +2,7 @@
 did not finish scores 0 and is not safe), each side's failure rate has a limit of its own, a stack without a safety
 grader promotes nothing unless safety was turned off (and then the evidence says it was not checked); held-out items
 never enter the training pool; each side is evaluated by its checkpoint; canary and shadow take production traffic
-only; both sides are warm before they are timed, and their items interleave."""
+only. (Both sides warm before they are timed, their items interleaved: tests/test_loop.py, with the runners.)"""
 
 from __future__ import annotations
 

@@ -603,10 +603,11 @@ async def test_an_alarm_is_audited_once_and_stops_promotions(backend: LocalBacke
         assert "promotions stopped" in event.reason
         deployments.deploy(s, "alarm-agent@production", 1, actor="test")
         deployments.deploy(s, "alarm-agent@canary", 2, actor="test", share=0.5)
-    config.canary.min_episodes = 1
+    config.canary = CanaryPolicy(share=0.5, min_episodes=1, min_production_episodes=1, max_episodes=1)
     (tmp_path / "stack.json").write_text(json.dumps(WATCH_STACK))
     loop.stack = load_stack(tmp_path / "stack.json")
     answered(store, "alarm-agent@canary", 2, "Your refund is on its way.")
+    answered(store, "alarm-agent@production", 1, "Your refund is on its way.")  # production needs its minimum too
     held = await loop.watch_canary()  # would be promoted: the alarm holds it
     assert held.action == "wait" and held.reason.startswith("promotion paused")
     with store.session() as s:
