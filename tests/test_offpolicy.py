@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from flywheel.loop.offpolicy import ANSWERED_AT, LeftOut, answering_step, draw
+from flywheel.loop.offpolicy import ANSWERED_AT, LeftOut, answering_steps, draw, staleness
 from flywheel.store import Store
 from flywheel.store import episodes as db
 from flywheel.types import OFF_POLICY, sampled_tokens
@@ -61,11 +61,19 @@ def logged(
     return e.id
 
 
-def take(store: Store, ids: list[str], *, step: int = 4, per_group: int = 10, used: dict[str, int] | None = None):
+def take(
+    store: Store,
+    ids: list[str],
+    *,
+    step: int = 4,
+    per_group: int = 10,
+    used: dict[str, int] | None = None,
+    rewinds: dict[int, int] | None = None,
+):
     with store.session() as s:
         return draw(
             s, {"q1": ids}, ["q1", "q2"], model="calc", base_model=BASE, step=step, per_group=per_group,
-            max_staleness=2, used=used or {},
+            max_staleness=2, used=used or {}, rewinds=rewinds,
         )  # fmt: skip
 
 
@@ -102,10 +110,10 @@ def test_the_newest_join_first_up_to_the_limit_and_an_episode_joins_once(store):
     assert list(found.answered) == [newest, newer] and found.left_out == {}
     again = take(store, [older, newer, newest], per_group=2, used=found.answered)
     assert list(again.answered) == [older]
-    # an episode answered by two checkpoints counts from the older one
+    # an episode answered by two checkpoints counts from the stalest one
     with store.session() as s:
         (call,) = db.calls(s, older)
-    assert answering_step([call, call.model_copy(update={"step": 1})], "calc", BASE) == 1
+    assert answering_steps([call, call.model_copy(update={"step": 1})], "calc", BASE) == [3, 1]
 
 
 def test_constrained_greedy_top_p_and_other_temperature_calls_are_left_out_by_reason(store):
@@ -135,3 +143,26 @@ def test_constrained_greedy_top_p_and_other_temperature_calls_are_left_out_by_re
     found = take(store, [ok, *free, *left])
     assert set(found.answered) == {ok, *free}
     assert found.left_out == {r.value: list(left.values()).count(r) for r in set(left.values())}
+
+
+def test_staleness_is_measured_along_the_line_of_checkpoints_a_rewind_starts_again(store):
+    """Issue #37 item 15. Production served step 2; training went on to step 5, whose canary was rolled back, and the
+    loop rewound: checkpoint 6 holds step 2's weights. At step 6, production's own episodes (step 2) are fresh (0
+    steps from the weights training goes on from), the rolled-back canary's (step 5, 1 step ago by number) are on
+    no line step 6 grew from."""
+    rewinds = {6: 2}
+    assert [staleness(a, 8, rewinds) for a in (8, 7, 6, 2, 1, 0, 3, 5)] == [0, 1, 2, 2, 3, 4, None, None]
+    # a second rewind, at 10, to step 7's weights (a canary of the new line promoted, then a later one rolled back)
+    assert [staleness(a, 11, {6: 2, 10: 7}) for a in (11, 7, 6, 2, 8, 4)] == [0, 1, 2, 2, None, None]
+    assert staleness(5, 5, {}) == 0 and staleness(6, 5, {}) is None  # a later step than the current one
+    assert staleness(0, 4, {3: 0}) == 1  # a rewind to the base model (step 0)
+
+    production = logged(store, step=2)  # via calc@production, answered by step 2
+    canary = logged(store, model="calc@canary", step=5)
+    assert take(store, [production, canary], step=6).left_out == {"stale": 1}  # by step distance: 4 and 1 steps
+    found = take(store, [production, canary], step=6, rewinds=rewinds)
+    assert found.answered == {production: 2} and found.left_out == {LeftOut.rolled_back.value: 1}
+    # the loop's used episodes once step 7 trains: kept while fresh along the line, a rolled-back line's dropped
+    kept = take(store, [], step=6, rewinds=rewinds, used={"p-earlier": 2, "c-earlier": 5, "old": 1})
+    assert kept.used == {"p-earlier": 2, "old": 1}
+    assert take(store, [], step=8, rewinds=rewinds, used={"p-earlier": 2, "old": 1}).used == {}  # 3 and 4 steps

@@ -706,11 +706,12 @@ class Loop:
         candidates = self.off_policy_candidates(keys)
 
         def read() -> OffPolicyDraw:
-            with self.store.session() as s:
+            with self.store.session() as s:  # staleness along the checkpoints' line: where each rewind went back to
+                events = audit.events(s, subject=config.name, actions=(REWIND,))
                 return draw(
                     s, candidates, keys, model=config.name, base_model=config.base_model, step=step,
                     per_group=config.off_policy_members, max_staleness=config.max_staleness_steps,
-                    used=self.off_policy_used,
+                    used=self.off_policy_used, rewinds={e.details["step"]: e.details["to_step"] or 0 for e in events},
                 )  # fmt: skip
 
         found = await asyncio.to_thread(read)
@@ -761,8 +762,7 @@ class Loop:
                     kept = ([*self.step_means, row] if row else self.step_means)[-config.alarm.window :]
                     trainable = [g for g in groups if g.trajectories]
                     # off-policy members join once: kept with the checkpoint until they would be stale anyway
-                    used = {k: v for k, v in (self.off_policy_used | (joined.answered if joined else {})).items()
-                            if step + 1 - v <= config.max_staleness_steps}  # fmt: skip
+                    used = joined.used if joined else self.off_policy_used
                     metrics = await self.model.train(
                         trainable, config=config.train, extra={"loop": {"means": kept, "off_policy": used}}
                     )

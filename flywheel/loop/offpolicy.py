@@ -9,8 +9,13 @@ reports their ratios apart from the on-policy rollouts' (``off_policy_is_ratio_m
 
 An episode is left out, and the reason counted, when it cannot be corrected for honestly:
 
-- ``stale``: the oldest checkpoint that answered it is more than ``max_staleness_steps`` before the current step
-  (the ratio of a far-off policy is mostly the cap);
+- ``stale``: a checkpoint that answered it is more than ``max_staleness_steps`` training steps from the current
+  one along the line of checkpoints the current one grew from (``staleness``: a rewind's checkpoint holds
+  production's weights, so production's own episodes are as fresh as the steps since the rewind; the ratio of a
+  far-off policy is mostly the cap);
+- ``rolled_back``: a checkpoint that answered it is on no line the current one grew from (a canary rolled back
+  and the steps it came from: training went on from production's weights, ``Loop.rewind_if_due``), however few
+  steps ago it was;
 - ``text_only`` / ``redacted``: a call has no token ids (an upstream returned none; or personal data was redacted
   before it was stored, and its token ids with it);
 - ``guided``: a constrained call (a forced tool call: ``tool_choice`` "required" or named; ``guided_choice``; a JSON
@@ -30,7 +35,7 @@ An episode is left out, and the reason counted, when it cannot be corrected for 
   and so what the reward is for, is unknown (``gateway/export.py``).
 
 An episode joins at most once (``used``: the loop keeps the ids with their answering step in its checkpoint, and
-drops them once they are stale anyway).
+drops them once they are stale or rolled back anyway, ``OffPolicyDraw.used``).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ ANSWERED_AT = "answered_at_step"  # an off-policy member's metadata: the oldest 
 
 class LeftOut(StrEnum):
     stale = "stale"
+    rolled_back = "rolled_back"
     text_only = "text_only"
     redacted = "redacted"
     no_logprobs = "no_logprobs"
@@ -68,8 +74,9 @@ class OffPolicyDraw(BaseModel):
     """What joined the groups of one iteration, and what was looked at and left out."""
 
     members: dict[str, list[Trajectory]]  # by pool key
-    answered: dict[str, int]  # member episode id -> the oldest checkpoint step that answered it
+    answered: dict[str, int]  # member episode id -> the stalest checkpoint step that answered it
     left_out: dict[str, int]  # reason -> episodes
+    used: dict[str, int] = {}  # the loop's ``used`` once this iteration trains: the earlier ones still fresh, these
 
 
 class OffPolicyStep(BaseModel):
@@ -82,9 +89,9 @@ class OffPolicyStep(BaseModel):
     is_ratio_mean: float | None  # their tokens' mean pi_current / pi_sampler, before the cap; None: not trained
 
 
-def answering_step(calls: Sequence[CallRecord], model: str, base_model: str) -> int | None:
-    """The oldest checkpoint step of ``model`` that answered these calls (its base model is step 0); None if a call
-    was answered by another model."""
+def answering_steps(calls: Sequence[CallRecord], model: str, base_model: str) -> list[int] | None:
+    """The checkpoint steps of ``model`` that answered these calls (its base model is step 0); None if a call was
+    answered by another model."""
     steps = []
     for call in calls:
         if call.model.partition("@")[0] == model and call.step is not None:
@@ -93,7 +100,23 @@ def answering_step(calls: Sequence[CallRecord], model: str, base_model: str) -> 
             steps.append(0)
         else:
             return None
-    return min(steps) if steps else None
+    return steps or None
+
+
+def staleness(answered: int, step: int, rewinds: Mapping[int, int]) -> int | None:
+    """How many training steps checkpoint ``answered`` is from checkpoint ``step``, along the line ``step`` grew
+    from; None if ``answered`` is not on it. ``rewinds``: each rewind's checkpoint step -> the step whose weights it
+    took (production's; 0 for the base model), from the ``loop.rewind`` events. A checkpoint's parent is the step
+    before it, except a rewind's, which holds its source's weights (0 steps from them)."""
+    distance, top = 0, step
+    while answered <= top:
+        start = max((r for r in rewinds if r <= top), default=0)  # the line runs straight from start to top
+        if answered >= start:
+            return distance + top - answered
+        if rewinds[start] >= start:  # a rewind to a later step: no lineage to follow
+            return None
+        distance, top = distance + top - start, rewinds[start]
+    return None  # a later step than any on the line (a rolled-back line's)
 
 
 def member(
@@ -104,18 +127,24 @@ def member(
     base_model: str,
     step: int,
     max_staleness: int,
+    rewinds: Mapping[int, int],
 ) -> Trajectory | LeftOut:
-    """A finished production episode as an off-policy member of a group trained at ``step``, or why it is not."""
+    """A finished production episode as an off-policy member of a group trained at ``step``, or why it is not
+    (``rewinds`` as for ``staleness``)."""
     if not calls:
         return LeftOut.no_calls
     if any(c.text_only for c in calls):
         return LeftOut.text_only if any(c.upstream for c in calls if c.text_only) else LeftOut.redacted
     if any(guided_request(c.request) for c in calls):  # a call recorded before its choices said so
         return LeftOut.guided
-    answered = answering_step(calls, model, base_model)
-    if answered is None:
+    steps = answering_steps(calls, model, base_model)
+    if steps is None:
         return LeftOut.other_model
-    if step - answered > max_staleness:
+    distances = {s: staleness(s, step, rewinds) for s in steps}
+    if None in distances.values():
+        return LeftOut.rolled_back
+    answered = max(distances, key=lambda s: distances[s] or 0)  # the stalest
+    if (distances[answered] or 0) > max_staleness:
         return LeftOut.stale
     try:
         trajectory = episode_trajectory(episode, list(calls))
@@ -145,9 +174,12 @@ def draw(
     per_group: int,
     max_staleness: int,
     used: Mapping[str, int],
+    rewinds: Mapping[int, int] | None = None,
 ) -> OffPolicyDraw:
     """Up to ``per_group`` members for the group of each pool key in ``keys``, from ``candidates`` (pool key ->
-    finished production episode ids, oldest first: the newest are looked at first), none in ``used``."""
+    finished production episode ids, oldest first: the newest are looked at first), none in ``used`` (episode ->
+    its answering step); staleness along the line of ``rewinds`` (as for ``staleness``; None: no rewind)."""
+    rewinds = rewinds or {}
     out = OffPolicyDraw(members={}, answered={}, left_out={})
     for key in keys:
         found = out.members.setdefault(key, [])
@@ -158,11 +190,16 @@ def draw(
                 continue
             got = member(
                 db.get_episode(s, episode_id), db.calls(s, episode_id), model=model, base_model=base_model,
-                step=step, max_staleness=max_staleness,
+                step=step, max_staleness=max_staleness, rewinds=rewinds,
             )  # fmt: skip
             if isinstance(got, LeftOut):
                 out.left_out[got.value] = out.left_out.get(got.value, 0) + 1
             else:
                 found.append(got)
                 out.answered[episode_id] = int(got.metadata[ANSWERED_AT])
+    # kept while they could still join: not stale at the step this iteration trains, nor rolled back
+    out.used = {
+        k: v for k, v in {**used, **out.answered}.items()
+        if (d := staleness(v, step + 1, rewinds)) is not None and d <= max_staleness
+    }  # fmt: skip
     return out
