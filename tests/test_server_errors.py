@@ -67,6 +67,14 @@ def body(**fields) -> dict:
             "tools",
             "parameters must be a JSON schema object",
         ),
+        # issue #37, item 19: sampling parameters the engine does not implement were accepted and ignored
+        (body(frequency_penalty=0.5), "frequency_penalty", "not implemented by this server's engine (only null or 0"),
+        (body(presence_penalty=-1.0), "presence_penalty", "not implemented"),
+        (body(logit_bias={"1": 100}), "logit_bias", "only null or {}"),
+        (body(top_k=40), "top_k", "only null or 0 or -1"),
+        (body(min_p=0.05), "min_p", "not implemented"),
+        (body(repetition_penalty=1.1), "repetition_penalty", "only null or 1"),
+        (body(guided_json={"type": "object"}), "guided_json", "not implemented"),
     ],
 )
 async def test_bad_field_is_400_naming_it(backend: LocalBackend, request_body, param, fragment):
@@ -96,3 +104,17 @@ async def test_a_bad_request_never_fails_another_one_decoding(backend: LocalBack
     with pytest.raises(openai.BadRequestError) as caught:
         await bad
     assert caught.value.body["param"] == "seed"
+
+
+async def test_unimplemented_sampling_parameters_pass_only_at_neutral_values(backend: LocalBackend):
+    """Issue #37, item 19: what asks for nothing (the values a client that does not use them may send) is answered;
+    anything else is the openai SDK's BadRequestError naming the parameter, never a reply drawn otherwise than asked."""
+    client = openai.AsyncOpenAI(base_url=backend.base_url, api_key="unused", max_retries=0)
+    neutral = {"top_k": -1, "min_p": 0, "logit_bias": None, "repetition_penalty": 1.0}
+    reply = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=4, frequency_penalty=0, presence_penalty=0.0, extra_body=neutral
+    )
+    assert reply.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, presence_penalty=0.6)
+    assert refused.value.body["param"] == "presence_penalty" and "presence_penalty" in refused.value.message

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 
 class FunctionCall(BaseModel):
@@ -92,8 +93,35 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+# Sampling parameters (OpenAI's and vLLM's) that the engine does not implement, each with the values that ask for
+# nothing. Any other value is refused, naming the parameter: ignored, it would have the reply drawn otherwise than
+# asked and recorded as drawn as asked (the log-probs training relies on would be of another distribution).
+UNIMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}),
+    "top_k": (None, 0, -1),
+    "min_p": (None, 0),
+    "typical_p": (None, 1),
+    "min_tokens": (None, 0),
+    "best_of": (None, 1),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1),
+    "stop_token_ids": (None, []),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "logits_processors": (None, []),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+}
+
+
 class ChatCompletionRequest(BaseModel):
-    # Unknown OpenAI parameters (frequency_penalty, user, ...) are accepted and ignored so that any client works.
+    # Other parameters (user, metadata, store, ...) are accepted and ignored so that any client works; those that
+    # would change how the reply is sampled are refused unless neutral (UNIMPLEMENTED).
     model_config = ConfigDict(extra="allow")
 
     model: str
@@ -114,6 +142,23 @@ class ChatCompletionRequest(BaseModel):
     ignore_eos: bool = False  # vLLM-style extension, for fixed-length benchmark work
     response_format: ResponseFormat | None = None
     guided_choice: list[str] | None = None  # vLLM's extension: the reply is exactly one of these strings
+
+    @model_validator(mode="before")
+    @classmethod
+    def _implemented(cls, data: Any) -> Any:
+        """A sampling parameter the engine does not implement, at a value that asks for something: a 400 at it."""
+        for name, neutral in UNIMPLEMENTED.items():
+            if isinstance(data, dict) and not any(data.get(name) == value for value in neutral):
+                shown = " or ".join("null" if v is None else repr(v) for v in neutral)
+                error = PydanticCustomError(
+                    "unsupported_parameter",
+                    "'{name}' is not implemented by this server's engine (only {shown}, which asks for nothing, is "
+                    "accepted): leave it out, or ask a server that implements it",
+                    {"name": name, "shown": shown},
+                )
+                detail = InitErrorDetails(type=error, loc=(name,), input=data[name])
+                raise ValidationError.from_exception_data(cls.__name__, [detail])
+        return data
 
     @field_validator("tools")
     @classmethod
