@@ -40,7 +40,7 @@ from collections import Counter, OrderedDict
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
@@ -58,6 +58,7 @@ WRITER_IDLE_S = 5.0  # the call writer's thread ends after this long with nothin
 COMMITTED_IDS = 65536  # provisional -> committed ids kept, for splices prepared before their prefix's commit
 RETRY_PAUSE_S = (0.05, 2.0)  # the writer's first pause after a failed write, and its longest (doubling between)
 log = logging.getLogger(__name__)
+N = TypeVar("N", int, float)
 
 
 @dataclass(frozen=True)
@@ -83,18 +84,22 @@ class WriteLimits:
     @classmethod
     def from_env(cls) -> WriteLimits:
         """The defaults, each overridden by its environment variable if set."""
-        given: dict[str, float | int] = {}
-        for field, variable, kind in (
-            ("retry_s", "FLYWHEEL_WRITE_RETRY_S", float),
-            ("max_queued", "FLYWHEEL_WRITE_MAX_QUEUED", int),
-            ("wait_s", "FLYWHEEL_WRITE_WAIT_S", float),
-        ):
-            if (value := os.environ.get(variable)) is not None:
-                try:
-                    given[field] = kind(value)
-                except ValueError:
-                    raise ValueError(f"{variable} was {value!r}; it must be a number ({kind.__name__})") from None
-        return cls(**given)  # type: ignore[arg-type]
+        return cls(
+            retry_s=_env_number("FLYWHEEL_WRITE_RETRY_S", float, cls.retry_s),
+            max_queued=_env_number("FLYWHEEL_WRITE_MAX_QUEUED", int, cls.max_queued),
+            wait_s=_env_number("FLYWHEEL_WRITE_WAIT_S", float, cls.wait_s),
+        )
+
+
+def _env_number(variable: str, kind: type[N], default: N) -> N:
+    """The number in environment variable ``variable`` (``default`` if unset); not a number: a ``ValueError``."""
+    value = os.environ.get(variable)
+    if value is None:
+        return default
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{variable} was {value!r}; it must be a number ({kind.__name__})") from None
 
 
 class GatewayBusyError(RuntimeError):
