@@ -51,6 +51,7 @@ from flywheel.gateway.splice import Output, Splice, output_key, splice_prompt
 from flywheel.store import CallRecord, EpisodeConflictError, EpisodeRecord, Store
 from flywheel.store import episodes as db
 from flywheel.store.costs import Prices
+from flywheel.types import TOKENIZER
 
 CACHED_EPISODES = 4096  # open episodes whose outputs stay in memory (others are read back from the store)
 REDACTED_SPLITS = frozenset({"production", "shadow"})  # whose calls are redacted by default: what users sent
@@ -148,7 +149,8 @@ def _outputs(
         if prompt is None or not completion:
             continue
         key = output_key(messages, tools, _reply(choice))
-        found.append(Output(call_id, choice["index"], key, prompt + completion, completion[-1] in eos_ids))
+        ended = completion[-1] in eos_ids
+        found.append(Output(call_id, choice["index"], key, prompt + completion, ended, choice.get(TOKENIZER)))
     return found
 
 
