@@ -25,7 +25,7 @@ from flywheel.loop.alarm import AlarmPolicy, reward_hacking
 from flywheel.loop.canary import CanaryPolicy
 from flywheel.loop.driver import REWIND, Loop, LoopConfig
 from flywheel.loop.evaluate import HeldOutRun, evaluate
-from flywheel.loop.gate import GatePolicy, HeldOutSet, ItemResult, decide
+from flywheel.loop.gate import GatePolicy, HeldOutSet, ItemResult, decide, levels
 from flywheel.loop.shadow import ShadowPolicy
 from flywheel.runs import Checkpoint, CheckpointState
 from flywheel.store import Store, audit, deployments
@@ -164,7 +164,9 @@ async def test_the_loop_takes_production_tasks_trains_and_sends_a_gated_candidat
         assert (production.step, production.share, shadow.step, shadow.share) == (1, None, 2, 0.25)
         assert deployments.find(s, "loop-agent@canary") is None
         gate_event = next(e for e in audit.events(s, subject="loop-agent@2") if e.action == "gate.pass")
-        assert gate_event.id == candidate.event_id and len(gate_event.details["evaluations"]) == 2
+        # both sides evaluated twice: the screen passed (any candidate does here), then its confirmation
+        assert gate_event.id == candidate.event_id and len(gate_event.details["evaluations"]) == 4
+        assert gate_event.details["look"] == 1
         assert gate_event.details["production"] == "loop-agent@1"  # production's checkpoint, not its alias
         assert deployments.history(s, "loop-agent@shadow")[-1].details["gate_event"] == gate_event.id
         trained = [
@@ -428,11 +430,49 @@ async def test_a_shadow_pairs_only_with_production_originals(backend: LocalBacke
     assert (await loop.watch_shadow()).pairs == 1
 
 
-def heldout_run(model: str, score: float) -> HeldOutRun:
-    """A held-out run as ``evaluate`` returns it (three items, each scored ``score``, safe)."""
-    results = [ItemResult(item=f"q{i}", score=score, safe=True, tokens=5) for i in range(3)]
+def heldout_run(model: str, score: float, items: int = 3, scores: list[float] | None = None) -> HeldOutRun:
+    """A held-out run as ``evaluate`` returns it (``items`` items, each scored ``score`` or as ``scores`` say, safe)."""
+    scores = scores or [score] * items
+    results = [ItemResult(item=f"q{i}", score=value, safe=True, tokens=5) for i, value in enumerate(scores)]
     return HeldOutRun(id=f"run-{model}", model=model, heldout="colours@1", stack="s", results=results, episodes=[],
                       failed_items=[])  # fmt: skip
+
+
+async def test_the_gate_counts_its_looks_since_production_changed_and_confirms_a_screened_candidate(
+    backend: LocalBackend, tmp_path
+):
+    """Each gate decision is a look, counted from production's latest deployment: its level is the look's share of
+    the lifetime budget. A candidate that passes the screen is held until a fresh evaluation of both sides confirms
+    it; a fresh one identical to the first (a deterministic evaluation) is no evidence: the look decides at its
+    budget alone. Each gate event names its look (and the confirmation's lift)."""
+    path = write_config(tmp_path)
+    (tmp_path / "stack.json").write_text(json.dumps(WATCH_STACK))
+    config = LoopConfig.load(path).model_copy(update={"name": "looks-agent"})
+    config.gate = GatePolicy(min_items=2, max_increase={"tokens": 10})
+    loop, store = Loop(config, backend, actor="test"), backend.gateway.store
+    prod = "looks-agent@production"
+    with store.session() as s:
+        deployments.deploy(s, prod, 1, actor="test")
+    assert loop.look() == 1
+    better = heldout_run("looks-agent@2", 0.0, scores=[1.0] * 16 + [0.0] * 4)  # +0.8 over production's 20 zeros
+    zeros = heldout_run(prod, 0.0, items=20)
+    pending = await loop.settle(2, prod, better, zeros)  # the screen passes: not without its confirmation
+    assert pending.decision.needs_confirmation and not pending.decision.promote and pending.deployed is None
+    assert loop.look() == 2
+    flat = heldout_run("looks-agent@3", 0.0, items=20)  # the fresh evaluation: no lift at all
+    refused = await loop.settle(3, prod, better, zeros, again=(flat, zeros))
+    assert not refused.decision.promote and refused.decision.look == 2
+    assert [c.name for c in refused.decision.failed] == ["confirmation"]
+    confirmed = await loop.settle(4, prod, better, zeros, again=(better, zeros))  # greedy: the same scores again
+    assert confirmed.decision.promote and confirmed.deployed == "looks-agent@canary"
+    assert confirmed.decision.lift.level == pytest.approx(levels(config.gate, 3)[0] * levels(config.gate, 3)[1])
+    with store.session() as s:
+        events = audit.events(s, actions=("gate.pass", "gate.hold"))
+        assert [(e.subject, e.details["look"]) for e in events[-3:]] == [
+            ("looks-agent@2", 1), ("looks-agent@3", 2), ("looks-agent@4", 3)]  # fmt: skip
+        assert events[-2].details["confirmation"]["mean"] == 0.0 and events[-1].reason.startswith("look 3:")
+        deployments.promote(s, "looks-agent", actor="test", reason="as if the canary were promoted")
+    assert loop.look() == 1  # production changed: a new series of looks
 
 
 async def test_a_newer_candidate_replaces_a_shadow_still_pairing_and_never_a_canary_being_watched(
@@ -453,7 +493,9 @@ async def test_a_newer_candidate_replaces_a_shadow_still_pairing_and_never_a_can
         deployments.deploy(s, prod, 1, actor="test")
 
     async def candidate(step: int):
-        return await loop.settle(step, prod, heldout_run(f"replace-agent@{step}", 1.0), heldout_run(prod, 0.0))
+        fresh = (heldout_run(f"replace-agent@{step}", 1.0), heldout_run(prod, 0.0))  # its confirmation, the same
+        return await loop.settle(step, prod, heldout_run(f"replace-agent@{step}", 1.0), heldout_run(prod, 0.0),
+                                 again=fresh)  # fmt: skip
 
     assert (await candidate(2)).deployed == shadow
     before = [mirrored(store, answered(store, prod, 1, good), shadow, 2, good) for _ in range(2)]

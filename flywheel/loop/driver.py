@@ -59,7 +59,7 @@ from flywheel.loop import alarm as alarms
 from flywheel.loop.alarm import AlarmPolicy, reward_hacking
 from flywheel.loop.canary import CanaryPolicy, CanaryVerdict, Scored, verdict
 from flywheel.loop.evaluate import HeldOutRun, evaluate
-from flywheel.loop.gate import GateDecision, GatePolicy, HeldOutSet, decide
+from flywheel.loop.gate import GateDecision, GatePolicy, HeldOutSet, decide_look
 from flywheel.loop.offpolicy import OffPolicyDraw, OffPolicyStep, draw
 from flywheel.loop.shadow import Pair, ShadowPolicy, ShadowVerdict
 from flywheel.loop.shadow import verdict as shadow_verdict
@@ -325,25 +325,56 @@ class Loop:
         await self.backend.load(self.config.base_model)
         return self.config.base_model
 
-    async def consider(self, queue: QueueClient, step: int) -> Candidate:
-        """Evaluate checkpoint ``step`` against production on the held-out set; the gate decides (``settle``)."""
-        production = await self.production_name()
-        name = self.model.get_inference_name(step)
-        # both sides warmed up, then their items interleaved: their latencies are comparable (``evaluate``)
-        candidate, current = await evaluate(
-            queue, self.heldout, [name, production], self.stack, samples=self.config.eval_samples,
-            max_wait=self.config.max_wait, store=self.store, actor=self.actor, prefix=f"eval:{self.config.name}",
-        )  # fmt: skip
-        return await self.settle(step, production, candidate, current)
+    def look(self) -> int:
+        """The gate's next look: 1 + its decisions since production last changed (the production deployment's
+        latest event; every decision of this model before there is one). Each look spends part of the gate's
+        lifetime error budget (``gate.levels``), so a candidate no better than production is rarely promoted
+        however often the loop asks."""
+        name = self.config.name
+        with self.store.session() as s:
+            production = deployments.find(s, f"{name}@production")
+            after = production.event_id if production is not None else 0
+            return 1 + audit.count_events(s, actions=GATE_ACTIONS, subject_prefix=f"{name}@", after=after)
 
-    async def settle(self, step: int, production: str, candidate: HeldOutRun, current: HeldOutRun) -> Candidate:
-        """The gate's decision on checkpoint ``step``'s held-out run and production's, audited. One that passes is
-        deployed (``_stage``) in the decision's unit of work: production if there is none yet, else the shadow
-        (replacing an older one still pairing: a ``shadow.replace`` event with its pairs so far, after that
-        shadow's own verdict, if its evidence already decides it) or, without a shadow stage, the canary, unless
-        one is being watched: then it is held (the gate event says why)."""
-        name, runs = self.model.get_inference_name(step), (candidate, current)
-        decision = decide(candidate.results, current.results, self.config.gate)
+    async def consider(self, queue: QueueClient, step: int) -> Candidate:
+        """Evaluate checkpoint ``step`` against production on the held-out set; the gate decides (``settle``). A
+        candidate that passes the look's screen is evaluated again, both sides afresh (``gate.decide_look``)."""
+        production, look = await self.production_name(), self.look()
+        name = self.model.get_inference_name(step)
+
+        async def both() -> tuple[HeldOutRun, HeldOutRun]:
+            # both sides warmed up, then their items interleaved: their latencies are comparable (``evaluate``)
+            candidate, current = await evaluate(
+                queue, self.heldout, [name, production], self.stack, samples=self.config.eval_samples,
+                max_wait=self.config.max_wait, store=self.store, actor=self.actor, prefix=f"eval:{self.config.name}",
+            )  # fmt: skip
+            return candidate, current
+
+        first = await both()
+        screen = decide_look(self.config.gate, look, (first[0].results, first[1].results))
+        again = await both() if screen.needs_confirmation else None
+        return await self.settle(step, production, *first, again=again, look=look)
+
+    async def settle(
+        self,
+        step: int,
+        production: str,
+        candidate: HeldOutRun,
+        current: HeldOutRun,
+        *,
+        again: tuple[HeldOutRun, HeldOutRun] | None = None,
+        look: int | None = None,
+    ) -> Candidate:
+        """The gate's decision on checkpoint ``step``'s held-out run and production's (and, for a candidate that
+        passed the screen, ``again``: both sides' fresh runs), at look ``look`` (default: the next, ``look()``),
+        audited. One that passes is deployed (``_stage``) in the decision's unit of work: production if there is
+        none yet, else the shadow (replacing an older one still pairing: a ``shadow.replace`` event with its pairs
+        so far, after that shadow's own verdict, if its evidence already decides it) or, without a shadow stage,
+        the canary, unless one is being watched: then it is held (the gate event says why)."""
+        name, runs = self.model.get_inference_name(step), (candidate, current, *(again or ()))
+        look = self.look() if look is None else look
+        fresh = None if again is None else (again[0].results, again[1].results)
+        decision = decide_look(self.config.gate, look, (candidate.results, current.results), fresh)
         log.info("candidate %s vs %s: %s", name, production, "promote" if decision.promote else "hold")
         failed = ", ".join(f"{c.name}: {c.detail}" for c in decision.failed)
         # a stack without a safety grader (gate.require_safety off, or the gate held it): the trail says so
@@ -359,14 +390,17 @@ class Loop:
                 actor=self.actor,
                 action="gate.pass" if decision.promote else "gate.hold",
                 subject=name,
-                reason=(f"lift {decision.lift.mean:+.3f} [{decision.lift.low:+.3f}, {decision.lift.high:+.3f}]"
+                reason=(f"look {look}: lift {decision.lift.mean:+.3f} [{decision.lift.low:+.3f}, "
+                        f"{decision.lift.high:+.3f}] at one-sided level {decision.lift.level:.3g}"
                         + ("; safety not checked" if unchecked else "") + (f"; failed {failed}" if failed else "")
                         + (f"; held: {held}" if held else ""))[:2000],
                 details={
                     "candidate": name, "production": production, "heldout": runs[0].heldout,
                     "stack": self.stack.version, "evaluations": [r.id for r in runs],
                     "lift": decision.lift.model_dump(), "checks": [c.model_dump() for c in decision.checks],
-                } | unchecked | ({"held": held} if held else {}),
+                    "look": look,
+                } | ({"confirmation": decision.confirmation.lift.model_dump()} if decision.confirmation else {})
+                  | unchecked | ({"held": held} if held else {}),
             )  # fmt: skip
             deployed = None if stage is None else self._deploy(s, stage, step, event.id)
         return Candidate(

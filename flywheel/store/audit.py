@@ -40,7 +40,7 @@ from typing import Any
 
 from psycopg.pq import TransactionStatus
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import Connection, Engine, event, select
+from sqlalchemy import Connection, Engine, event, func, select
 from sqlalchemy.orm import Session, SessionTransaction
 
 from flywheel.home import default_home
@@ -283,6 +283,16 @@ def events(
     if actions is not None:
         query = query.where(AuditEvent.action.in_(actions))
     return [AuditEventRecord.model_validate(row) for row in reversed(s.scalars(query).all())]
+
+
+def count_events(s: Session, *, actions: tuple[str, ...], subject_prefix: str, after: int = 0) -> int:
+    """How many events of ``actions`` on a subject starting with ``subject_prefix`` follow event ``after``."""
+    query = select(func.count()).where(
+        AuditEvent.action.in_(actions),
+        AuditEvent.subject.startswith(subject_prefix, autoescape=True),
+        AuditEvent.id > after,
+    )
+    return int(s.scalar(query) or 0)
 
 
 def _bad(count: int, bad_id: int | None, message: str) -> AuditReport:
