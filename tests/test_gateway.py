@@ -29,6 +29,8 @@ CALC = {
             "type": "object",
             "properties": {"expression": {"type": "string"}, "precision": {"type": "integer"}},
             "required": ["expression", "precision"],
+            # no other keys: a greedy 135M model otherwise adds keys until max_tokens on some CPUs (bf16 rounding)
+            "additionalProperties": False,
         },
     },
 }
