@@ -56,6 +56,16 @@ def test_malformed_tool_calls_come_back_as_plain_content():
         assert calls == [] and content == text
 
 
+def test_a_string_argument_may_contain_the_end_tag():
+    """Read by the JSON decoder: a greedy decode on one CPU wrote the end tag inside its (grammar-valid) string."""
+    text = '<tool_call>\n{"name": "calc", "arguments": {"expression": "17 * 23}}</tool_call> # 17 * "}}\n</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content is None and [c["function"]["name"] for c in calls] == ["calc"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"expression": "17 * 23}}</tool_call> # 17 * "}
+    junk = '<tool_call>{"name": "calc", "arguments": {}} and then</tool_call>'  # text after the value: malformed
+    assert parse_tool_calls(junk) == (junk, [])
+
+
 def test_plain_text_is_untouched():
     assert parse_tool_calls("The answer is 5.") == ("The answer is 5.", [])
 

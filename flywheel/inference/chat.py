@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"  # around a call's JSON, as rendered and guided
 
 
@@ -172,15 +172,33 @@ def _tool_call(name: str, arguments: str) -> dict:
     }
 
 
+def _call_objects(text: str) -> Iterator[Any]:
+    """The JSON value after each ``<tool_call>`` (None where there is none, or no end tag follows it). Read by the
+    JSON decoder, not up to the next end tag: a string argument may itself contain ``</tool_call>``."""
+    decoder, start = json.JSONDecoder(), text.find("<tool_call>")
+    while start >= 0:
+        at = start + len("<tool_call>")
+        at += len(text[at:]) - len(text[at:].lstrip())
+        try:
+            obj, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            yield None
+            return
+        rest = text[at:].lstrip()
+        if rest and not rest.startswith("</tool_call>"):
+            yield None
+            return
+        yield obj
+        start = text.find("<tool_call>", at)
+
+
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     """Split model output into (content, tool_calls). Malformed calls leave the whole text as content."""
     if "<tool_call>" not in text:
         return text, []
     calls = []
-    for body in TOOL_CALL_RE.findall(text):
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError:
+    for obj in _call_objects(text):
+        if obj is None:
             return text, []
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return text, []
