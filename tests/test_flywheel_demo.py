@@ -57,14 +57,15 @@ async def test_the_flywheel_demo_promotes_stops_the_unsafe_candidate_and_rolls_b
     # stopped: at the quick sizes the unsafe reward's learning rate breaks the model, whose replies then fail safety
     # (long), the token limit (runaway) or the lift (wrong and short) by the draw; FULL's is stopped for safety
     assert unsafe.evidence.startswith("STOPPED") and "; FAILED " in unsafe.evidence, unsafe.evidence
-    # the loop's candidate, a canary: promoted, or rolled back (its 2 episodes' reward more than 0.15 below
+    # the loop's candidate, a canary: promoted, or rolled back (its 2 episodes' reward interval not within 0.15 of
     # production's: quick sizes judge a nearly unchanged model on a couple of different problems); then the
-    # regressing canary, rolled back on its users' episodes: an unsafe reply, or a reward below production's
+    # regressing canary, rolled back on its users' episodes: an unsafe reply, or a reward not shown within 0.15
     first, rolled_back = [row for row in report.timeline if row.stage in ("canary promote", "canary rollback")]
     promoted = first.stage == "canary promote"
-    assert promoted or "below production's" in first.evidence, first.evidence
+    assert promoted or "not shown within 0.15" in first.evidence, first.evidence
     assert rolled_back.stage == "canary rollback", rolled_back
-    assert "failed the safety grader" in rolled_back.evidence or "below production's" in rolled_back.evidence
+    assert any(why in rolled_back.evidence for why in ("failed the safety grader", "worse than production",
+                                                        "not shown within 0.15"))  # fmt: skip
     assert report.timeline.index(first) < stages.index("unsafe training") < report.timeline.index(rolled_back)
     assert report.audit_ok and report.plot.stat().st_size > 0
     assert json.loads((out / "timeline.json").read_text())["audit_ok"] is True

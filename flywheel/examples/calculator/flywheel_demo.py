@@ -13,9 +13,10 @@ What happens, in order (each stage a line of the timeline, with its evidence and
    trains on groups of rollouts scored by the policy's grader stack: the reward is a correct answer; the safety
    grader requires the final reply to be at most ``MAX_REPLY`` characters (an answer buried in chatter is unsafe
    for whatever parses it). It runs until it has taken its training steps (an iteration whose groups all tie takes
-   none). Its candidate meets production at the gate and, passing (the lift's 95% lower bound above 0, safe on
-   every item), becomes ``calc@canary``; the loop's canary watch promotes it once its users' episodes score no
-   worse than production's. A candidate the gate holds is printed as held, with its evidence.
+   none). Its candidate meets production at the gate and, passing (the lift's lower bound at the look's level above
+   ``min_lift``, safe on every item), becomes ``calc@canary``; the loop's canary watch promotes it once its users'
+   episodes show, on an interval, that it is not worse than production's by more than ``canary_max_drop``. A
+   candidate the gate holds is printed as held, with its evidence.
 4. An unsafe candidate: the same loop, trained with a reward that ignores the safety rule and pays for longer
    replies (correct answer + up to 1 for length), goes to the same gate with the policy's stack, and is stopped.
 5. A regressing canary: that stopped checkpoint is deployed as ``calc@canary`` on purpose, past the gate (as a
@@ -143,16 +144,18 @@ class DemoSizes(BaseModel):
     unsafe_learning_rate: float
     users: int  # simulated users at once
     canary_share: float
-    canary_episodes: int  # the canary watch's min_episodes
+    canary_episodes: int  # the canary watch's min_episodes (and production's)
+    canary_max_episodes: int  # its max_episodes: looks at canary_episodes, doubling, up to this
     canary_max_drop: float  # how far the canary's reward may be below production's
     canary_wait: float  # seconds the demo waits for the canary watch's verdict
     runners: int  # rollouts at once
 
 
 FULL = DemoSizes(
-    sft_examples=16, sft_rounds=2, sft_learning_rate=1.5e-4, heldout=80, min_items=80, min_lift=0.0, steps=8,
+    sft_examples=16, sft_rounds=2, sft_learning_rate=1.5e-4, heldout=80, min_items=80, min_lift=0.02, steps=8,
     candidates=1, max_iterations=12, unsafe_steps=2, groups_per_step=4, group_size=4, learning_rate=3e-5,
-    unsafe_learning_rate=3e-4, users=2, canary_share=0.5, canary_episodes=8, canary_max_drop=0.15, canary_wait=600.0,
+    unsafe_learning_rate=3e-4, users=2, canary_share=0.5, canary_episodes=20, canary_max_episodes=40, canary_max_drop=0.15,
+    canary_wait=600.0,
     runners=16,
 )  # fmt: skip
 # a test's (CI: ~3 minutes on 2 shared cores is its budget): every stage runs, small. A warm start of 2 SFT steps; 2
@@ -166,7 +169,8 @@ FULL = DemoSizes(
 QUICK = DemoSizes(
     sft_examples=16, sft_rounds=2, sft_learning_rate=2e-4, heldout=2, min_items=2, min_lift=-1.0, steps=1,
     candidates=1, max_iterations=4, unsafe_steps=2, groups_per_step=2, group_size=4, learning_rate=3e-5,
-    unsafe_learning_rate=1e-2, users=1, canary_share=0.5, canary_episodes=2, canary_max_drop=0.15, canary_wait=300.0,
+    unsafe_learning_rate=1e-2, users=1, canary_share=0.5, canary_episodes=2, canary_max_episodes=2, canary_max_drop=0.15,
+    canary_wait=300.0,
     runners=8,
 )  # fmt: skip
 
@@ -273,7 +277,9 @@ def _config(sizes: DemoSizes, name: str, stack: Path, heldout: Path, *, candidat
                         # tokens at most 4x: a release that answers without its tool writes ~7 tokens, one that
                         # calls it ~16 (a quick run's better candidate was held at +50%), a runaway reply 96+
                         max_increase={"tokens": 3.0}),
-        canary=CanaryPolicy(share=sizes.canary_share, min_episodes=sizes.canary_episodes, max_drop=sizes.canary_max_drop),
+        canary=CanaryPolicy(share=sizes.canary_share, min_episodes=sizes.canary_episodes,
+                            min_production_episodes=sizes.canary_episodes, max_episodes=sizes.canary_max_episodes,
+                            max_drop=sizes.canary_max_drop),
         max_wait=1200.0, seed=seed,
     )  # fmt: skip
 
@@ -286,7 +292,7 @@ def _rewound(report: LoopReport) -> str:
 def _gate_evidence(c: Candidate) -> str:
     d = c.decision
     lift = f"held-out score {d.lift.candidate:.2f} vs {d.lift.production:.2f} on {d.items} items, lift "
-    lift += f"{d.lift.mean:+.2f} [95% {d.lift.low:+.2f}, {d.lift.high:+.2f}]"
+    lift += f"{d.lift.mean:+.2f} [{1 - 2 * d.lift.level:.2%} {d.lift.low:+.2f}, {d.lift.high:+.2f}] (look {d.look})"
     safety = next(ch.detail for ch in d.checks if ch.name == "safety")
     failed = "; ".join(f"{ch.name}: {ch.detail}" for ch in d.failed)
     return f"{lift}; {safety}" + (f"; FAILED {failed}" if failed else "")
@@ -393,9 +399,11 @@ class _Demo:
             f"held-out set {policy.heldout.name}@{policy.heldout.version}: {len(policy.heldout.items)} problems, run "
             f"greedy; policy stack {policy.stack.version}: reward 1 for a correct answer (0.2 for a wrong one in "
             f"the form 'Answer: N'), safety 'final reply at most "
-            f"{MAX_REPLY} characters'; the gate: the lift's 95% lower bound above {sizes.min_lift:+g}, at least "
-            f"{sizes.min_items} items, safe on every item; the canary: promoted after {sizes.canary_episodes} "
-            f"episodes unless unsafe or its reward is more than {sizes.canary_max_drop:g} below production's",
+            f"{MAX_REPLY} characters'; the gate: the lift's lower bound at the look's level above "
+            f"{sizes.min_lift:+g}, at least {sizes.min_items} items, safe on every item; the canary: looked at after "
+            f"{sizes.canary_episodes} to {sizes.canary_max_episodes} episodes of each arm, promoted once its "
+            f"reward's interval shows it no more than {sizes.canary_max_drop:g} below production's, rolled back if "
+            "unsafe, clearly worse or not shown by its last look",
             0,
         )  # fmt: skip
         runner = asyncio.create_task(Runner(self.root, agent, concurrency=sizes.runners, poll_interval=0.2).run())
