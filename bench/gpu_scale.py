@@ -59,6 +59,7 @@ from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenL
 from safetensors.torch import load_file, save_file
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from trl_side import grpo_config  # bench/trl_side.py
 
 from flywheel.inference import kv_attention
 from flywheel.inference.engine import InferenceEngine
@@ -639,7 +640,7 @@ def trl_arm(shape: str, args: argparse.Namespace, prompts: list[str]) -> dict[st
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     device = torch.device(args.device)
 
@@ -661,31 +662,15 @@ def trl_arm(shape: str, args: argparse.Namespace, prompts: list[str]) -> dict[st
     steps = 1 + args.rl_steps
     rows = [{"prompt": p} for _ in range(steps) for p in prompts]
     with tempfile.TemporaryDirectory() as out_dir:
-        config = GRPOConfig(
+        config = grpo_config(
             output_dir=out_dir,
             use_cpu=device.type != "cuda",
             bf16=args.dtype == torch.bfloat16,
-            max_steps=steps,
+            steps=steps,
             learning_rate=LEARNING_RATE,
-            per_device_train_batch_size=len(prompts) * args.group,
-            num_generations=args.group,
-            gradient_accumulation_steps=1,
-            max_completion_length=args.new_tokens,
-            generation_kwargs={"min_new_tokens": args.new_tokens},
-            temperature=1.0,
-            loss_type="dapo",
-            epsilon=0.2,
-            epsilon_high=0.28,
-            beta=0.0,
-            scale_rewards="group",
-            num_iterations=1,
-            gradient_checkpointing=False,
-            shuffle_dataset=False,
-            logging_steps=1,
-            report_to=[],
-            save_strategy="no",
-            dataloader_num_workers=0,
-            seed=0,
+            prompts=len(prompts),
+            group=args.group,
+            new_tokens=args.new_tokens,
         )
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         model = build_model(shape, args.tokenizer, device, args.dtype)

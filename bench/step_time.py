@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from blocks import report, run_child, summary  # bench/blocks.py
 from machine import describe  # bench/machine.py
+from trl_side import grpo_config  # bench/trl_side.py
 
 from flywheel.backend import LocalBackend
 from flywheel.examples.calculator.task import extract_answer, generate_problems
@@ -100,7 +101,7 @@ def trl_steps(
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -116,31 +117,15 @@ def trl_steps(
         return [closeness(c[-1]["content"], a) for c, a in zip(completions, answer)]
 
     rows = [{"prompt": [{"role": "user", "content": q}], "answer": a} for batch in batches for q, a in batch]
-    config = GRPOConfig(
+    config = grpo_config(
         output_dir=str(out_dir),
         use_cpu=not torch.cuda.is_available(),
         bf16=True,
-        max_steps=len(batches),
+        steps=len(batches),
         learning_rate=LEARNING_RATE,
-        per_device_train_batch_size=len(batches[0]) * group,
-        num_generations=group,
-        gradient_accumulation_steps=1,
-        max_completion_length=new_tokens,
-        generation_kwargs={"min_new_tokens": new_tokens},
-        temperature=1.0,
-        loss_type="dapo",
-        epsilon=0.2,
-        epsilon_high=0.28,
-        beta=0.0,
-        scale_rewards="group",
-        num_iterations=1,
-        gradient_checkpointing=False,
-        shuffle_dataset=False,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        dataloader_num_workers=0,
-        seed=0,
+        prompts=len(batches[0]),
+        group=group,
+        new_tokens=new_tokens,
     )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(path)
