@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from flywheel.loop.looks import reached, schedule
+from flywheel.loop.looks import non_inferior, reached, schedule
 from flywheel.stats import bootstrap_difference, expanded_level
 
 RESAMPLES = 4000
@@ -109,14 +109,6 @@ def verdict(canary: list[Scored], production: list[Scored], policy: CanaryPolicy
     )
     base |= {"canary_kpi": mean_c, "production_kpi": mean_p, "difference": (mean_c - mean_p, low, high),
              "look": n, "level": level}  # fmt: skip
-    if low > -policy.max_drop:
-        return CanaryVerdict(action="promote", reason=f"{said}: not worse by {policy.max_drop:g}", **base)
-    if high < 0:
-        return CanaryVerdict(action="rollback", reason=f"{said}: worse than production", **base)
-    if n == points[-1]:
-        return CanaryVerdict(
-            action="rollback",
-            reason=f"{said}: not shown within {policy.max_drop:g} of production by its last look",
-            **base,
-        )
-    return CanaryVerdict(action="wait", reason=f"{said}: undecided until {points[points.index(n) + 1]}", **base)
+    passed, why = non_inferior(points, n, low, high, policy.max_drop)
+    action = "wait" if passed is None else "promote" if passed else "rollback"
+    return CanaryVerdict(action=action, reason=f"{said}: {why}", **base)

@@ -39,6 +39,19 @@ def schedule(first: int, last: int) -> list[int]:
     return points if points[-1] == last else [*points, last]
 
 
+def non_inferior(points: list[int], n: int, low: float, high: float, max_drop: float) -> tuple[bool | None, str]:
+    """A look's verdict at ``n`` (a point of ``points``) on the interval (``low``, ``high``) of new - production:
+    True (not worse by ``max_drop``), False (clearly worse: ``high`` below 0, or undecided at the last look) or None
+    (wait for the next point); and why."""
+    if low > -max_drop:
+        return True, f"not worse by {max_drop:g}"
+    if high < 0:
+        return False, "worse than production"
+    if n == points[-1]:
+        return False, f"not shown within {max_drop:g} of production by its last look"
+    return None, f"undecided until {points[points.index(n) + 1]}"
+
+
 def reached(points: list[int], count: int) -> int | None:
     """The last point of ``points`` that ``count`` episodes reach (None before the first)."""
     done = [n for n in points if n <= count]

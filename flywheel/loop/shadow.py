@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from flywheel.loop.looks import reached, schedule
+from flywheel.loop.looks import non_inferior, reached, schedule
 from flywheel.stats import mean_interval
 
 RESAMPLES = 4000
@@ -95,12 +95,6 @@ def verdict(pairs: list[Pair], policy: ShadowPolicy, seed: int = 0) -> ShadowVer
         f"shadow - production reward {mean:+.3f} [{low:+.3f}, {high:+.3f}] over the first {n} of {len(pairs)} paired"
         f" episodes (look {points.index(n) + 1} of {len(points)}, one-sided level {level:.3g})"
     )
-    if low > -policy.max_drop:
-        return ShadowVerdict(action="canary", reason=f"{said}: not worse by {policy.max_drop:g}", **base)
-    if high < 0:
-        return ShadowVerdict(action="stop", reason=f"{said}: worse than production", **base)
-    if n == points[-1]:
-        return ShadowVerdict(
-            action="stop", reason=f"{said}: not shown within {policy.max_drop:g} of production by its last look", **base
-        )
-    return ShadowVerdict(action="wait", reason=f"{said}: undecided until {points[points.index(n) + 1]}", **base)
+    passed, why = non_inferior(points, n, low, high, policy.max_drop)
+    action = "wait" if passed is None else "canary" if passed else "stop"
+    return ShadowVerdict(action=action, reason=f"{said}: {why}", **base)
