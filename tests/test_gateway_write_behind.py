@@ -20,7 +20,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from flywheel.gateway.recorder import Gateway, GatewayBusyError, WriteLimits
-from flywheel.gateway.splice import Splice
+from flywheel.gateway.splice import Splice, tokenizer_key
 from flywheel.inference.loading import EMBEDDED_MODEL, resolve_model
 from flywheel.inference.registry import ModelRegistry
 from flywheel.server.app import create_app
@@ -81,7 +81,7 @@ class Agent:
         completion = [*self.tokenizer.encode(reply, add_special_tokens=False), *self.eos]
         choice = {
             "index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop",
-            "prompt_token_ids": splice.prompt, "token_ids": completion,
+            "prompt_token_ids": splice.prompt, "token_ids": completion, "tokenizer": tokenizer_key(self.tokenizer),
         }  # fmt: skip
         response = {"id": f"chatcmpl-{self.episode_id}-{self.turns}", "choices": [choice], "usage": {}, **extra}
         request = {"messages": list(self.messages)}

@@ -523,11 +523,13 @@ class Gateway:
                 outcomes = [exc] * len(batch)
             for p, outcome in zip(batch, outcomes, strict=True):
                 self._settle(p, outcome)
-            self._mark_lost()
+            self._mark_lost()  # before anyone waiting is told: a wait that ends sees its episode's lost call marked
+            for p, outcome in zip(batch, outcomes, strict=True):
+                self._release(p, outcome)
 
     def _settle(self, p: _Pending, outcome: CallRecord | BaseException) -> None:
         """A call's outcome: its outputs given their committed id (or, not held yet, added); if it failed after
-        its answer, its episode loses it. Then whoever waits for it is told."""
+        its answer, its episode loses it (``_release`` then tells whoever waits for it)."""
         if isinstance(outcome, CallRecord):
             with self._lock:
                 held = self._outputs.get(p.episode_id)
@@ -543,6 +545,9 @@ class Gateway:
         elif self.write_behind:
             call = p.fields["response"].get("id", f"#{p.ticket}")
             self._lose(p.episode_id, f"call {call} was answered, then could not be recorded ({outcome})")
+
+    def _release(self, p: _Pending, outcome: CallRecord | BaseException) -> None:
+        """The call is settled: whoever waits for it (its request, its episode's ``settled``) is told."""
         with self._queued:
             pending = self._unsettled.get(p.episode_id, [])
             pending.remove(p)
