@@ -59,7 +59,7 @@ from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenL
 from safetensors.torch import load_file, save_file
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-from trl_side import grpo_config  # bench/trl_side.py
+from trl_side import grpo_config, train_lora  # bench/trl_side.py
 
 from flywheel.inference import kv_attention
 from flywheel.inference.engine import InferenceEngine
@@ -637,10 +637,7 @@ def trl_arm(shape: str, args: argparse.Namespace, prompts: list[str]) -> dict[st
     is a warm-up."""
     if importlib.util.find_spec("trl") is None:
         return {"status": "skipped", "reason": "trl is not installed here (wheels: trl, datasets, dill, multiprocess)"}
-    from datasets import Dataset
-    from peft import LoraConfig
     from transformers import TrainerCallback
-    from trl import GRPOTrainer
 
     device = torch.device(args.device)
 
@@ -674,21 +671,9 @@ def trl_arm(shape: str, args: argparse.Namespace, prompts: list[str]) -> dict[st
         )
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         model = build_model(shape, args.tokenizer, device, args.dtype)
-        peft_config = LoraConfig(
-            r=LORA.rank, lora_alpha=LORA.alpha, lora_dropout=0.0, target_modules=LORA.targets, task_type="CAUSAL_LM"
-        )
         timer = StepTimer()
-        trainer = GRPOTrainer(
-            model=model,
-            reward_funcs=[reward],
-            args=config,
-            train_dataset=Dataset.from_list(rows),
-            processing_class=tokenizer,
-            peft_config=peft_config,
-            callbacks=[timer],
-        )
-        trainer.train()
-        del trainer, model
+        train_lora(model, tokenizer, reward, config, rows, LORA, timer)
+        del model
     timed = timer.times[1:]
     return {
         "shape": shape,

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from blocks import report, run_child, summary  # bench/blocks.py
 from machine import describe  # bench/machine.py
-from trl_side import grpo_config  # bench/trl_side.py
+from trl_side import grpo_config, train_lora  # bench/trl_side.py
 
 from flywheel.backend import LocalBackend
 from flywheel.examples.calculator.task import extract_answer, generate_problems
@@ -98,10 +98,7 @@ async def flywheel_steps(
 def trl_steps(
     path: str, batches: list[list[tuple[str, int]]], group: int, new_tokens: int, out_dir: Path
 ) -> list[float]:
-    from datasets import Dataset
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOTrainer
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -129,20 +126,8 @@ def trl_steps(
     )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    peft_config = LoraConfig(
-        r=LORA.rank, lora_alpha=LORA.alpha, lora_dropout=0.0, target_modules=LORA.targets, task_type="CAUSAL_LM"
-    )
     timer = StepTimer()
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=[reward],
-        args=config,
-        train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer,
-        peft_config=peft_config,
-        callbacks=[timer],
-    )
-    trainer.train()
+    train_lora(model, tokenizer, reward, config, rows, LORA, timer)
     return timer.times
 
 

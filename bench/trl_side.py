@@ -22,3 +22,21 @@ def grpo_config(
         gradient_checkpointing=False, shuffle_dataset=False, logging_steps=1, report_to=[], save_strategy="no",
         dataloader_num_workers=0, seed=0,
     )  # fmt: skip
+
+
+def train_lora(
+    model: Any, tokenizer: Any, reward: Any, config: Any, rows: list[dict], lora: Any, callback: Any
+) -> None:
+    """GRPOTrainer over ``rows`` with a LoRA adapter of Flywheel's shape (``lora``: a TrainedWeights) on ``model``."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOTrainer
+
+    peft_config = LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=lora.targets, task_type="CAUSAL_LM"
+    )
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=[reward], args=config, train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer, peft_config=peft_config, callbacks=[callback],
+    )  # fmt: skip
+    trainer.train()

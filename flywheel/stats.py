@@ -41,7 +41,9 @@ def mean_interval(values: Sequence[float] | np.ndarray, resamples: int, seed: in
     if tail * resamples >= MIN_TAIL_DRAWS or n < 3:
         return bootstrap_mean(values, resamples, seed, alpha=tail)
     half = -t_quantile(alpha, n - 1) * float(values.std(ddof=1)) / math.sqrt(n)
-    return float(values.mean()) - half, float(values.mean()) + half
+    # within the values' range, as a bootstrap's would be: t's on a few bounded values can pass either end
+    low, high = float(values.min()), float(values.max())
+    return max(low, float(values.mean()) - half), min(high, float(values.mean()) + half)
 
 
 def expanded_level(alpha: float, n: int) -> float:

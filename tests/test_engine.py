@@ -133,8 +133,9 @@ async def test_logprobs_are_those_of_the_distribution_sampled_from(fp32_engine: 
 async def test_top_p_restricts_to_the_nucleus(engine: InferenceEngine, tokenizer):
     p = prompts(tokenizer)[2]
     tiny = SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=12, n=3)
-    greedy = (await engine.generate(p, SamplingParams(temperature=0.0, max_tokens=12)))[0].token_ids
-    assert all(c.token_ids == greedy for c in await engine.generate(p, tiny))
+    # greedy in the same batch shape (3 rows): bf16 GEMMs of other shapes may round a near-tie the other way (AMX)
+    greedy = [c.token_ids for c in await engine.generate(p, SamplingParams(temperature=0.0, max_tokens=12, n=3))]
+    assert [c.token_ids for c in await engine.generate(p, tiny)] == greedy
 
 
 async def test_a_non_streaming_request_gets_one_event_per_choice(engine: InferenceEngine, tokenizer):
