@@ -131,12 +131,13 @@ async def test_logprobs_are_those_of_the_distribution_sampled_from(fp32_engine: 
     assert torch.allclose(torch.tensor(c.logprobs), ref, atol=2e-3)
 
 
-async def test_top_p_restricts_to_the_nucleus(engine: InferenceEngine, tokenizer):
+async def test_top_p_restricts_to_the_nucleus(fp32_engine: InferenceEngine, tokenizer):
+    # fp32: in bf16 a near-tie may round the other way between two calls of different shapes (the second call's
+    # prompt comes from the prefix cache), which is the engine's arithmetic, not top-p (seen on Intel AMX)
     p = prompts(tokenizer)[2]
     tiny = SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=12, n=3)
-    # greedy in the same batch shape (3 rows): bf16 GEMMs of other shapes may round a near-tie the other way (AMX)
-    greedy = [c.token_ids for c in await engine.generate(p, SamplingParams(temperature=0.0, max_tokens=12, n=3))]
-    assert [c.token_ids for c in await engine.generate(p, tiny)] == greedy
+    greedy = [c.token_ids for c in await fp32_engine.generate(p, SamplingParams(temperature=0.0, max_tokens=12, n=3))]
+    assert [c.token_ids for c in await fp32_engine.generate(p, tiny)] == greedy
 
 
 async def test_a_non_streaming_request_gets_one_event_per_choice(engine: InferenceEngine, tokenizer):

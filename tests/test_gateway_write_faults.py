@@ -43,7 +43,7 @@ class Agents:
         self.gateway, self.tokenizer, self.root = gateway, tokenizer, root
         self.answered: list[tuple[str, int]] = []  # (episode, turn) of every call answered
         self.finished: set[str] = set()  # episodes whose finish was a 200
-        self.statuses: Counter[int] = Counter()
+        self.statuses: Counter[int | str] = Counter()
         self.refusals: Counter[str] = Counter()  # what prepare raised, by kind
         self.stop = asyncio.Event()
 
@@ -54,7 +54,11 @@ class Agents:
     async def _post(self, http: httpx.AsyncClient, path: str, body: dict) -> httpx.Response | None:
         """The request, again after each 503's Retry-After (capped at 1 s here) until answered or stopped."""
         while not self.stop.is_set():
-            response = await http.post(path, json=body)
+            try:
+                response = await http.post(path, json=body)
+            except httpx.TimeoutException:  # no answer in 30 s: a hang, counted so the assertion shows which
+                self.statuses[f"no answer to {path.split('/')[-1]}"] += 1
+                return None
             self.statuses[response.status_code] += 1
             if response.status_code != 503:
                 return response
@@ -123,11 +127,12 @@ async def test_write_behind_rides_out_a_postgresql_restart_and_marks_what_it_los
         agents = Agents(gateway, tokenizer, root)
         running = asyncio.ensure_future(agents.run())
         await asyncio.sleep(2)
-        server.kill()
+        # pg_ctl in a worker thread: the agents go on meanwhile (a blocked loop would fire their timeouts late)
+        await asyncio.to_thread(server.kill)
         before = len(agents.answered)
         await asyncio.sleep(5)
         during = len(agents.answered) - before
-        server.resume()
+        await asyncio.to_thread(server.resume)
         await asyncio.sleep(3)
         agents.stop.set()
         await asyncio.wait_for(running, 60)
@@ -153,14 +158,14 @@ async def test_write_behind_rides_out_a_postgresql_restart_and_marks_what_it_los
         agent = Agent(gateway, tokenizer, episode_id)
         await agent.turn()
         await gateway.settled(episode_id)
-        server.kill()
+        await asyncio.to_thread(server.kill)
         await agent.turn()  # answered from the episode the gateway holds
         await asyncio.wait_for(gateway.settled(episode_id), 10)
         assert gateway.lost_calls == 1 and gateway.unmarked_calls == 1
         async with httpx.AsyncClient(base_url=root, timeout=30) as http:
             refused = await http.post(f"/episodes/{episode_id}/finish", json={"reward": 1})
             assert refused.status_code == 409 and f"chatcmpl-{episode_id}-2" in refused.json()["error"]["message"]
-        server.resume()
+        await asyncio.to_thread(server.resume)
         deadline = time.monotonic() + 20
         while gateway.unmarked_calls and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
@@ -176,7 +181,7 @@ async def test_write_behind_rides_out_a_postgresql_restart_and_marks_what_it_los
         agents = Agents(gateway, tokenizer, root)
         running = asyncio.ensure_future(agents.run())
         await asyncio.sleep(2)
-        server.kill()
+        await asyncio.to_thread(server.kill)
         await asyncio.sleep(4)
         agents.stop.set()
         await asyncio.wait_for(running, 60)  # every request was answered
@@ -195,7 +200,9 @@ async def test_write_behind_rides_out_a_postgresql_restart_and_marks_what_it_los
             f" shutdown {time.monotonic() - started:.1f} s, {agents.statuses}, refused {dict(agents.refusals)}"
         )
         assert gateway.lost_calls > 1
-        server.resume()  # only to read what the store holds: the gateway is stopped (its writer marks what it lost)
+        await asyncio.to_thread(
+            server.resume
+        )  # only to read what the store holds: the gateway is stopped (its writer marks what it lost)
         deadline = time.monotonic() + 20
         while gateway.unmarked_calls and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
