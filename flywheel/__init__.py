@@ -24,9 +24,14 @@ from flywheel.utils import retry
 
 if TYPE_CHECKING:
     from flywheel import rewards
+    from flywheel.agents.dynamic_sampling import gather_mixed_groups
     from flywheel.backend import LocalBackend
 
-_LAZY = {"LocalBackend": ("flywheel.backend", "LocalBackend"), "rewards": ("flywheel.rewards", None)}
+_LAZY = {
+    "LocalBackend": ("flywheel.backend", "LocalBackend"),
+    "rewards": ("flywheel.rewards", None),
+    "gather_mixed_groups": ("flywheel.agents.dynamic_sampling", "gather_mixed_groups"),  # DAPO's dynamic sampling
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -55,6 +60,7 @@ __all__ = [
     "auto_trajectory",
     "capture_auto_trajectory",
     "dev",
+    "gather_mixed_groups",
     "gather_trajectories",
     "gather_trajectory_groups",
     "guided_completion",

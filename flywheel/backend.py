@@ -284,13 +284,15 @@ class LocalBackend:
         *,
         save_checkpoint: bool = True,
         extra: dict | None = None,
+        metrics: dict[str, float] | None = None,
         verbose: bool = False,
         **options: Unpack[TrainOptions],
     ) -> TrainResult:
         """One RL step, recorded (history row, trajectories). ``config`` (default: ART's defaults) and ART's keyword
         arguments (``learning_rate=...``, mapped by ``flywheel.dev.train_config``). ``save_checkpoint``: write a
         checkpoint of it (with ``extra``, e.g. the caller's data position, back from ``checkpoint_extra`` on
-        resume); its history row says whether it has one. ``verbose``: print the step's metrics. A None among the
+        resume); its history row says whether it has one, and holds ``metrics``, the caller's own figures of the step
+        (dynamic sampling's groups drawn and kept, say). ``verbose``: print the step's metrics. A None among the
         groups (``ruler_score_group(..., swallow_exceptions=True)`` for a group its judge could not score, which
         ART's scripts pass on as they are) is left out, with a warning."""
         config = train_config(config, options)
@@ -308,17 +310,17 @@ class LocalBackend:
             await self._branch(model, trainer)
             if config.beta > 0 and config.kl_reference_step != trainer.reference_step:
                 await self._set_kl_reference(model, trainer, config.kl_reference_step)
-            metrics = await trainer.engine.call(trainer.rl_step, kept, config)
-            metrics |= phase_seconds(kept) | metric_means(trajectories, "train")
-            row = {"step": trainer.step, "split": "train", **metrics}
-            save = save_checkpoint and not metrics.get("skipped")
+            step_metrics = await trainer.engine.call(trainer.rl_step, kept, config)
+            step_metrics |= phase_seconds(kept) | metric_means(trajectories, "train") | (metrics or {})
+            row = {"step": trainer.step, "split": "train", **step_metrics}
+            save = save_checkpoint and not step_metrics.get("skipped")
             self.run(model).save_trajectories("train", trainer.step, trajectories)  # first: the row commits them
             await self._after_step(model, trainer, [row], "train", config.model_dump(), save, extra)
             step = trainer.step
             self._trained[(model.project, model.name)] = (step, {t.id for t in trajectories})
         if verbose:
-            print(f"{model.name} step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
-        return TrainResult(step=step, metrics=metrics)
+            print(f"{model.name} step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(step_metrics.items())))
+        return TrainResult(step=step, metrics=step_metrics)
 
     async def train_sft(
         self,

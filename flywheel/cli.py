@@ -384,8 +384,8 @@ def train(
         int | None,
         typer.Option(
             min=1,
-            help="Support: at most this many SFT epochs, each validated; stops when one does not improve, keeps the"
-            " best (default 3).",
+            help="At most this many SFT epochs, each validated; stops when one does not improve, keeps the best"
+            " (default: calculator 4, support 3).",
         ),
     ] = None,
     budget_minutes: Annotated[
@@ -410,11 +410,11 @@ def train(
     """The main job: train an example agent (baseline, SFT warm start, GRPO, best checkpoint, report, plot); the
     calculator agent by default, the customer-support agent with --task support."""
     sizes = {"rl_steps": steps, "groups_per_step": groups, "group_size": group_size, "sft_examples": sft_examples}
+    sizes |= {"sft_epochs": sft_epochs}
     if task == TrainTask.calculator:
         from flywheel.examples.calculator.train import JobConfig, run
 
         support_only = (
-            ("--sft-epochs", sft_epochs),
             ("--failure-rate", failure_rate),
             ("--budget-minutes", budget_minutes),
         )
@@ -426,7 +426,7 @@ def train(
     else:
         from flywheel.examples.support.train import JobConfig, run  # type: ignore[assignment]
 
-        sizes |= {"test_tickets": test_problems, "val_tickets": val, "sft_epochs": sft_epochs}
+        sizes |= {"test_tickets": test_problems, "val_tickets": val}
         sizes |= {"failure_rate": failure_rate}
     config = JobConfig(
         base_model=model,

@@ -145,6 +145,7 @@ class Backend(Protocol):
         *,
         save_checkpoint: bool = True,
         extra: dict | None = None,
+        metrics: dict[str, float] | None = None,
         verbose: bool = False,
         **options: Unpack[dev.TrainOptions],
     ) -> TrainResult: ...
@@ -208,15 +209,24 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
         *,
         save_checkpoint: bool = True,
         extra: dict[str, Any] | None = None,
+        metrics: dict[str, float] | None = None,
     ) -> dict[str, float]:
         """One RL optimizer step on these groups; the next rollout samples from the updated weights; returns its
         metrics. ``save_checkpoint=False`` skips its checkpoint (the history row still goes in); ``extra`` (JSON)
         is stored with the checkpoint and comes back from ``checkpoint_extra()`` after a resume, e.g. a data
-        position. ``_config``: ART's ``art.dev.TrainConfig`` options (mapped, see ``flywheel.dev``); ``verbose``
+        position; ``metrics``, the caller's own figures of the step (``MixedGroups.metrics()``: groups drawn, kept
+        and dropped by dynamic sampling), go in its history row. ``_config``: ART's ``art.dev.TrainConfig`` options (mapped, see ``flywheel.dev``); ``verbose``
         prints the step's metrics. A None among the groups (a group RULER could not score, with
         ``swallow_exceptions=True``) is left out with a warning."""
         result = await self.backend().train(
-            self, groups, config, save_checkpoint=save_checkpoint, extra=extra, verbose=verbose, **(_config or {})
+            self,
+            groups,
+            config,
+            save_checkpoint=save_checkpoint,
+            extra=extra,
+            metrics=metrics,
+            verbose=verbose,
+            **(_config or {}),
         )
         return result.metrics
 

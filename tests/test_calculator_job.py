@@ -8,10 +8,12 @@ import random
 import subprocess
 import sys
 
+import pytest
 from rich.console import Console
 
+from flywheel.agents.dynamic_sampling import DynamicSamplingConfig
 from flywheel.examples.calculator.task import generate_problems
-from flywheel.examples.calculator.train import JobConfig, LevelCurriculum, plot, rl_rounds, run
+from flywheel.examples.calculator.train import JobConfig, LevelCurriculum, plot, rl_rounds, run, sampling_rounds
 from flywheel.train.config import SFTConfig
 from flywheel.types import Trajectory, TrajectoryGroup
 
@@ -49,13 +51,16 @@ async def test_job_runs_end_to_end_and_writes_report_and_plot(tmp_path, monkeypa
         val_problems=1,
         test_problems=1,
         levels=[1],
+        sft_epochs=2,  # the SFT arm: the best of two epochs by validation
+        dynamic_sampling=DynamicSamplingConfig(max_draws=2),  # up to 2 groups drawn per step for 1 with mixed outcomes
     ).with_lora()
-    config.sft = SFTConfig(learning_rate=3e-4, epochs=1, batch_size=4)
+    config.sft = SFTConfig(learning_rate=3e-4, batch_size=4)
     report = await run(config, Console(file=open(os.devnull, "w")))
     # every phase shows its progress (tqdm, on stderr): SFT step by step with its loss, each RL step's rollouts and
     # validation under the phase's bar
     shown = capsys.readouterr().err
     assert "SFT warm start: 100%" in shown and "loss=" in shown and "tokens/s=" in shown
+    assert "SFT epoch 1 val" in shown
     assert "GRPO: 100%" in shown and "step 1 rollouts" in shown and "step 2 val" in shown and "reward=" in shown
     for key in ("base", "sft", "rl"):
         assert 0.0 <= report[key] <= 1.0
@@ -65,9 +70,25 @@ async def test_job_runs_end_to_end_and_writes_report_and_plot(tmp_path, monkeypa
     assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     assert {"sft", "train", "val"} <= {r["split"] for r in history}
-    step = saved["rl_history"][0]
-    assert step["rollout_seconds"] > 0 and step["train_seconds"] > 0  # the step's time, split by phase
-    assert 0.0 <= step["train/correct"] <= 1.0 and step["train/turns"] >= 1  # the rollouts' own metrics
+    # the step's time, split by phase (the rollouts: of every group drawn, kept or not)
+    assert all(r["rollout_seconds"] > 0 for r in saved["rl_history"])
+    assert all(r["train_seconds"] > 0 for r in saved["rl_history"] if not r["skipped"])
+    # dynamic sampling's figures in every RL step's row: what was drawn, kept (mixed outcomes) and dropped
+    for row in saved["rl_history"]:
+        assert 1 <= row["groups_drawn"] == row["groups_kept"] + row["groups_dropped"] <= 2, row
+        assert row["groups"] == row["groups_kept"], row  # the trainer got the kept ones
+    assert [r["groups_drawn"] for r in history if r["split"] == "train"] == [
+        r["groups_drawn"] for r in saved["rl_history"]
+    ]  # in the history rows too (the plot's lower panel)
+    # the SFT arm: each epoch validated (at most two), the best one is the arm RL is compared with, paired
+    assert 1 <= len(saved["sft_epoch_val_rewards"]) <= 2
+    lo, hi = saved["rl_minus_sft"]["interval"]
+    assert saved["rl_minus_sft"]["mean"] == pytest.approx(saved["rl"] - saved["sft"])
+    assert lo <= saved["rl_minus_sft"]["mean"] <= hi
+    for row in saved["rl_history"]:
+        assert 0.0 <= row["drawn_reward_mean"] <= 1.0  # of every rollout drawn
+        if not row["skipped"]:  # the trained rollouts' own metrics
+            assert 0.0 <= row["train/correct"] <= 1.0 and row["train/turns"] >= 1
     assert (out / "checkpoints" / f"{report['best_step']:04d}" / "adapter_model.safetensors").exists()
     kept = sorted(int(p.name) for p in (out / "checkpoints").iterdir())
     latest = max(r["step"] for r in history if r.get("checkpoint"))
@@ -88,7 +109,26 @@ def test_reward_plot_gives_each_rl_step_its_own_point_and_marks_skipped_updates(
     train, val = rl_rounds(history)
     assert train == [(1, 0.4, 0), (2, 1.0, 1), (3, 0.6, 0)]  # (RL step, reward, skip reason)
     assert val == [(0, 0.5, 2), (3, 0.7, 4)]  # (RL step, accuracy, optimizer step): 0 is the end of SFT
+    assert sampling_rounds(history) == []
     plot(history, 2, 0.7, tmp_path / "reward.png")
+    assert (tmp_path / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_reward_plot_shows_the_sft_arms_epochs_and_the_groups_each_step_drew(tmp_path):
+    """SFT's epochs are validated one by one (the best is kept: the last of them in the history); a step that
+    sampled dynamically says how many groups it drew, kept and dropped."""
+    history = [
+        {"step": 1, "split": "val", "val/reward": 0.3}, {"step": 2, "split": "val", "val/reward": 0.5},
+        {"step": 3, "split": "train", "reward_mean": 0.5, "drawn_reward_mean": 0.4, "groups_kept": 2,
+         "groups_dropped": 3},
+        {"step": 4, "split": "train", "reward_mean": 0.6, "groups_kept": 3, "groups_dropped": 0},
+        {"step": 4, "split": "val", "val/reward": 0.7},
+    ]  # fmt: skip
+    train, val = rl_rounds(history)
+    assert train[0][1] == 0.4  # the reward of every rollout drawn, not of the kept groups alone
+    assert val == [(0, 0.5, 2), (2, 0.7, 4)]  # round 0: the arm RL starts from
+    assert sampling_rounds(history) == [(1, 2, 3), (2, 3, 0)]  # (RL step, kept, dropped)
+    plot(history, 2, 0.7, tmp_path / "reward.png", sft_vals=[0.3, 0.5, 0.4])
     assert (tmp_path / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -360,7 +360,7 @@ async def test_the_scripted_expert_resolves_tickets_through_the_real_tools(db_pa
 
 
 def test_sft_stops_once_validation_stops_improving():
-    from flywheel.examples.support.train import sft_converged
+    from flywheel.examples.sft_arm import sft_converged
 
     assert not sft_converged([0.1], patience=1)
     assert not sft_converged([0.1, 0.2], patience=1)  # still rising
@@ -449,7 +449,6 @@ def test_paired_differences_pair_by_ticket_and_skip_a_ticket_one_arm_lost():
     ("args", "fragment"),
     [
         (["--failure-rate", "0.2"], "--failure-rate is an option of --task support only"),
-        (["--task", "calculator", "--sft-epochs", "2"], "--sft-epochs is an option of --task support only"),
         (["--budget-minutes", "5"], "--budget-minutes is an option of --task support only"),
         (["--task", "support", "--budget-minutes", "-1"], "Invalid value for '--budget-minutes'"),
         (["--task", "chess"], "Invalid value for '--task'"),

@@ -7,25 +7,28 @@ API (as any agent would), training updates the LoRA adapter on the same model ob
 from __future__ import annotations
 
 import json
-import math
 import random
 import resource
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from rich.console import Console
 from rich.table import Table
 from tqdm.auto import tqdm
 
 from flywheel.agents.curriculum import mixed_outcome_weight
+from flywheel.agents.dynamic_sampling import DynamicSampler, DynamicSamplingConfig, MixedGroups, NoMixedGroupsError
 from flywheel.backend import LocalBackend
 from flywheel.examples.calculator.agent import rollout
 from flywheel.examples.calculator.task import CALCULATOR_TOOL, Problem, demonstration, generate_problems
+from flywheel.examples.sft_arm import sft_best_epoch
 from flywheel.gather import gather_trajectory_groups
 from flywheel.graders.evaluation import wilson
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.model import TrainableModel
+from flywheel.stats import bootstrap_mean
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 from flywheel.types import Trajectory, TrajectoryGroup
 
@@ -41,10 +44,17 @@ class JobConfig(BaseModel):
     trained_weights: TrainedWeights = TrainedWeights(mode="full")
     sft_examples: int = 64  # deliberately few: the warm start teaches the tool format, RL does the rest
     # 1024-token micro-batches: the same gradients as 2048 in two halves, ~1 GB less peak memory, a little slower
-    sft: SFTConfig = SFTConfig(learning_rate=5e-5, epochs=2, batch_size=8, micro_batch_tokens=1024)
+    sft: SFTConfig = SFTConfig(learning_rate=5e-5, batch_size=8, micro_batch_tokens=1024)
+    # the SFT-only arm, fair to it: up to sft_epochs epochs, each validated, stopping once sft_patience epochs in a
+    # row did not beat the best; the best epoch is the arm RL is compared with, and where RL starts
+    sft_epochs: int = Field(4, ge=1)
+    sft_patience: int = Field(1, ge=1)
     rl_steps: int = 16
-    groups_per_step: int = 6
+    groups_per_step: int = 6  # with dynamic sampling: groups with mixed outcomes per step
     group_size: int = 8
+    # DAPO's dynamic sampling: each step draws problems until it has groups_per_step groups whose rewards differ
+    # (at most max_draws x as many drawn); None: groups_per_step problems, whatever their groups' outcomes
+    dynamic_sampling: DynamicSamplingConfig | None = DynamicSamplingConfig()
     rl: TrainConfig = TrainConfig(learning_rate=1e-5, loss="dapo", micro_batch_tokens=1024)
     temperature: float = 0.7  # a 135M model at T=1 mostly produces noise: no group would have a success
     level_curriculum: bool = True  # draw RL problems by level, favouring the levels with mixed outcomes
@@ -69,19 +79,6 @@ async def evaluate(model: TrainableModel, problems: list[Problem], desc: str) ->
         max_exceptions=len(problems),
     )
     return [t for g in groups for t in g.trajectories]
-
-
-async def warm_start(model: TrainableModel, demos: list[Trajectory], config: SFTConfig) -> list[dict[str, float]]:
-    """SFT on the demonstrations with a progress bar: each step's loss and tokens per second, the time left."""
-    steps = config.epochs * math.ceil(len(demos) / config.batch_size)  # one per batch (a non-finite one is skipped)
-    with tqdm(total=steps, desc="SFT warm start", unit="step") as bar:
-
-        def progress(metrics: dict[str, float]) -> None:  # on the engine's thread, after each step
-            tokens_per_second = metrics["tokens_trained"] / metrics["train_seconds"]
-            bar.set_postfix({"loss": f"{metrics['loss']:.3f}", "tokens/s": f"{tokens_per_second:.0f}"}, refresh=False)
-            bar.update()
-
-        return await model.train_sft(demos, config, progress=progress)
 
 
 def accuracy(trajectories: list[Trajectory], n: int) -> float:
@@ -118,6 +115,11 @@ class LevelCurriculum:
             (level,) = self.rng.choices(list(weights), weights=list(weights.values()))
             drawn.append(self.unused[level].pop(self.rng.randrange(len(self.unused[level]))))
         return drawn
+
+    def stream(self) -> Iterator[Problem]:
+        """Unused problems one at a time, each drawn with the weights of the moment, until the pool runs dry."""
+        while drawn := self.sample(1):
+            yield drawn[0]
 
     def record(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
         for group in groups:
@@ -160,47 +162,64 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
             Trajectory(messages_and_choices=demonstration(p), tools=[CALCULATOR_TOOL])
             for p in train[: config.sft_examples]
         ]
-        sft_history = await warm_start(model, demos, config.sft)
-        console.print(
-            f"SFT warm start: {len(sft_history)} steps, loss {sft_history[0]['loss']:.3f} -> {sft_history[-1]['loss']:.3f}"
+        sft_step, sft_vals, _ = await sft_best_epoch(
+            model,
+            backend,
+            demos,
+            config.sft,
+            max_epochs=config.sft_epochs,
+            patience=config.sft_patience,
+            validate=lambda epoch: evaluate(model, val, f"SFT epoch {epoch} val"),
         )
-        sft_step = await model.get_step()
+        report["sft_epoch_val_rewards"] = sft_vals
+        console.print(
+            f"SFT warm start: best of {len(sft_vals)} epochs by validation (step {sft_step}), validation "
+            + " -> ".join(f"{v:.2f}" for v in sft_vals)
+        )
         report["peak_rss_gb_by_phase"]["sft"] = peak_rss_gb()
         sft = await evaluate(model, test, "after SFT (test)")
         report["sft"] = accuracy(sft, len(test))
         console.print(f"SFT test accuracy: {report['sft']:.1%}")
-        await model.log(await evaluate(model, val, "val"), split="val")
 
         rng = random.Random(config.seed)
         pool = train[config.sft_examples :]
         levels = LevelCurriculum(pool, rng) if config.level_curriculum else None
+        problems = levels.stream() if levels else iter(rng.sample(pool, len(pool)))
+        sampler = DynamicSampler(config.dynamic_sampling) if config.dynamic_sampling else None
         rl_rows = []
         # the whole phase's bar (steps done, time left, the last rewards) above each step's rollouts and validation
         with tqdm(total=config.rl_steps, desc="GRPO", unit="step") as bar:
             for i in range(config.rl_steps):
-                scenarios = (
-                    levels.sample(config.groups_per_step) if levels else rng.sample(pool, config.groups_per_step)
+                drawn = (
+                    TrajectoryGroup(rollout(model, p, temperature=config.temperature) for _ in range(config.group_size))
+                    for p in problems
                 )
-                groups = await gather_trajectory_groups(
-                    (
-                        TrajectoryGroup(
-                            rollout(model, p, temperature=config.temperature) for _ in range(config.group_size)
+                mixed: MixedGroups | None = None
+                if sampler:
+                    try:
+                        mixed = await sampler.draw(
+                            drawn, config.groups_per_step, pbar_desc=f"step {i + 1} rollouts", max_exceptions=0.1
                         )
-                        for p in scenarios
-                    ),
-                    pbar_desc=f"step {i + 1} rollouts",
-                    max_exceptions=0.1,
-                )
+                    except NoMixedGroupsError as exc:  # the pool ran dry: RL ends here, its best checkpoint stands
+                        console.print(f"RL stops after {i} steps: {exc}")
+                        break
+                    groups = mixed.kept
+                else:
+                    groups = await gather_trajectory_groups(
+                        [g for _, g in zip(range(config.groups_per_step), drawn)],
+                        pbar_desc=f"step {i + 1} rollouts",
+                        max_exceptions=0.1,
+                    )
                 bar.set_postfix_str(f"step {i + 1}: training on {sum(len(g.trajectories) for g in groups)} rollouts")
                 validate = (i + 1) % config.eval_every == 0 or i + 1 == config.rl_steps
                 # a checkpoint only where one can be needed: where the best is picked from (validation points; the
                 # last step is one), not at every step (1.6 GB each when every weight trains)
                 metrics = await model.train(
-                    groups, config=config.rl, save_checkpoint=validate
+                    groups, config=config.rl, save_checkpoint=validate, metrics=mixed.metrics() if mixed else None
                 )  # with rollout_seconds and train/<metric> means
                 row = {"step": await model.get_step(), **metrics, "peak_rss_gb": peak_rss_gb()}
                 if levels:
-                    row |= levels.record(groups)
+                    row |= levels.record(groups + (mixed.dropped if mixed else []))
                 if validate:
                     bar.set_postfix_str(f"step {i + 1}: validation")
                     row |= await model.log(await evaluate(model, val, f"step {i + 1} val"), split="val")
@@ -210,6 +229,8 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
                     "reward": f"{metrics['reward_mean']:.2f}",
                     "skipped": sum(int(r.get("skipped", 0)) for r in rl_rows),
                 }
+                if mixed:
+                    shown["kept"] = f"{len(mixed.kept)}/{mixed.drawn} groups"
                 vals = [r["val/reward"] for r in rl_rows if "val/reward" in r]
                 if vals:
                     shown["val"] = f"{vals[-1]:.2f}"  # the latest
@@ -231,12 +252,16 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
         rl = await evaluate(model, test, f"best checkpoint step {best[1]} (test)")
         report["rl"] = accuracy(rl, len(test))
         report["best_step"] = best[1]
+        # paired on the same test problems (greedy: each arm's answer to each problem)
+        diffs = [b.reward - a.reward for a, b in zip(sft, rl)]
+        report["rl_minus_sft"] = {"mean": sum(diffs) / len(diffs), "interval": list(bootstrap_mean(diffs, 4000, 0))}
+        report["sft_step"] = sft_step
         report["by_level"] = {name: by_level(trajs) for name, trajs in (("base", base), ("sft", sft), ("rl", rl))}
         report["wall_seconds"] = time.perf_counter() - start
         report["peak_rss_gb"] = peak_rss_gb()
         out = backend.model_dir(model)
         (out / "report.json").write_text(json.dumps(report, indent=2))
-        plot(history, sft_step, config.temperature, out / "reward.png")
+        plot(history, sft_step, config.temperature, out / "reward.png", sft_vals)
         print_report(console, report, len(test), out)
         return report
     finally:
@@ -260,28 +285,47 @@ SKIP_REASONS = {1: ("no group had reward variance", "x"), 2: ("non-finite gradie
 
 
 def rl_rounds(history: list[dict]) -> tuple[list[tuple[int, float, int]], list[tuple[int, float, int]]]:
-    """The RL phase round by round from the history rows (in the order they were written): (round, rollout reward,
+    """The RL phase round by round from the history rows (in the order they were written): (round, rollout reward
+    (of every rollout drawn, where the step sampled dynamically),
     skip_reason: 0 where the weights were updated) per RL step, and (round, validation reward, optimizer step) per
-    validation, round 0 being the end of SFT. A skipped update leaves the optimizer step where it was, so rounds, not
+    validation, round 0 being the end of SFT (its last validation: the best epoch's). A skipped update leaves the optimizer step where it was, so rounds, not
     steps, tell the RL steps apart."""
     train, val, n = [], [], 0
     for r in history:
         if r.get("split") == "train":
             n += 1
-            train.append((n, r["reward_mean"], int(r.get("skip_reason", 0)) if r.get("skipped") else 0))
+            reward = r.get("drawn_reward_mean", r["reward_mean"])  # sampled dynamically: every rollout drawn
+            train.append((n, reward, int(r.get("skip_reason", 0)) if r.get("skipped") else 0))
         elif "val/reward" in r:
+            if n == 0 and val:  # SFT's epochs: the last one written is the arm RL starts from
+                val.pop()
             val.append((n, r["val/reward"], r["step"]))
     return train, val
 
 
-def plot(history: list[dict], sft_step: int, temperature: float, path: Path) -> None:
+def sampling_rounds(history: list[dict]) -> list[tuple[int, int, int]]:
+    """(round, groups kept, groups dropped) of each RL step that sampled dynamically (``MixedGroups.metrics``)."""
+    train, _ = rl_rounds(history)
+    rows = [r for r in history if r.get("split") == "train"]
+    return [(t[0], int(r["groups_kept"]), int(r["groups_dropped"])) for t, r in zip(train, rows) if "groups_kept" in r]
+
+
+def plot(
+    history: list[dict], sft_step: int, temperature: float, path: Path, sft_vals: list[float] | None = None
+) -> None:
+    """The RL phase's training reward and validation accuracy by RL step, the SFT arm's validation per epoch to
+    the left of it (``sft_vals``), and below, where it sampled dynamically, each step's groups kept and dropped."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     train, val = rl_rounds(history)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    sampled = sampling_rounds(history)
+    if sampled:
+        fig, (ax, low) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=[3, 1.2])
+    else:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
     if train:
         ax.plot([t[0] for t in train], [t[1] for t in train], color="C0", alpha=0.4)
         updated = [t for t in train if not t[2]]
@@ -303,12 +347,28 @@ def plot(history: list[dict], sft_step: int, temperature: float, path: Path) -> 
             ax.annotate(
                 f"step {step}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7, color="C1"
             )
-    ax.axvline(0, color="grey", linestyle=":", label=f"end of SFT warm start (step {sft_step})")
-    ax.set_xlabel("RL step (rollouts, then an update unless skipped); validations name the optimizer step")
+    if sft_vals:
+        xs = [e - len(sft_vals) - 1 for e in range(1, len(sft_vals) + 1)]
+        best = sft_vals.index(max(sft_vals))
+        ax.plot(xs, sft_vals, "s--", color="C2", mfc="none", label="SFT-only arm: validation after each epoch")
+        ax.plot([xs[best]], [sft_vals[best]], "*", color="C2", markersize=12, label=f"best epoch ({best + 1}): kept")
+    ax.axvline(0, color="grey", linestyle=":", label=f"RL starts from the SFT arm (step {sft_step})")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(-0.02, 1.08)
     ax.legend(fontsize=8, loc="lower right")
     ax.set_title("Calculator agent: SFT warm start then GRPO")
+    bottom = ax
+    if sampled:
+        rounds = [r for r, _, _ in sampled]
+        low.bar(rounds, [k for _, k, _ in sampled], color="C0", label="kept (rewards differ)")
+        low.bar(rounds, [d for _, _, d in sampled], bottom=[k for _, k, _ in sampled], color="0.75",
+                label="dropped (all rewards equal)")  # fmt: skip
+        low.set_ylabel("groups drawn")
+        low.legend(fontsize=8, loc="upper left")
+        bottom = low
+    bottom.set_xlabel(
+        "SFT epoch (< 0), RL step (rollouts, then an update unless skipped); validations name the optimizer step"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -318,15 +378,21 @@ def print_report(console: Console, report: dict, n: int, out: Path) -> None:
     table = Table(title=f"Calculator agent, test accuracy ({n} problems, greedy)")
     for col in ("model", "accuracy", "95% interval"):
         table.add_column(col)
+    epochs = report.get("sft_epoch_val_rewards", [])
+    best_epoch = epochs.index(max(epochs)) + 1 if epochs else None
     for key, label in (
         ("base", "base model"),
-        ("sft", "SFT warm start"),
-        ("rl", f"GRPO (best checkpoint, step {report['best_step']})"),
+        ("sft", f"SFT-only (best of {len(epochs)} epochs: epoch {best_epoch})" if epochs else "SFT warm start"),
+        ("rl", f"SFT + GRPO (best checkpoint, step {report['best_step']})"),
     ):
         lo, hi = wilson(report[key] * n, n)
         table.add_row(label, f"{report[key]:.1%}", f"[{lo:.1%}, {hi:.1%}]")
     console.print(table)
+    lift = report["rl_minus_sft"]
+    lo, hi = lift["interval"]
     console.print(
-        f"RL lift over SFT: {100 * (report['rl'] - report['sft']):+.1f} points; wall time {report['wall_seconds'] / 60:.1f} min; peak RSS {report['peak_rss_gb']:.1f} GB"
+        f"RL lift over the SFT-only arm: {100 * lift['mean']:+.1f} points, paired 95% interval [{100 * lo:+.1f},"
+        f" {100 * hi:+.1f}] on the same problems; wall time {report['wall_seconds'] / 60:.1f} min; peak RSS"
+        f" {report['peak_rss_gb']:.1f} GB"
     )
     console.print(f"report: {out / 'report.json'}  plot: {out / 'reward.png'}")

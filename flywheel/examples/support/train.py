@@ -27,7 +27,8 @@ from tqdm.auto import tqdm
 
 from flywheel.agents.air import AIRConfig
 from flywheel.backend import LocalBackend
-from flywheel.examples.calculator.train import peak_rss_gb, register_new, rl_rounds, warm_start
+from flywheel.examples.calculator.train import peak_rss_gb, register_new, rl_rounds
+from flywheel.examples.sft_arm import sft_best_epoch
 from flywheel.examples.support.agent import MAX_TURNS, demonstration, expert_rollout, rollout
 from flywheel.examples.support.db import build_database
 from flywheel.examples.support.grading import support_stack
@@ -251,7 +252,15 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
         expert, demos = await job.demonstrations(train[: config.sft_examples])
         report["expert"] = behaviour(expert)
         console.print(f"expert demonstrations: {len(demos)} of {len(expert)} tickets resolved")
-        sft_step, sft_vals, val_seconds = await sft_best_epoch(model, backend, job, demos, val, config)
+        sft_step, sft_vals, val_seconds = await sft_best_epoch(
+            model,
+            backend,
+            demos,
+            config.sft,
+            max_epochs=config.sft_epochs,
+            patience=config.sft_patience,
+            validate=lambda epoch: job.evaluate(val, f"SFT epoch {epoch} val"),
+        )
         sft_val = max(sft_vals)
         report |= {"sft_val_reward": sft_val, "sft_epoch_val_rewards": sft_vals}
         started = time.perf_counter()
@@ -294,45 +303,10 @@ def _accuracy(trajectories: list[Trajectory]) -> float:
     return sum(t.metrics["resolved"] for t in trajectories) / max(1, len(trajectories))
 
 
-def sft_converged(val_rewards: list[float], patience: int) -> bool:
-    """Whether SFT stops after these epochs' validation rewards: the last ``patience`` epochs all failed to beat
-    the best reward before them (an equal reward is no improvement)."""
-    first_best = val_rewards.index(max(val_rewards))
-    return len(val_rewards) - 1 - first_best >= patience
-
-
 def another_step_fits(seconds_left: float, step: float, validation: float, test: float) -> bool:
     """Whether the time left holds one more RL step (``step``: the slowest so far, rollouts and update), its
     validation (the last step is always validated) and the final test of the best checkpoint."""
     return step + validation + test <= seconds_left
-
-
-async def sft_best_epoch(
-    model: TrainableModel,
-    backend: LocalBackend,
-    job: Job,
-    demos: list[Trajectory],
-    val: list[Ticket],
-    config: JobConfig,
-) -> tuple[int, list[float], float]:
-    """SFT one epoch at a time, each validated, until ``sft_converged`` or ``sft_epochs``; the best epoch's weights
-    are restored: (its step, every epoch's val reward, the slowest validation's seconds)."""
-    one_epoch = config.sft.model_copy(update={"epochs": 1})
-    epochs: list[tuple[float, int]] = []  # each epoch's val reward and step
-    val_seconds = 0.0
-    for epoch in range(config.sft_epochs):
-        await warm_start(model, demos, one_epoch)
-        started = time.perf_counter()
-        metrics = await model.log(await job.evaluate(val, f"SFT epoch {epoch + 1} val"), split="val")
-        val_seconds = max(val_seconds, time.perf_counter() - started)
-        epochs.append((metrics["val/reward"], await model.get_step()))
-        await model.delete_checkpoints("val/reward")
-        if sft_converged([reward for reward, _ in epochs], config.sft_patience):
-            break
-    best = max(epochs)[1]  # the best reward's step; of equal ones the later, as delete_checkpoints keeps
-    if best != await model.get_step():
-        await backend.restore(model, best)
-    return best, [reward for reward, _ in epochs], val_seconds
 
 
 def group_plan(tickets: list[Ticket], rng: random.Random, group_size: int) -> list[tuple[Ticket, list[int]]]:
