@@ -226,7 +226,7 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
                 await model.delete_checkpoints("val/reward")  # the latest and the best so far (1.6 GB each when full)
                 rl_rows.append(row)
                 shown = {
-                    "reward": f"{metrics['reward_mean']:.2f}",
+                    "reward": f"{metrics.get('drawn_reward_mean', metrics['reward_mean']):.2f}",  # every rollout
                     "skipped": sum(int(r.get("skipped", 0)) for r in rl_rows),
                 }
                 if mixed:
