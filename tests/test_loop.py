@@ -213,12 +213,14 @@ def test_flywheel_loop_runs_from_the_command_line(tmp_path):
     path = write_config(tmp_path)
     config = yaml.safe_load(path.read_text()) | {"steps": 1, "candidate_every": 1, "tasks": "tasks.jsonl"}
     path.write_text(yaml.safe_dump(config))
-    (tmp_path / "tasks.jsonl").write_text('{"id": "t1", "question": "Name a colour.", "fail": false}\n')
+    copied = json.dumps({"id": "t2", **HELDOUT.items["q0"]})  # a held-out item under another id: never trained on
+    (tmp_path / "tasks.jsonl").write_text('{"id": "t1", "question": "Name a colour.", "fail": false}\n' + copied + "\n")
     result = CliRunner().invoke(
         app, ["loop", str(path), "--home", str(tmp_path / "home"), "--actor", "ci"], env={"COLUMNS": "200"}
     )
     assert result.exit_code == 0, result.output
     assert "1 iterations, step 1" in result.output and "loop-agent@production" in result.output
+    assert "held-out items kept out of training: 1 (seed tasks 1, production episodes 0" in result.output
     # a loop with no production deployment: its first candidate met the base model and, passing, became production
     store = Store(f"sqlite:///{tmp_path / 'home' / 'flywheel.db'}")
     try:

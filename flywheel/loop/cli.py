@@ -75,6 +75,10 @@ def loop_command(
         raise typer.Exit(1) from None
     console.print(f"{len(report.steps)} iterations, step {report.steps[-1] if report.steps else 0}; "
                   f"{report.intake} tasks from production episodes", highlight=False)  # fmt: skip
+    excluded = report.excluded_heldout
+    console.print(f"held-out items kept out of training: {sum(excluded.values())} (seed tasks {excluded.get('seed', 0)},"
+                  f" production episodes {excluded.get('intake', 0)}, off-policy members {excluded.get('off_policy', 0)})",
+                  highlight=False)  # fmt: skip
     if report.cancelled:
         console.print(f"{report.cancelled} task(s) an earlier run left open were cancelled", highlight=False)
     table = Table(title="Candidates")

@@ -334,7 +334,7 @@ def plot(
             [t[1] for t in updated],
             "o",
             color="C0",
-            label=f"train reward (rollouts, T={temperature})",
+            label=f"train reward (every rollout drawn, T={temperature})",
         )
         for reason, (why, marker) in SKIP_REASONS.items():
             skipped = [t for t in train if t[2] == reason]
