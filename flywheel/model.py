@@ -215,8 +215,8 @@ class TrainableModel(Model[ModelConfig], Generic[ModelConfig]):
         metrics. ``save_checkpoint=False`` skips its checkpoint (the history row still goes in); ``extra`` (JSON)
         is stored with the checkpoint and comes back from ``checkpoint_extra()`` after a resume, e.g. a data
         position; ``metrics``, the caller's own figures of the step (``MixedGroups.metrics()``: groups drawn, kept
-        and dropped by dynamic sampling), go in its history row. ``_config``: ART's ``art.dev.TrainConfig`` options (mapped, see ``flywheel.dev``); ``verbose``
-        prints the step's metrics. A None among the groups (a group RULER could not score, with
+        and dropped by dynamic sampling), go in its history row. ``_config``: ART's ``art.dev.TrainConfig`` options
+        (mapped, see ``flywheel.dev``); ``verbose`` prints the step's metrics. A None among the groups (a group RULER could not score, with
         ``swallow_exceptions=True``) is left out with a warning."""
         result = await self.backend().train(
             self,

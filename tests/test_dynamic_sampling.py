@@ -15,8 +15,8 @@ from flywheel.agents.dynamic_sampling import (
     DynamicSamplingConfig,
     NoMixedGroupsError,
     gather_mixed_groups,
-    has_reward_variance,
 )
+from flywheel.train.credit import has_reward_variance
 from flywheel.types import Trajectory, TrajectoryGroup
 
 USER = {"role": "user", "content": "2 + 2?"}

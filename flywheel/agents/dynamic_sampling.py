@@ -12,6 +12,7 @@ the share kept so far (``DynamicSampler`` carries it from step to step), so a st
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -21,16 +22,11 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from flywheel.gather import gather_trajectory_groups, phase_seconds
-from flywheel.train.credit import total_reward
+from flywheel.train.credit import has_reward_variance, total_reward
 from flywheel.types import TrajectoryGroup
 
 GroupSource = Iterable[TrajectoryGroup | Awaitable[TrajectoryGroup]]
 StopReason = Literal["full", "max_draws", "max_seconds", "exhausted"]
-
-
-def has_reward_variance(group: TrajectoryGroup) -> bool:
-    """The default keep rule: at least two finished rollouts whose total rewards (final plus per-turn) differ."""
-    return len({total_reward(t) for t in group.trajectories}) > 1
 
 
 class DynamicSamplingConfig(BaseModel):
@@ -129,7 +125,7 @@ class DynamicSampler:
                 stop = "max_seconds"
                 break
             size = min(limit - drawn, math.ceil((groups - len(kept)) / self.keep_rate()))
-            wave = [item for _, item in zip(range(size), items)]
+            wave = list(itertools.islice(items, size))
             if not wave:
                 stop = "exhausted"
                 break

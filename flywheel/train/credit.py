@@ -55,6 +55,12 @@ def total_reward(traj: Trajectory) -> float:
     return traj.reward + extra if extra else traj.reward  # exactly ``reward`` when there is nothing to add
 
 
+def has_reward_variance(group: TrajectoryGroup) -> bool:
+    """At least two finished rollouts whose total rewards (final plus per-turn) differ: a group GRPO can learn
+    from with uniform credit (and dynamic sampling's default keep rule)."""
+    return len({total_reward(t) for t in group.trajectories}) > 1
+
+
 def step_rewards(traj: Trajectory) -> list[float]:
     """r_t: each turn's intermediate reward, with the final reward added at the last turn."""
     rewards = turn_rewards(traj)

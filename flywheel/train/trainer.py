@@ -25,7 +25,7 @@ from flywheel.inference.lora import fuse_lora_forward
 from flywheel.runs import Checkpoint, CheckpointState
 from flywheel.train.batch import MicroBatch, TrainingSequence, pack, trajectory_sequences
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
-from flywheel.train.credit import credit_advantages, has_signal, total_reward
+from flywheel.train.credit import credit_advantages, has_reward_variance, has_signal
 from flywheel.train.logprobs import token_logprobs
 from flywheel.train.loss import importance_weights, policy_loss, ratio_stats
 from flywheel.types import OFF_POLICY, Trajectory, TrajectoryGroup
@@ -254,7 +254,7 @@ class Trainer:
         rewards = [t.reward for g in groups for t in g.trajectories]
         candidates = [g for g in groups if len(g.trajectories) > 1]
         if config.credit == "uniform":  # equal totals give zero advantages; kept out of reinforce_pp's whitening
-            candidates = [g for g in candidates if len({total_reward(t) for t in g.trajectories}) > 1]
+            candidates = [g for g in candidates if has_reward_variance(g)]
         advantages = {id(g): a for g, a in zip(candidates, credit_advantages(candidates, config))}
         usable = [g for g in candidates if any(has_signal(a) for a in advantages[id(g)])]
         metrics: dict[str, float] = {

@@ -6,6 +6,7 @@ API (as any agent would), training updates the LoRA adapter on the same model ob
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import resource
@@ -206,7 +207,7 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
                     groups = mixed.kept
                 else:
                     groups = await gather_trajectory_groups(
-                        [g for _, g in zip(range(config.groups_per_step), drawn)],
+                        list(itertools.islice(drawn, config.groups_per_step)),
                         pbar_desc=f"step {i + 1} rollouts",
                         max_exceptions=0.1,
                     )
@@ -286,10 +287,10 @@ SKIP_REASONS = {1: ("no group had reward variance", "x"), 2: ("non-finite gradie
 
 def rl_rounds(history: list[dict]) -> tuple[list[tuple[int, float, int]], list[tuple[int, float, int]]]:
     """The RL phase round by round from the history rows (in the order they were written): (round, rollout reward
-    (of every rollout drawn, where the step sampled dynamically),
-    skip_reason: 0 where the weights were updated) per RL step, and (round, validation reward, optimizer step) per
-    validation, round 0 being the end of SFT (its last validation: the best epoch's). A skipped update leaves the optimizer step where it was, so rounds, not
-    steps, tell the RL steps apart."""
+    (of every rollout drawn, where the step sampled dynamically), skip_reason: 0 where the weights were updated) per
+    RL step, and (round, validation reward, optimizer step) per validation, round 0 being the end of SFT (its last
+    validation: the best epoch's). A skipped update leaves the optimizer step where it was, so rounds, not steps,
+    tell the RL steps apart."""
     train, val, n = [], [], 0
     for r in history:
         if r.get("split") == "train":
@@ -305,9 +306,8 @@ def rl_rounds(history: list[dict]) -> tuple[list[tuple[int, float, int]], list[t
 
 def sampling_rounds(history: list[dict]) -> list[tuple[int, int, int]]:
     """(round, groups kept, groups dropped) of each RL step that sampled dynamically (``MixedGroups.metrics``)."""
-    train, _ = rl_rounds(history)
-    rows = [r for r in history if r.get("split") == "train"]
-    return [(t[0], int(r["groups_kept"]), int(r["groups_dropped"])) for t, r in zip(train, rows) if "groups_kept" in r]
+    rows = [r for r in history if r.get("split") == "train"]  # round n is the n-th, as in ``rl_rounds``
+    return [(n, int(r["groups_kept"]), int(r["groups_dropped"])) for n, r in enumerate(rows, 1) if "groups_kept" in r]
 
 
 def plot(
