@@ -12,6 +12,8 @@ drops them), with ``synchronous_commit`` on, so that what a commit answered surv
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import faulthandler
 import threading
 import time
 from collections import Counter
@@ -33,6 +35,9 @@ from flywheel.store import episodes as db
 tokenizer = test_gateway_write_behind.tokenizer  # the fixture: the embedded model's tokenizer, no model loaded
 AGENTS = 32
 TURNS = 3
+# a request unanswered this long hangs: the gateway's own waits end long before (wait_s, retry_s <= 20 s here), so
+# this is generous, for a CI machine that stands still a while (a process stalled ~30 s there once)
+ANSWER_S = 90
 
 
 class Agents:
@@ -48,7 +53,7 @@ class Agents:
         self.stop = asyncio.Event()
 
     async def run(self) -> None:
-        async with httpx.AsyncClient(base_url=self.root, timeout=30) as http:
+        async with httpx.AsyncClient(base_url=self.root, timeout=ANSWER_S) as http:
             await asyncio.gather(*(self._agent(http, i) for i in range(AGENTS)))
 
     async def _post(self, http: httpx.AsyncClient, path: str, body: dict) -> httpx.Response | None:
@@ -56,7 +61,9 @@ class Agents:
         while not self.stop.is_set():
             try:
                 response = await http.post(path, json=body)
-            except httpx.TimeoutException:  # no answer in 30 s: a hang, counted so the assertion shows which
+            except httpx.TimeoutException:  # no answer in ANSWER_S: a hang, counted so the assertion shows which
+                if not any(isinstance(status, str) for status in self.statuses):
+                    faulthandler.dump_traceback()  # the first: where every thread (the server's too) stands now
                 self.statuses[f"no answer to {path.split('/')[-1]}"] += 1
                 return None
             self.statuses[response.status_code] += 1
@@ -86,6 +93,29 @@ class Agents:
             finish = await self._post(http, f"/episodes/{agent.episode_id}/finish", {"reward": 1})
             if finish is not None and finish.status_code == 200:
                 self.finished.add(agent.episode_id)
+
+
+class LoopWatch:
+    """How long this event loop (the agents') went without turning at most; after ``STALL_S`` s without, every
+    thread's stack goes to stderr (faulthandler's own thread, which needs no GIL). A request with no answer is then
+    told apart: the server hung, or this process stood still (a CI failure once showed 29 creates unanswered in a
+    34 s test)."""
+
+    STALL_S = 10
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                faulthandler.dump_traceback_later(self.STALL_S)
+                started = loop.time()
+                await asyncio.sleep(0.1)
+                self.longest = max(self.longest, loop.time() - started - 0.1)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def accounted(store: Store, gateway: Gateway, answered: list[tuple[str, int]]) -> dict[str, int]:
@@ -122,6 +152,8 @@ async def test_write_behind_rides_out_a_postgresql_restart_and_marks_what_it_los
     gateway = Gateway(store, redactor=None, limits=WriteLimits(retry_s=20, wait_s=10))
     app = BackgroundServer(create_app(ModelRegistry(), gateway)).start()
     root = app.base_url.removesuffix("/v1")
+    watch = LoopWatch()
+    watching = asyncio.ensure_future(watch.run())
     try:
         # 1. Stopped for 5 s under AGENTS agents: the writer retries past the outage, nothing is lost.
         agents = Agents(gateway, tokenizer, root)
@@ -135,7 +167,7 @@ async def test_write_behind_rides_out_a_postgresql_restart_and_marks_what_it_los
         await asyncio.to_thread(server.resume)
         await asyncio.sleep(3)
         agents.stop.set()
-        await asyncio.wait_for(running, 60)
+        await asyncio.wait_for(running, ANSWER_S + 30)
         await asyncio.wait_for(gateway.settled(), 30)
         assert during > 0, (
             agents.statuses,
@@ -145,7 +177,7 @@ async def test_write_behind_rides_out_a_postgresql_restart_and_marks_what_it_los
         )  # agents were answered while the database was away (episodes the gateway holds)
         assert gateway.lost_calls == 0 and gateway.late_calls == 0
         assert accounted(store, gateway, agents.answered) == {"recorded": len(agents.answered)}
-        assert set(agents.statuses) <= {200, 201, 503}, agents.statuses
+        assert set(agents.statuses) <= {200, 201, 503}, (agents.statuses, f"this loop stood {watch.longest:.1f} s")
         with store.session() as s:
             assert all(db.get_episode(s, e).status == EpisodeStatus.finished for e in agents.finished)
         print(f"restart: {len(agents.answered)} calls answered ({during} while it was stopped), {agents.statuses}")
@@ -184,8 +216,8 @@ async def test_write_behind_rides_out_a_postgresql_restart_and_marks_what_it_los
         await asyncio.to_thread(server.kill)
         await asyncio.sleep(4)
         agents.stop.set()
-        await asyncio.wait_for(running, 60)  # every request was answered
-        assert set(agents.statuses) <= {200, 201, 409, 503}, agents.statuses
+        await asyncio.wait_for(running, ANSWER_S + 30)  # every request was answered
+        assert set(agents.statuses) <= {200, 201, 409, 503}, (agents.statuses, f"this loop stood {watch.longest:.1f} s")
         gateway.limits = WriteLimits(retry_s=4, wait_s=1)
         await last.turn()  # still being retried when the server stops: its shutdown waits retry_s + wait_s at most
         agents.answered += [(last.episode_id, 1), (last.episode_id, 2)]
@@ -209,6 +241,9 @@ async def test_write_behind_rides_out_a_postgresql_restart_and_marks_what_it_los
         found = accounted(store, gateway, agents.answered)
         assert sum(found.values()) == len(agents.answered) and found.get("lost and marked", 0) > 0, found
     finally:
+        watching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watching
         app.stop()
         store.close()
         server.stop()

@@ -33,6 +33,7 @@ import asyncio
 import itertools
 import logging
 import os
+import sqlite3
 import threading
 import time
 import weakref
@@ -57,6 +58,10 @@ CACHED_EPISODES = 4096  # open episodes whose outputs stay in memory (others are
 REDACTED_SPLITS = frozenset({"production", "shadow"})  # whose calls are redacted by default: what users sent
 WRITER_IDLE_S = 5.0  # the call writer's thread ends after this long with nothing to write
 COMMITTED_IDS = 65536  # provisional -> committed ids kept, for splices prepared before their prefix's commit
+# SQLite's errors that pass: locked or busy, the file not openable or full for now, an I/O error
+SQLITE_TRANSIENT = frozenset(
+    {sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR}
+)
 RETRY_PAUSE_S = (0.05, 2.0)  # the writer's first pause after a failed write, and its longest (doubling between)
 log = logging.getLogger(__name__)
 N = TypeVar("N", int, float)
@@ -114,9 +119,12 @@ class GatewayBusyError(RuntimeError):
 
 def transient(exc: BaseException) -> bool:
     """Whether a failed write may succeed if tried again: the database unreachable or restarting, a connection
-    dropped, a lock or a pooled connection not granted in time (not a value the database refuses, nor a bug)."""
+    dropped, a lock or a pooled connection not granted in time (not a value the database refuses, nor a bug).
+    SQLite says which by its error code: its ``OperationalError`` also means a missing table or a bad query."""
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return True
+    if isinstance(orig := getattr(exc, "orig", None), sqlite3.Error) and orig.sqlite_errorcode is not None:
+        return orig.sqlite_errorcode & 0xFF in SQLITE_TRANSIENT
     return isinstance(exc, OperationalError | InterfaceError | PoolTimeoutError)
 
 
