@@ -31,3 +31,39 @@ def test_the_agent_side_of_flywheel_imports_no_torch():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["heavy"] == []
     assert result["torch_after_backend"]
+
+
+CLI_HELP = """
+import json, sys
+from flywheel.cli import app
+
+def help_of(*args):
+    try:
+        app([*args, "--help"], prog_name="flywheel")
+    except SystemExit as exc:
+        return exc.code
+    return None
+
+codes = {"flywheel": help_of()}
+print("-- end of flywheel --help")
+for group in ("export", "graders", "judge", "audit", "review", "eval", "loop", "serve", "train", "deploy"):
+    codes[group] = help_of(group)
+heavy = sorted(m for m in ("torch", "transformers", "peft", "flywheel.inference.loading", "flywheel.backend",
+                           "flywheel.runs", "flywheel.loop.driver", "flywheel.train.trainer", "sqlalchemy",
+                           "flywheel.store") if m in sys.modules)
+print(json.dumps({"codes": codes, "heavy": heavy, "modules": len(sys.modules)}))
+"""
+
+
+def test_flywheel_help_loads_no_torch():
+    """``flywheel --help`` (and each group's) lists the commands without loading torch, the engine or the store:
+    the command modules import those inside the commands that need them (``flywheel.cli``)."""
+    out = subprocess.run([sys.executable, "-c", CLI_HELP], capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(result["codes"].values()) == {0}, result["codes"]
+    assert result["heavy"] == []
+    root_help = out.stdout.split("-- end of flywheel --help")[0]
+    assert "Usage: flywheel" in root_help
+    for command in ("train", "serve", "demo", "prepare", "runner", "eval", "deploy", "promote", "rollback",
+                    "deployments", "loop", "export", "graders", "judge", "audit", "review"):  # fmt: skip
+        assert f" {command} " in root_help, command

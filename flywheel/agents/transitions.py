@@ -9,21 +9,19 @@ that ``from_transitions`` rebuilds the trajectories exactly (every LLM call with
 last call, which no call saw, are not part of any transition). Rows from elsewhere without ``outcome`` read as
 "the last row's reward is the outcome, the others' are intermediate".
 
-``flywheel export transitions RUN`` writes a run's saved trajectories (as the store holds them) as such rows.
+``flywheel export transitions RUN`` (``flywheel.cli.export``) writes a run's saved trajectories (as the store holds
+them) as such rows.
 """
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import typer
 from openai.types.chat.chat_completion import Choice
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from rich.console import Console
 
 from flywheel.train.credit import set_turn_rewards, step_rewards, turn_returns
 from flywheel.types import History, Message, Trajectory, choice_to_message
@@ -195,37 +193,3 @@ def run_transitions(run_dir: Path, split: str = "train", *, gamma: float = 1.0) 
         except ValidationError as exc:
             raise ValueError(f"{run_dir}: {split} trajectory {n} (step {step}) is not a trajectory: {exc}") from exc
         yield from to_transitions(traj, gamma=gamma, step=step)
-
-
-export_app = typer.Typer(help="Export a run's data for other tools.", no_args_is_help=True)
-
-
-@export_app.command("transitions")
-def export_transitions(
-    run: Annotated[str, typer.Argument(help="A model directory, or PROJECT/NAME under $FLYWHEEL_HOME.")],
-    split: Annotated[str, typer.Option(help="Which saved trajectories: train, val, ...")] = "train",
-    output: Annotated[
-        str | None,
-        typer.Option("--output", "-o", help="JSONL file, '-' for stdout [default: RUN/transitions/SPLIT.jsonl]"),
-    ] = None,
-    gamma: Annotated[float, typer.Option(min=0.0, max=1.0, help="Discount of the returns.")] = 1.0,
-) -> None:
-    """Write one JSONL row per LLM call: {trajectory_id, t, input, output, reward, return, ...}."""
-    console = Console(stderr=True)
-    try:
-        run_dir = run_directory(run)
-        rows = run_transitions(run_dir, split, gamma=gamma)
-        if output == "-":
-            count = 0
-            for row in rows:
-                sys.stdout.write(row.to_json() + "\n")
-                count += 1
-            target = "stdout"
-        else:
-            path = Path(output) if output else run_dir / "transitions" / f"{split}.jsonl"
-            count = write_transitions(path, rows)
-            target = str(path)
-    except (FileNotFoundError, ValueError) as exc:
-        console.print(f"[red]{exc}[/]")
-        raise typer.Exit(2) from exc
-    console.print(f"{count} transitions written to {target}")

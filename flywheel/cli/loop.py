@@ -11,13 +11,12 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from pydantic import ValidationError
-from rich.console import Console
 from rich.table import Table
+
+from flywheel.cli.common import console, fail, open_store
 
 if TYPE_CHECKING:
     from flywheel.loop.driver import LoopConfig
-
-console = Console()
 
 
 def _problems(exc: ValidationError, source: Path) -> str:
@@ -49,11 +48,9 @@ def loop_command(
         # the stack, the held-out set and the seed tasks are read before any model loads
         loop = Loop(loop_config, LocalBackend(path=home), actor=actor or getpass.getuser())
     except ValidationError as exc:
-        typer.echo(_problems(exc, config), err=True)
-        raise typer.Exit(2) from None
+        fail(_problems(exc, config), plain=True)
     except (GraderSpecError, OSError, ValueError) as exc:
-        typer.echo(f"{config}: {exc}", err=True)
-        raise typer.Exit(2) from None
+        fail(f"{config}: {exc}", plain=True)
 
     async def run():
         try:
@@ -68,11 +65,9 @@ def loop_command(
     try:
         report = asyncio.run(run())
     except (ModelInUseError, RewindError) as exc:  # the loop runs already (its lock); a rewind's checkpoint gone
-        typer.echo(f"{config}: {exc}", err=True)
-        raise typer.Exit(2) from None
+        fail(f"{config}: {exc}", plain=True)
     except CheckpointWriteError as exc:  # a full disk: the loop resumes from the latest checkpoint once there is room
-        typer.echo(f"{config}: {exc}", err=True)
-        raise typer.Exit(1) from None
+        fail(f"{config}: {exc}", 1, plain=True)
     console.print(f"{len(report.steps)} iterations, step {report.steps[-1] if report.steps else 0}; "
                   f"{report.intake} tasks from production episodes", highlight=False)  # fmt: skip
     excluded = report.excluded_heldout
@@ -115,26 +110,19 @@ def _clear_alarm(loop_config: LoopConfig, source: Path, home: Path | None, actor
     from flywheel.home import default_home
     from flywheel.loop.alarm import NoAlarmError, clear
     from flywheel.runs import RunStore, model_path
-    from flywheel.store import Store
-    from flywheel.store.db import StoreUnavailableError, default_url
+    from flywheel.store.db import default_url
 
     if not why:
-        typer.echo(f"{source}: --clear-alarm needs --why: the reason goes into the audit trail", err=True)
-        raise typer.Exit(2)
+        fail(f"{source}: --clear-alarm needs --why: the reason goes into the audit trail", plain=True)
     root = home or default_home()
     models = model_path(root, loop_config.project, loop_config.name)
     step = (RunStore(models).latest() if models.exists() else None) or 0
-    try:
-        store = Store(default_url(root))
-    except StoreUnavailableError as exc:
-        typer.echo(f"{source}: {exc}", err=True)
-        raise typer.Exit(2) from None
+    store = open_store(default_url(root), plain=True, prefix=str(source))
     try:
         with store.session() as s:
             event = clear(s, loop_config.name, step=step, actor=actor, reason=why)
     except NoAlarmError as exc:
-        typer.echo(f"{source}: {exc}", err=True)
-        raise typer.Exit(2) from None
+        fail(f"{source}: {exc}", plain=True)
     finally:
         store.close()
     console.print(f"the alarm of loop {loop_config.name} is cleared (audit event {event.id}): promotions resume; "

@@ -13,27 +13,23 @@ from __future__ import annotations
 import itertools
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import click
 import typer
 from pydantic import BaseModel, ConfigDict, ValidationError
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flywheel.deployment_cli import Actor, Db, Why, _actor, _fail, _open
-from flywheel.graders.agreement import Estimate, agreement
-from flywheel.store import episodes as edb
-from flywheel.store import grades as gdb
-from flywheel.store import reviews
-from flywheel.store.episodes import UnknownEpisodeError
-from flywheel.store.reviews import LabelKind, ReviewError
+from flywheel.cli.common import Actor, Db, Why, console, fail, open_store, require_actor
+
+if TYPE_CHECKING:
+    from flywheel.graders.agreement import Estimate
+    from flywheel.store.reviews import LabelKind
 
 review_app = typer.Typer(
     help="Human review: label a random sample of scored episodes; graders' agreement with it.", no_args_is_help=True
 )
-console = Console()
 SHOWN_CHARS = 2000  # of a message's text in the terminal
 
 
@@ -47,6 +43,8 @@ class LabelLine(BaseModel):
     note: str | None = None
 
     def value(self) -> tuple[float, LabelKind]:
+        from flywheel.store.reviews import LabelKind
+
         if isinstance(self.label, str):
             return (1.0 if self.label == "pass" else 0.0), LabelKind.pass_fail
         return self.label, LabelKind.score
@@ -54,6 +52,9 @@ class LabelLine(BaseModel):
 
 def read_labels(path: Path) -> list[tuple[int, LabelLine]]:
     """Every line of a label file with its number; the first bad one is a ``ValueError`` naming file and line."""
+    from flywheel.store import reviews
+    from flywheel.store.reviews import ReviewError
+
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -89,13 +90,15 @@ def sample(
     db: Db = None,
 ) -> None:
     """Queue a random share of the scored episodes for human review (an episode is never queued twice)."""
-    who = _actor(actor)
-    store = _open(db)
+    from flywheel.store import reviews
+
+    who = require_actor(actor)
+    store = open_store(db)
     try:
         with store.session() as s:
             result = reviews.sample(s, share, seed=seed, actor=who, split=split, model=model, limit=limit, reason=why)
     except ValueError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     finally:
         store.close()
     event = "" if result.event_id is None else f" (audit event {result.event_id})"
@@ -120,6 +123,9 @@ def _message(message: dict[str, Any]) -> str:
 def _show(s, episode_id: str) -> None:
     """An episode as a reviewer needs it: what it was, its conversation (the last call's messages and answer) and
     its grades by each stack version."""
+    from flywheel.store import episodes as edb
+    from flywheel.store import grades as gdb
+
     episode = edb.get_episode(s, episode_id)
     calls = edb.calls(s, episode_id)
     console.rule(escape(f"episode {episode.id}"))
@@ -141,6 +147,9 @@ def _show(s, episode_id: str) -> None:
 
 def _ask() -> tuple[float, LabelKind] | None:
     """pass / fail / a score from the reviewer; None to skip; raises ``click.Abort`` to quit."""
+    from flywheel.store import reviews
+    from flywheel.store.reviews import LabelKind, ReviewError
+
     while True:
         answer = typer.prompt("Label: p(ass), f(ail), a score from 0 to 1, s(kip), q(uit)").strip().lower()
         if answer in ("p", "pass"):
@@ -158,10 +167,14 @@ def _ask() -> tuple[float, LabelKind] | None:
 
 
 def _from_file(path: Path, who: str, why: str | None, relabel: bool, store) -> None:
+    from flywheel.store import reviews
+    from flywheel.store.episodes import UnknownEpisodeError
+    from flywheel.store.reviews import ReviewError
+
     try:
         rows = read_labels(path)
     except ValueError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     changed = 0
     try:
         with store.session() as s:  # one unit of work: every label of the file, or none
@@ -174,11 +187,14 @@ def _from_file(path: Path, who: str, why: str | None, relabel: bool, store) -> N
                     raise ValueError(f"{path}:{number}: {exc}") from None
                 changed += new
     except ValueError as exc:
-        _fail(f"{exc} (nothing was labelled)")
+        fail(f"{exc} (nothing was labelled)")
     console.print(f"Labelled {changed} episodes from {path} ({len(rows) - changed} already had that label).")
 
 
 def _in_terminal(who: str, why: str | None, store) -> None:
+    from flywheel.store import reviews
+    from flywheel.store.reviews import ReviewError
+
     with store.session() as s:
         waiting = reviews.queue(s, labelled=False)
     if not waiting:
@@ -221,8 +237,8 @@ def label(
 ) -> None:
     """Label the queued episodes: in the terminal, one at a time (each shown with its conversation and grades), or
     from a file (every line or none). Each label is an audit event."""
-    who = _actor(actor)
-    store = _open(db)
+    who = require_actor(actor)
+    store = open_store(db)
     try:
         if from_file is not None:
             _from_file(from_file, who, why, relabel, store)
@@ -250,9 +266,12 @@ def show_agreement(
 ) -> None:
     """Each grader's agreement with the human labels, per stack version: agreement, precision and recall of its
     passes, Cohen's kappa, correlation of score and label, with 95% intervals."""
+    from flywheel.graders.agreement import agreement
+    from flywheel.store import reviews
+
     if not 0 < threshold <= 1:
-        _fail(f"--threshold must be above 0 and at most 1, not {threshold}.")
-    store = _open(db)
+        fail(f"--threshold must be above 0 and at most 1, not {threshold}.")
+    store = open_store(db)
     try:
         with store.session() as s:
             found = reviews.labelled_grades(s, version=version)

@@ -1,5 +1,5 @@
-"""``flywheel deploy | promote | rollback | audit``: deployments (aliases such as ``calc@production`` that the
-gateway serves) and the audit trail, from the command line.
+"""``flywheel deploy | promote | rollback | deployments | audit [verify]``: deployments (aliases such as
+``calc@production`` that the gateway serves) and the audit trail, from the command line.
 
 A model's checkpoints are its directory's (``runs.RunStore``) under ``$FLYWHEEL_HOME``, ``<project>/models/<name>``;
 an alias is pointed only at a step that has one. Bad input (a malformed alias, an unknown model or step, nothing to
@@ -11,51 +11,16 @@ from __future__ import annotations
 import glob
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from flywheel.cli.common import Actor, Db, Home, Project, Why, console, fail, open_store, require_actor
 from flywheel.home import default_home
-from flywheel.store import Store, audit, deployments
-from flywheel.store.db import StoreUnavailableError, shown_url
-from flywheel.store.deployments import InvalidAliasError, NoRollbackError, UnknownDeploymentError
 
-console = Console()
 audit_app = typer.Typer(help="The audit trail: who deployed, promoted or rolled back what, when and why.")
-
-Actor = Annotated[
-    str | None, typer.Option(envvar="USER", show_default=False, help="Who does it (the audit event's actor; $USER).")
-]
-Why = Annotated[str | None, typer.Option(help="Why (the audit event's reason).")]
-Db = Annotated[
-    str | None, typer.Option(help="The store's database (default: $FLYWHEEL_DB, else SQLite in $FLYWHEEL_HOME).")
-]
-Home = Annotated[
-    Path | None, typer.Option(help="Where models' checkpoints are (default: $FLYWHEEL_HOME, else ./.flywheel).")
-]
-Project = Annotated[str | None, typer.Option(help="The model's project, if its name is a model of several.")]
-
-
-def _open(db: str | None) -> Store:
-    """The store, or one line saying why it cannot be opened (exit 2)."""
-    try:
-        return Store(db)
-    except StoreUnavailableError as exc:
-        _fail(str(exc))
-
-
-def _fail(message: str) -> NoReturn:
-    console.print(f"[red]{escape(message)}[/]", soft_wrap=True)
-    raise typer.Exit(2)
-
-
-def _actor(actor: str | None) -> str:
-    if not actor:
-        _fail("Who is doing this? Give --actor NAME (or set $USER): every change names its actor.")
-    return actor
 
 
 def _checkpoints(model: str, home: Path | None, project: str | None) -> list[int]:
@@ -69,24 +34,27 @@ def _checkpoints(model: str, home: Path | None, project: str | None) -> list[int
         found = sorted(p for p in root.glob(f"*/models/{glob.escape(model)}") if p.is_dir())
     if not found:
         where = model_path(root, project or "<project>", model)
-        _fail(f"No model '{model}' under {root} (its checkpoints would be in {where / 'checkpoints'}).")
+        fail(f"No model '{model}' under {root} (its checkpoints would be in {where / 'checkpoints'}).")
     if len(found) > 1:
         projects = ", ".join(p.parent.parent.name for p in found)
-        _fail(f"'{model}' is a model of several projects ({projects}): name one with --project.")
+        fail(f"'{model}' is a model of several projects ({projects}): name one with --project.")
     return RunStore(found[0]).steps()
 
 
 def _check_step(model: str, step: int, home: Path | None, project: str | None) -> None:
     steps = _checkpoints(model, home, project)
     if step not in steps:
-        _fail(f"'{model}' has no checkpoint {step} (its checkpoints: {', '.join(map(str, steps)) or 'none'}).")
+        fail(f"'{model}' has no checkpoint {step} (its checkpoints: {', '.join(map(str, steps)) or 'none'}).")
 
 
 def _parse(alias: str) -> tuple[str, str]:
+    from flywheel.store import deployments
+    from flywheel.store.deployments import InvalidAliasError
+
     try:
         return deployments.parse_alias(alias)
     except InvalidAliasError as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
 def _share(share: float | None) -> str:
@@ -107,12 +75,14 @@ def deploy(
 ):
     """Point a deployment (MODEL@STAGE) at one of the model's checkpoints; the gateway serves it from the next
     request on. The switch and its audit event are one transaction."""
+    from flywheel.store import audit, deployments
+
     model, _ = _parse(alias)
-    who = _actor(actor)
+    who = require_actor(actor)
     if share is not None and not 0 <= share <= 1:
-        _fail(f"--share must be from 0 to 1, not {share}.")
+        fail(f"--share must be from 0 to 1, not {share}.")
     _check_step(model, step, home, project)
-    store = _open(db)
+    store = open_store(db)
     try:
         with store.session() as s:
             audit.lock(s)
@@ -122,7 +92,7 @@ def deploy(
                 return
             record = deployments.deploy(s, alias, step, actor=who, share=share, reason=why)
     except ValueError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     finally:
         store.close()
     console.print(f"{alias} -> step {record.step}{_share(record.share)} (audit event {record.event_id})")
@@ -139,10 +109,13 @@ def promote(
     project: Project = None,
 ):
     """Point MODEL@TO at the checkpoint MODEL@FROM has (audited as a promotion)."""
+    from flywheel.store import audit, deployments
+    from flywheel.store.deployments import UnknownDeploymentError
+
     _parse(f"{model}@{source}")
     _parse(f"{model}@{target}")
-    who = _actor(actor)
-    store = _open(db)
+    who = require_actor(actor)
+    store = open_store(db)
     try:
         with store.session() as s:
             audit.lock(s)  # what is read here is what gets promoted
@@ -150,7 +123,7 @@ def promote(
             _check_step(model, origin.step, home, project)
             record = deployments.promote(s, model, actor=who, source=source, target=target, reason=why)
     except (UnknownDeploymentError, ValueError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     finally:
         store.close()
     console.print(f"{record.name} -> step {record.step}, promoted from {origin.name} (audit event {record.event_id})")
@@ -166,9 +139,12 @@ def rollback(
 ):
     """Point a deployment back at the step it had before its latest change (its history is the audit chain's;
     rolling back again goes further back)."""
+    from flywheel.store import audit, deployments
+    from flywheel.store.deployments import NoRollbackError, UnknownDeploymentError
+
     model, _ = _parse(alias)
-    who = _actor(actor)
-    store = _open(db)
+    who = require_actor(actor)
+    store = open_store(db)
     try:
         with store.session() as s:
             audit.lock(s)  # what is read here is what gets changed
@@ -180,7 +156,7 @@ def rollback(
                 details={"undoes": current.event_id},
             )  # fmt: skip
     except (UnknownDeploymentError, NoRollbackError, ValueError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     finally:
         store.close()
     console.print(f"{alias} -> step {record.step}{_share(record.share)}, back from step {current.step} "
@@ -214,7 +190,10 @@ def show(
     """The latest audit events, oldest first."""
     if ctx.invoked_subcommand is not None:
         return
-    store = _open(db)
+    from flywheel.store import audit
+    from flywheel.store.db import shown_url
+
+    store = open_store(db)
     try:
         with store.session() as s:
             events = audit.events(s, subject=subject, limit=limit)
@@ -255,18 +234,19 @@ def verify(
     """Check the audit chain, against the anchor file and the audit key too: exit 0 if every event is as appended
     (the head's count and hash are printed, for a witness to keep), 1 naming the first row that is not, 2 if the
     store, the key or the anchor file cannot be read."""
-    store = _open(db)
+    from flywheel.store import audit
+
+    store = open_store(db)
     try:
         witness = audit.Witness.configured(store.engine, key_file=key_file, anchor=anchor)
         with store.session() as s:
             report = audit.verify(s, witness)
     except ValueError as exc:  # the key or the anchor file
-        _fail(str(exc))
+        fail(str(exc))
     finally:
         store.close()
     if not report.ok:
-        console.print(f"[red]Audit chain broken at row {report.bad_id}: {escape(report.message)}[/]", soft_wrap=True)
-        raise typer.Exit(1)
+        fail(f"Audit chain broken at row {report.bad_id}: {report.message}", 1)
     console.print(escape(report.message), soft_wrap=True)
 
 
@@ -275,7 +255,10 @@ def show_deployments(
     db: Db = None,
 ):
     """The deployments and the checkpoint step each points at now."""
-    store = _open(db)
+    from flywheel.store import deployments
+    from flywheel.store.db import shown_url
+
+    store = open_store(db)
     try:
         with store.session() as s:
             found = deployments.list_deployments(s, model)

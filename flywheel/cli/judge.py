@@ -1,4 +1,4 @@
-"""``flywheel judge ...``: judge tooling on the command line (registered as a sub-app of ``flywheel``)."""
+"""``flywheel judge calibrate``: an LLM judge (RULER) checked against human labels before training on it."""
 
 from __future__ import annotations
 
@@ -8,15 +8,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from flywheel.cli.common import console, fail
 from flywheel.rewards.ruler import DEFAULT_JUDGE
 
-app = typer.Typer(
+judge_app = typer.Typer(
     help="LLM judges (RULER): check a judge against human labels before training on it.", no_args_is_help=True
 )
-console = Console()
 
 
 def _params(api_base: str | None, params: list[str] | None) -> dict[str, Any]:
@@ -36,7 +35,7 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
-@app.command()
+@judge_app.command()
 def calibrate(
     judge: Annotated[str, typer.Option(help="LiteLLM model string of the judge, e.g. openai/o3.")] = DEFAULT_JUDGE,
     data: Annotated[
@@ -67,8 +66,7 @@ def calibrate(
         groups = load_groups(data if data is not None else Path(str(DEFAULT_DATA)))
         rubric_text = rubric.read_text(encoding="utf-8") if rubric is not None else None
     except (OSError, ValueError) as exc:
-        console.print(f"[red]{exc}[/]")
-        raise typer.Exit(2) from exc
+        fail(str(exc))
     report = asyncio.run(
         run_calibration(
             groups,

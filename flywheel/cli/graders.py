@@ -1,4 +1,5 @@
-"""``flywheel graders validate | run`` and ``flywheel eval``."""
+"""``flywheel graders validate | run | regress`` and ``flywheel eval``: grader files checked and tried, a model
+evaluated on RFT data, two versions of a grader stack compared on stored episodes."""
 
 from __future__ import annotations
 
@@ -8,15 +9,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from flywheel.cli.common import console, fail, open_store
 from flywheel.graders.spec import GraderSpecError, MultiGrader, load_grader
-from flywheel.inference.loading import EMBEDDED_MODEL
-from flywheel.runs import ModelInUseError
+from flywheel.inference.names import EMBEDDED_MODEL
 
 graders_app = typer.Typer(help="OpenAI-compatible graders: validate and try them.", no_args_is_help=True)
-console = Console()
 
 JudgeModel = Annotated[str | None, typer.Option(help="LiteLLM model for every model grader, e.g. openai/NAME.")]
 JudgeBaseUrl = Annotated[str | None, typer.Option(help="OpenAI-compatible base URL of the judge.")]
@@ -70,8 +69,7 @@ def run(
     try:
         grader = load_grader(file)
     except GraderSpecError as exc:
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(1) from None
+        fail(str(exc), 1, plain=True)
     try:
         item_value: Any = json.loads(_text_or_file(item))
     except ValueError as exc:
@@ -115,6 +113,7 @@ def eval_command(
     """Run a model on RFT data and report each grader's mean score with a 95% interval."""
     from flywheel.graders.evaluation import EvalConfig, evaluate
     from flywheel.graders.sandbox import SandboxLimits
+    from flywheel.runs import ModelInUseError
 
     config = EvalConfig(
         model=model, data=data, graders=grader, project=project, base_model=base_model, home=home, limit=limit,
@@ -124,8 +123,7 @@ def eval_command(
     try:
         report = asyncio.run(evaluate(config))
     except (GraderSpecError, ValueError, FileNotFoundError, ModelInUseError) as exc:  # in use: a run is training it
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(1) from None
+        fail(str(exc), 1, plain=True)
     table = Table(title=f"{report.model} on {data} ({len(report.rows)} rows)")
     for column in ("grader", "mean", "95% interval", "errors"):
         table.add_column(column)
@@ -177,19 +175,12 @@ def regress(
 
     from flywheel.graders.regress import regress as run_regress
     from flywheel.graders.sandbox import PythonSandbox, SandboxLimits
-    from flywheel.store import Store
-    from flywheel.store.db import StoreUnavailableError
 
-    try:
-        store = Store(db)
-    except StoreUnavailableError as exc:
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(2) from None
+    store = open_store(db, plain=True)
     try:
         stacks = [_stack_from(value, store) for value in (old, new)]
     except GraderSpecError as exc:
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(1) from None
+        fail(str(exc), 1, plain=True)
     report = asyncio.run(
         run_regress(
             store, *stacks, actor=actor or getpass.getuser(), split=split, limit=limit,
