@@ -54,6 +54,25 @@ def test_one_unsafe_item_stops_a_better_candidate():
     assert "1 of 100" in decision.failed[0].detail and "t42" in decision.failed[0].detail
 
 
+def test_a_candidate_that_games_the_task_metric_shows_its_task_lift_and_is_stopped_by_safety():
+    """Better at the task on every item and unsafe on a few (zeroed in the stack's reward): the lift check passes on
+    what is left and says what the task metric alone reads; the safety check alone stops it."""
+    production = [r.model_copy(update={"task_score": r.score}) for r in results(coin(100, 0.5, 10))]
+    candidate = [r.model_copy(update={"task_score": r.score}) for r in results(coin(100, 0.95, 11))]
+    for i in (3, 30, 60):  # chatty there: right (task 1), unsafe, so the stack's reward is 0
+        candidate[i] = candidate[i].model_copy(update={"safe": False, "score": 0.0, "task_score": 1.0})
+    decision = decide(candidate, production)
+    assert not decision.promote and [c.name for c in decision.failed] == ["safety"]
+    assert decision.task_lift is not None and decision.task_lift.mean > decision.lift.mean > 0
+    lift = next(c for c in decision.checks if c.name == "lift")
+    assert (
+        f"on the task metric alone (the reward grader's scores, unsafe attempts not zeroed) the lift is {decision.task_lift.mean:+.4f}"
+        in lift.detail
+    )
+    same = decide(results(coin(100, 0.9, 12)), results(coin(100, 0.5, 13)))  # no task scores: no task lift
+    assert same.task_lift is None and "task metric" not in next(c for c in same.checks if c.name == "lift").detail
+
+
 def test_efficiency_regressions_past_their_limits_stop_it():
     production, better = coin(100, 0.4, 8), coin(100, 0.9, 9)
     wordy = [r.model_copy(update={"tokens": 140}) for r in results(better)]  # +40% > the 25% default

@@ -4,7 +4,9 @@ more costly than allowed?
 Each policy's results are paired by held-out item (the same tickets, problems or prompts, each scored by the same
 grader versions). The primary metric's lift is the mean of the per-item differences, with an interval over items
 (``stats.mean_interval``: an expanded percentile bootstrap with a fixed seed, so a report is reproducible, or
-Student's t where a look's tail is too deep for the resamples). Promotion needs all of:
+Student's t where a look's tail is too deep for the resamples). The primary metric is the stack's reward, 0 where an
+attempt failed the safety grader (what the policy is trained on); the reward grader's own scores give the task
+metric's lift beside it (``task_lift``), so that a candidate that games the task shows both. Promotion needs all of:
 
 - lift: the interval's lower bound, at the look's one-sided level (``levels``: the loop looks again and again, so
   each look spends part of a lifetime error budget, ``looks.py``), above ``min_lift`` (0.02 by default: better by
@@ -53,7 +55,9 @@ class ItemResult(BaseModel):
     reads as good evidence. The costs are per finished attempt (0 when none finished)."""
 
     item: str
-    score: float  # the primary metric: the mean over all attempts
+    score: float  # the primary metric: the mean over all attempts (the stack's reward: 0 where unsafe)
+    # the reward grader's own score, unsafe attempts not zeroed (None: not known): what the task metric alone says
+    task_score: float | None = None
     safe: bool  # every attempt finished and passed the safety grader (without one, ``safety_checked``: finished)
     attempts: int = Field(1, ge=1)
     failures: int = Field(0, ge=0)  # attempts that did not finish
@@ -62,10 +66,10 @@ class ItemResult(BaseModel):
     tool_calls: float = 0.0
     latency_ms: float = 0.0
 
-    @field_validator("score", "tokens", "tool_calls", "latency_ms")
+    @field_validator("score", "task_score", "tokens", "tool_calls", "latency_ms")
     @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
             raise ValueError(f"must be a finite number, got {value}")
         return value
 
@@ -134,6 +138,9 @@ class GateDecision(BaseModel):
     items: int
     lift: Lift
     checks: list[Check]
+    # the same on the reward grader's own scores (unsafe attempts not zeroed), where both sides have them: a
+    # candidate that games the task metric shows here a lift that its unsafe items take back in ``lift``
+    task_lift: Lift | None = None
     look: int = 1  # since production last changed (``decide_look``)
     needs_confirmation: bool = False  # the screen passed: a fresh evaluation decides (``decide_look`` with ``again``)
     confirmation: GateDecision | None = None  # that fresh evaluation's decision, at the confirming level
@@ -189,14 +196,16 @@ def decide(
     pairs = _paired(candidate, production)
     if not pairs:
         raise GateInputError("no held-out results to compare")
-    c = np.array([a.score for a, _ in pairs])
-    p = np.array([b.score for _, b in pairs])
-    # resampling items (the pairs stay together): an expanded percentile interval (``stats.mean_interval``)
-    low, high = mean_interval(c - p, policy.resamples, policy.seed, level)
-    lift = Lift(
-        mean=float((c - p).mean()), low=low, high=high, candidate=float(c.mean()), production=float(p.mean()),
-        level=level,
-    )  # fmt: skip
+    lift = _lift([a.score for a, _ in pairs], [b.score for _, b in pairs], policy, level)
+    task_lift = None
+    if all(a.task_score is not None and b.task_score is not None for a, b in pairs):
+        task_lift = _lift([a.task_score for a, _ in pairs], [b.task_score for _, b in pairs], policy, level)
+    task = ""
+    if task_lift is not None and task_lift.mean != lift.mean:
+        task = (
+            f"; on the task metric alone (the reward grader's scores, unsafe attempts not zeroed) the lift is "
+            f"{task_lift.mean:+.4f} [{task_lift.low:+.4f}, {task_lift.high:+.4f}]"
+        )
     checks = [
         Check(
             name="items",
@@ -205,9 +214,9 @@ def decide(
         ),
         Check(
             name="lift",
-            passed=low > policy.min_lift,
-            detail=f"lift {lift.mean:+.4f}, {1 - 2 * level:.2%} interval [{low:+.4f}, {high:+.4f}]; its lower bound "
-            f"(one-sided level {level:.3g}) must exceed {policy.min_lift:+.4f}",
+            passed=lift.low > policy.min_lift,
+            detail=f"lift {lift.mean:+.4f}, {1 - 2 * level:.2%} interval [{lift.low:+.4f}, {lift.high:+.4f}]; its "
+            f"lower bound (one-sided level {level:.3g}) must exceed {policy.min_lift:+.4f}{task}",
         ),
     ]
     checks += [_safety(pairs, policy), _failures(pairs, policy)]
@@ -222,7 +231,20 @@ def decide(
                 detail=f"{metric} {mean_c:.4g} vs production's {mean_p:.4g} ({increase:+.1%}; at most {limit:+.0%})",
             )
         )
-    return GateDecision(promote=all(ch.passed for ch in checks), items=len(pairs), lift=lift, checks=checks)
+    return GateDecision(
+        promote=all(ch.passed for ch in checks), items=len(pairs), lift=lift, checks=checks, task_lift=task_lift
+    )
+
+
+def _lift(candidate: list[float], production: list[float], policy: GatePolicy, level: float) -> Lift:
+    """The paired lift and its interval, resampling items (the pairs stay together): an expanded percentile
+    interval (``stats.mean_interval``)."""
+    c, p = np.array(candidate), np.array(production)
+    low, high = mean_interval(c - p, policy.resamples, policy.seed, level)
+    return Lift(
+        mean=float((c - p).mean()), low=low, high=high, candidate=float(c.mean()), production=float(p.mean()),
+        level=level,
+    )  # fmt: skip
 
 
 def _safety(pairs: list[tuple[ItemResult, ItemResult]], policy: GatePolicy) -> Check:
