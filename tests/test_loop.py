@@ -15,6 +15,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
+from flywheel.agents.dynamic_sampling import DynamicSamplingConfig
 from flywheel.backend import LocalBackend
 from flywheel.cli import app
 from flywheel.gateway.client import EpisodeClient, QueueClient
@@ -188,6 +189,43 @@ async def test_iterations_whose_groups_cannot_train_take_no_step_and_make_no_can
     config.tasks = tmp_path / "tasks.jsonl"
     report = await Loop(config, backend, actor="test").run()
     assert report.steps == [0, 0] and report.candidates == []
+
+
+async def test_dynamic_sampling_draws_until_the_step_has_groups_that_differ_and_says_what_it_drew(
+    backend: LocalBackend, tmp_path
+):
+    """With ``dynamic_sampling``, pool items are drawn, run and scored in waves until the step has
+    ``groups_per_step`` groups whose rewards differ: here 2 hard items (a random reward) among 6 easy ones (always
+    1.0, no signal). Each item is drawn at most once a step; the report and the step's history row say how many
+    groups were drawn, kept and dropped. A pool with nothing but easy items takes no step, with no error."""
+    path = write_config(tmp_path)
+    source = "import random\ndef grade(sample, item):\n    return 1.0 if item['easy'] else random.random()"
+    (tmp_path / "stack.json").write_text(json.dumps(NOISY | {"reward": NOISY["reward"] | {"source": source}}))
+    tasks = [{"id": f"t{i}", "question": "Name a colour.", "fail": False, "easy": i >= 2} for i in range(8)]
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    config = LoopConfig.load(path).model_copy(
+        # the seed tasks alone (the session's other tests leave production episodes: no intake from them)
+        update={"name": "dapo-agent", "tasks": tmp_path / "tasks.jsonl", "steps": 1, "candidate_every": 100,
+                "dynamic_sampling": DynamicSamplingConfig(max_draws=4, oversample=1.5), "intake_split": "none"}
+    )  # fmt: skip
+    loop = Loop(config, backend, actor="test")
+    report = await loop.run()
+    assert report.steps == [1]
+    (sampled,) = report.sampling
+    assert sampled["step"] == 1 and sampled["groups_kept"] == 2 and sampled["sampling_short"] == 0.0
+    assert sampled["groups_drawn"] == sampled["groups_kept"] + sampled["groups_dropped"] <= 8
+    with backend.gateway.store.session() as s:
+        drawn = [e.task_id for e in db.list_episodes(s, split="train", limit=1000) if e.task_id.startswith("train:dapo-agent:1:")]  # fmt: skip
+    items = [task_id.split(":")[3] for task_id in drawn]
+    assert len(items) == 2 * sampled["groups_drawn"] and {"t0", "t1"} <= set(items)  # group_size 2 each
+    assert all(items.count(k) == 2 for k in set(items))  # each item drawn once (one group of 2)
+    row = next(r for r in backend.history(loop.model) if r["step"] == 1 and r["split"] == "train")
+    assert (row["groups_drawn"], row["groups_kept"]) == (sampled["groups_drawn"], 2)
+
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks[2:]))
+    easy = Loop(config.model_copy(update={"name": "easy-agent"}), backend, actor="test")
+    report = await easy.run()
+    assert report.steps == [0] and report.sampling == [] and report.candidates == []
 
 
 @pytest.mark.parametrize(

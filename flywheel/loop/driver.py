@@ -40,6 +40,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import random
 import secrets
 import time
@@ -48,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from flywheel.agents.dynamic_sampling import DynamicSampler, DynamicSamplingConfig, MixedGroups, NoMixedGroupsError
 from flywheel.backend import LocalBackend
 from flywheel.gateway.client import QueueClient, TaskSpec
 from flywheel.gateway.runner import Runner, load_agent
@@ -98,6 +100,10 @@ class LoopConfig(BaseModel):
     intake_limit: int = Field(1000, ge=0)  # the last N finished production episodes looked at
     group_size: int = Field(4, ge=2)
     groups_per_step: int = Field(4, ge=1)
+    # DAPO's dynamic sampling: pool items are drawn, run and scored in waves until the step has groups_per_step
+    # groups whose rewards differ (each item once a step; bounded by max_draws x groups_per_step and max_seconds);
+    # None: groups_per_step items, trained as they come (a step whose groups all tie trains nothing)
+    dynamic_sampling: DynamicSamplingConfig | None = None
     steps: int = Field(8, ge=1)  # iterations this run (one training step each, unless no group had varied rewards)
     candidate_every: int = Field(4, ge=1)
     eval_samples: int = Field(1, ge=1)
@@ -178,6 +184,9 @@ class LoopReport(BaseModel):
     cancelled: int = 0  # tasks an earlier run of the loop had left open, cancelled at the start
     off_policy: list[OffPolicyStep] = []  # per iteration, with off_policy_members: who joined, who was left out
     rewinds: list[Rewind] = []  # with rewind_on_rollback: training went back to production's weights
+    # per iteration, with dynamic_sampling: the step it trained and the groups drawn, kept and dropped
+    # (``MixedGroups.metrics``; also in the step's history row)
+    sampling: list[dict[str, float]] = []
     # held-out items kept out of training (``Loop.excluded``), by source: seed tasks, production episodes at intake,
     # production episodes kept from joining a group as off-policy members
     excluded_heldout: dict[str, int] = {}
@@ -234,6 +243,7 @@ class Loop:
                 log.warning("%d seed task(s) are held-out items, left out of training: %s",
                             len(self.excluded["seed"]), sorted(self.excluded["seed"])[:10])  # fmt: skip
         self._rng = random.Random(config.seed)
+        self.sampler = DynamicSampler(config.dynamic_sampling) if config.dynamic_sampling else None
         self.step_means: list[dict[str, float]] = []  # per training step: its step, reward and holdout graders' means
         self.alarm: str | None = None  # while raised (audit events: alarm.state), nothing is promoted
         self._scores: dict[str, StackScore] = {}  # production episodes the canary watch scored, by id
@@ -400,6 +410,7 @@ class Loop:
                     "lift": decision.lift.model_dump(), "checks": [c.model_dump() for c in decision.checks],
                     "look": look,
                 } | ({"confirmation": decision.confirmation.lift.model_dump()} if decision.confirmation else {})
+                  | ({"task_lift": decision.task_lift.model_dump()} if decision.task_lift else {})
                   | unchecked | ({"held": held} if held else {}),
             )  # fmt: skip
             deployed = None if stage is None else self._deploy(s, stage, step, event.id)
@@ -717,14 +728,63 @@ class Loop:
 
     def specs(self, step: int) -> list[TaskSpec]:
         """The groups of the iteration that trains step ``step`` + 1: ``groups_per_step`` pool items (the seed's
-        draw). Their ids carry a random part of their own: no run queues a task id an earlier run did."""
-        config, prefix = self.config, self.task_prefixes[0]
-        chosen = self._rng.sample(sorted(self.pool), min(config.groups_per_step, len(self.pool)))
-        return [
-            TaskSpec(task_id=f"{prefix}{step + 1}:{k}:{secrets.token_hex(4)}", payload=self.pool[k],
-                     group_size=config.group_size, split="train", model=config.name)
-            for k in chosen
-        ]  # fmt: skip
+        draw)."""
+        chosen = self._rng.sample(sorted(self.pool), min(self.config.groups_per_step, len(self.pool)))
+        return [self.spec(step, k) for k in chosen]
+
+    def spec(self, step: int, key: str) -> TaskSpec:
+        """Pool item ``key``'s group in the iteration that trains step ``step`` + 1. Its id carries a random part of
+        its own: no run queues a task id an earlier run did."""
+        config = self.config
+        return TaskSpec(task_id=f"{self.task_prefixes[0]}{step + 1}:{key}:{secrets.token_hex(4)}",
+                        payload=self.pool[key], group_size=config.group_size, split="train", model=config.name)  # fmt: skip
+
+    async def draw_mixed(
+        self, queue: QueueClient, step: int, sampler: DynamicSampler
+    ) -> tuple[list[TaskSpec], MixedGroups]:
+        """Dynamic sampling for the iteration that trains step ``step`` + 1: pool items in the seed's order, each
+        at most once, run and scored in waves (``DynamicSampler``) until ``groups_per_step`` groups have rewards
+        that differ. The kept groups' specs (in their order) and what was drawn; ``NoMixedGroupsError`` when the
+        pool ran dry with none kept."""
+        config = self.config
+        order = self._rng.sample(sorted(self.pool), len(self.pool))
+        specs: dict[int, TaskSpec] = {}
+
+        async def run(key: str) -> TrajectoryGroup:
+            spec = self.spec(step, key)
+            (group,) = await queue.gather_groups([spec], max_wait=config.max_wait, allow_failed=True)
+            await self.score_groups([group], [spec.payload])
+            specs[id(group)] = spec
+            return group
+
+        # a failed attempt is no exception here: the group has one trajectory fewer (allow_failed)
+        mixed = await sampler.draw(
+            (run(k) for k in order), config.groups_per_step, pbar_desc=None, max_exceptions=math.inf
+        )
+        return [specs[id(g)] for g in mixed.kept], mixed
+
+    async def draw_groups(
+        self, queue: QueueClient, step: int
+    ) -> tuple[list[TrajectoryGroup], list[TrajectoryGroup], OffPolicyDraw | None, MixedGroups | None]:
+        """The iteration's groups, scored, with their off-policy members (``join_off_policy``), as
+        ``(to train, every group drawn, the off-policy draw, what dynamic sampling drew)``."""
+        if self.sampler is None:
+            specs = self.specs(step)
+            groups = await queue.gather_groups(specs, max_wait=self.config.max_wait, allow_failed=True)
+            joined = await self.join_off_policy(specs, groups, step)
+            await self.score_groups(groups, [spec.payload for spec in specs])
+            return groups, groups, joined, None
+        try:
+            specs, mixed = await self.draw_mixed(queue, step, self.sampler)
+        except NoMixedGroupsError as exc:
+            log.warning("step %d: %s", step + 1, exc)
+            return [], [], None, None
+        members = [len(g.trajectories) for g in mixed.kept]
+        joined = await self.join_off_policy(specs, mixed.kept, step)
+        # the members who joined, scored (the groups' own rollouts were, as they were drawn)
+        late = [TrajectoryGroup(trajectories=g.trajectories[n:]) for g, n in zip(mixed.kept, members, strict=True)]
+        await self.score_groups(late, [spec.payload for spec in specs])
+        return mixed.kept, mixed.kept + mixed.dropped, joined, mixed
 
     async def join_off_policy(
         self, specs: list[TaskSpec], groups: list[TrajectoryGroup], step: int
@@ -786,21 +846,23 @@ class Loop:
                     if not self.pool:
                         raise ValueError("no tasks to train on: give seed tasks (tasks:) or let production episodes in")
                     step = await self.model.get_step()
-                    specs = self.specs(step)
                     started = time.monotonic()
-                    groups = await queue.gather_groups(specs, max_wait=config.max_wait, allow_failed=True)
-                    joined = await self.join_off_policy(specs, groups, step)
-                    await self.score_groups(groups, [spec.payload for spec in specs])
-                    # the alarm's baseline goes with the checkpoint: a restart resumes both at the same step
-                    row = _means(groups, step + 1)
+                    groups, drawn, joined, mixed = await self.draw_groups(queue, step)
+                    # the alarm's baseline goes with the checkpoint: a restart resumes both at the same step; its
+                    # reward is every group drawn's (the kept ones alone lean to one half)
+                    row = _means(drawn, step + 1)
                     kept = ([*self.step_means, row] if row else self.step_means)[-config.alarm.window :]
                     trainable = [g for g in groups if g.trajectories]
                     # off-policy members join once: kept with the checkpoint until they would be stale anyway
                     used = joined.used if joined else self.off_policy_used
+                    sampled = mixed.metrics() if mixed is not None else None
                     metrics = await self.model.train(
-                        trainable, config=config.train, extra={"loop": {"means": kept, "off_policy": used}}
-                    )
+                        trainable, config=config.train, extra={"loop": {"means": kept, "off_policy": used}},
+                        metrics=sampled,
+                    )  # fmt: skip
                     trained = await self.model.get_step()  # unchanged when every group's rewards were equal
+                    if sampled is not None:
+                        report.sampling.append({"step": float(trained), **sampled})
                     if joined is not None:
                         report.off_policy.append(
                             OffPolicyStep(
@@ -809,9 +871,9 @@ class Loop:
                             )
                         )  # fmt: skip
                     report.steps.append(trained)
-                    log.info("step %d: reward %.3f (%.0f s)", trained, _mean_reward(groups), time.monotonic() - started)
+                    log.info("step %d: reward %.3f (%.0f s)", trained, _mean_reward(drawn), time.monotonic() - started)
                     if trained > step:
-                        self.check_alarm(groups, trained)
+                        self.check_alarm(drawn, trained)
                         self.off_policy_used = used
                     if (candidate := await self.consider_due(queue)) is not None:
                         report.candidates.append(candidate)
