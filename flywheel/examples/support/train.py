@@ -13,10 +13,12 @@ escalation precision and recall, retry after a transient failure, recovery, tool
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import math
 import random
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from rich.table import Table
 from tqdm.auto import tqdm
 
 from flywheel.agents.air import AIRConfig
+from flywheel.agents.dynamic_sampling import DynamicSampler, DynamicSamplingConfig, NoMixedGroupsError
 from flywheel.backend import LocalBackend
 from flywheel.examples.calculator.train import peak_rss_gb, register_new, rl_rounds
 from flywheel.examples.sft_arm import sft_best_epoch
@@ -40,6 +43,8 @@ from flywheel.model import TrainableModel
 from flywheel.stats import bootstrap_mean
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 from flywheel.types import Trajectory, TrajectoryGroup
+
+MAX_FAILED_ROLLOUTS = 0.1  # the share of a step's rollouts that may raise (recorded on their groups)
 
 
 class JobConfig(BaseModel):
@@ -66,8 +71,12 @@ class JobConfig(BaseModel):
     # the whole job's wall-clock budget: RL stops after the last step that leaves time for its validation and the
     # final test (each estimated from the slowest so far); None: exactly rl_steps
     time_budget_minutes: float | None = Field(43.0, gt=0)
-    groups_per_step: int = 4
+    groups_per_step: int = 4  # with dynamic sampling: groups with mixed outcomes per step
     group_size: int = 6
+    # DAPO's dynamic sampling: each step draws tickets until it has groups_per_step groups whose rewards differ (the
+    # pool has max_draws x as many tickets); None: groups_per_step tickets a step, as they come. Off by default
+    # until measured here: each step's extra draws cost RL steps in the time budget (the calculator's is on)
+    dynamic_sampling: DynamicSamplingConfig | None = None
     rl: TrainConfig = TrainConfig(learning_rate=2e-5, loss="dapo", micro_batch_tokens=3072)
     temperature: float = 0.7
     eval_every: int = 4
@@ -127,6 +136,22 @@ class Job:
         )
         return list(expert), [demonstration(t) for t in expert if t.metrics["resolved"]]
 
+    def group(
+        self, ticket: Ticket, seeds: list[int], *, seeded_sampling: bool = False, air: AIRConfig | None = None
+    ) -> TrajectoryGroup:
+        """A GRPO group on ``ticket``, not run yet: a rollout per seed at the job's temperature, the seed drawing
+        its transient failures (and its sampling too with ``seeded_sampling``)."""
+        return TrajectoryGroup(
+            self.rollout(
+                ticket,
+                seed=s,
+                sampling_seed=s if seeded_sampling else None,
+                temperature=self.config.temperature,
+                air=air,
+            )
+            for s in seeds
+        )
+
     async def groups(
         self,
         plan: list[tuple[Ticket, list[int]]],
@@ -135,24 +160,11 @@ class Job:
         seeded_sampling: bool = False,
         air: AIRConfig | None = None,
     ) -> list[TrajectoryGroup]:
-        """One GRPO step's groups: for each ``(ticket, seeds)`` of ``plan``, a rollout per seed at the job's
-        temperature, the seed drawing its transient failures (and its sampling too with ``seeded_sampling``)."""
+        """One GRPO step's groups: ``group`` for each ``(ticket, seeds)`` of ``plan``, run."""
         return await gather_trajectory_groups(
-            (
-                TrajectoryGroup(
-                    self.rollout(
-                        t,
-                        seed=s,
-                        sampling_seed=s if seeded_sampling else None,
-                        temperature=self.config.temperature,
-                        air=air,
-                    )
-                    for s in seeds
-                )
-                for t, seeds in plan
-            ),
+            (self.group(t, seeds, seeded_sampling=seeded_sampling, air=air) for t, seeds in plan),
             pbar_desc=desc,
-            max_exceptions=0.1,
+            max_exceptions=MAX_FAILED_ROLLOUTS,
         )
 
     async def evaluate(self, tickets: list[Ticket], desc: str) -> list[Trajectory]:
@@ -167,10 +179,11 @@ class Job:
 
 def job_tickets(db_path: Path, config: JobConfig) -> tuple[list[Ticket], list[Ticket], list[Ticket]]:
     """(train, validation, test) tickets: the first ``sft_examples`` of train are the demonstrations' tickets, the
-    rest RL's (``rl_steps`` x ``groups_per_step``). Each split's first n tickets are the same for any larger count."""
-    train = generate_tickets(
-        db_path, "train", config.sft_examples + config.rl_steps * config.groups_per_step, seed=config.seed
-    )
+    rest RL's (``rl_steps`` x ``groups_per_step``, x ``max_draws`` with dynamic sampling). Each split's first n
+    tickets are the same for any larger count."""
+    draws = config.dynamic_sampling.max_draws if config.dynamic_sampling else 1
+    rl = math.ceil(config.rl_steps * config.groups_per_step * draws)
+    train = generate_tickets(db_path, "train", config.sft_examples + rl, seed=config.seed)
     val = generate_tickets(db_path, "val", config.val_tickets, seed=config.seed)
     test = generate_tickets(db_path, "test", config.test_tickets, seed=config.seed)
     return train, val, test
@@ -311,7 +324,13 @@ def another_step_fits(seconds_left: float, step: float, validation: float, test:
 
 def group_plan(tickets: list[Ticket], rng: random.Random, group_size: int) -> list[tuple[Ticket, list[int]]]:
     """``Job.groups``'s plan: each ticket with ``group_size`` rollout seeds drawn from ``rng``, ticket by ticket."""
-    return [(t, [rng.randrange(2**31) for _ in range(group_size)]) for t in tickets]
+    return list(lazy_plan(tickets, rng, group_size))
+
+
+def lazy_plan(tickets: Iterable[Ticket], rng: random.Random, group_size: int) -> Iterator[tuple[Ticket, list[int]]]:
+    """``group_plan`` as tickets are drawn (dynamic sampling draws as many as it needs): the same seeds."""
+    for t in tickets:
+        yield t, [rng.randrange(2**31) for _ in range(group_size)]
 
 
 def rl_order(pool: list[Ticket], seed: int) -> tuple[list[Ticket], random.Random]:
@@ -332,35 +351,56 @@ async def reinforce(
     deadline: float | None = None,
     eval_seconds: tuple[float, float] = (0.0, 0.0),
 ) -> list[dict]:
-    """GRPO: each step ``groups_per_step`` unused tickets x ``group_size`` rollouts (each with its own failures),
-    validated every ``eval_every`` steps and at the last; the latest and the best checkpoint are kept. With a
-    ``deadline`` (``time.perf_counter()``), the last step is the first after which ``another_step_fits`` does not
-    hold, ``eval_seconds`` being (a validation's, the final test's) seconds (the first raised to the slowest seen)."""
-    pool, rng = rl_order(pool, config.seed)
+    """GRPO: each step ``groups_per_step`` unused tickets x ``group_size`` rollouts (each with its own failures; with
+    ``dynamic_sampling``, unused tickets drawn until that many groups have rewards that differ), validated every
+    ``eval_every`` steps and at the last; the latest and the best checkpoint are kept. With a ``deadline``
+    (``time.perf_counter()``), the last step is the first after which ``another_step_fits`` does not hold,
+    ``eval_seconds`` being (a validation's, the final test's) seconds (the first raised to the slowest seen). The
+    pool running dry ends RL after a last validated step."""
+    order, rng = rl_order(pool, config.seed)
+    unused = iter(order)
+    sampler = DynamicSampler(config.dynamic_sampling) if config.dynamic_sampling else None
     rows: list[dict] = []
     val_seconds, test_seconds = eval_seconds
     slowest_rollouts = slowest_update = 0.0
     with tqdm(total=config.rl_steps, desc="GRPO", unit="step") as bar:
         for i in range(config.rl_steps):
             started = time.perf_counter()
-            tickets = pool[i * config.groups_per_step : (i + 1) * config.groups_per_step]
-            groups = await job.groups(group_plan(tickets, rng, config.group_size), f"step {i + 1} rollouts")
+            desc, sampled = f"step {i + 1} rollouts", None
+            if sampler is None:
+                tickets = list(itertools.islice(unused, config.groups_per_step))
+                groups = await job.groups(group_plan(tickets, rng, config.group_size), desc)
+                dry = len(tickets) < config.groups_per_step
+            else:
+                source = (job.group(t, seeds) for t, seeds in lazy_plan(unused, rng, config.group_size))
+                try:
+                    mixed = await sampler.draw(
+                        source, config.groups_per_step, pbar_desc=desc, max_exceptions=MAX_FAILED_ROLLOUTS
+                    )
+                    groups, sampled, dry = mixed.kept, mixed.metrics(), mixed.stop == "exhausted"
+                except NoMixedGroupsError as exc:
+                    groups, dry = [], True
+                    tqdm.write(f"step {i + 1}: {exc}")
             # whether this step is the last is decided before its update, which takes as long as the slowest yet
             rollouts = time.perf_counter() - started
             slowest_rollouts = max(slowest_rollouts, rollouts)
             validating = (i + 1) % config.eval_every == 0
-            last = i + 1 == config.rl_steps or (
-                deadline is not None
-                and not another_step_fits(
-                    deadline - time.perf_counter() - slowest_update - (val_seconds if validating else 0.0),
-                    slowest_rollouts + slowest_update,
-                    val_seconds,
-                    test_seconds,
+            last = (
+                i + 1 == config.rl_steps
+                or dry
+                or (
+                    deadline is not None
+                    and not another_step_fits(
+                        deadline - time.perf_counter() - slowest_update - (val_seconds if validating else 0.0),
+                        slowest_rollouts + slowest_update,
+                        val_seconds,
+                        test_seconds,
+                    )
                 )
             )
             validate = validating or last
             update_started = time.perf_counter()
-            metrics = await model.train(groups, config=config.rl, save_checkpoint=validate)
+            metrics = await model.train(groups, config=config.rl, save_checkpoint=validate, metrics=sampled)
             slowest_update = max(slowest_update, time.perf_counter() - update_started)
             row = {"step": await model.get_step(), **metrics, "peak_rss_gb": peak_rss_gb()}
             if validate:
@@ -369,7 +409,10 @@ async def reinforce(
                 val_seconds = max(val_seconds, time.perf_counter() - val_started)
             await model.delete_checkpoints("val/reward")
             rows.append(row)
-            bar.set_postfix({"reward": f"{metrics['reward_mean']:.2f}"}, refresh=False)
+            # every rollout drawn's, where the step sampled dynamically (the kept groups' lean to one half)
+            bar.set_postfix(
+                {"reward": f"{metrics.get('drawn_reward_mean', metrics['reward_mean']):.2f}"}, refresh=False
+            )
             bar.update()
             if last:
                 break
