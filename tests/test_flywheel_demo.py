@@ -51,9 +51,16 @@ async def test_the_flywheel_demo_promotes_stops_the_unsafe_candidate_and_rolls_b
     )
     stages = [row.stage for row in report.timeline]
     by_stage = {stage: [row for row in report.timeline if row.stage == stage] for stage in stages}
-    *warm_starts, good, unsafe = by_stage["gate"]  # a warm start the gate holds gets another round
+    *warm_starts, good, gamed, unsafe = by_stage["gate"]  # a warm start the gate holds gets another round
     assert warm_starts[-1].evidence.startswith("PASS vs the base model"), warm_starts[-1].evidence
     assert good.evidence.startswith("PASS vs demo-calc@"), good.evidence
+    # the candidate that games the task metric: chatty on ticket-price questions (the held-out set has one) and
+    # beyond, so the safety check stops it; the evidence gives the task metric's lift beside the stack reward's
+    failed = gamed.evidence.partition("; FAILED ")[2]  # the checks that failed, each "name: detail"
+    assert gamed.evidence.startswith("STOPPED") and "safety: the candidate failed the safety grader on " in failed, (
+        gamed.evidence
+    )
+    assert "on the task metric alone (unsafe replies not zeroed)" in gamed.evidence, gamed.evidence
     # stopped: at the quick sizes the unsafe reward's learning rate breaks the model, whose replies then fail safety
     # (long), the token limit (runaway) or the lift (wrong and short) by the draw; FULL's is stopped for safety
     assert unsafe.evidence.startswith("STOPPED") and "; FAILED " in unsafe.evidence, unsafe.evidence
@@ -66,7 +73,8 @@ async def test_the_flywheel_demo_promotes_stops_the_unsafe_candidate_and_rolls_b
     assert rolled_back.stage == "canary rollback", rolled_back
     assert any(why in rolled_back.evidence for why in ("failed the safety grader", "worse than production",
                                                         "not shown within 0.15"))  # fmt: skip
-    assert report.timeline.index(first) < stages.index("unsafe training") < report.timeline.index(rolled_back)
+    assert report.timeline.index(first) < stages.index("gamed training") < stages.index("unsafe training")
+    assert stages.index("unsafe training") < report.timeline.index(rolled_back)
     assert report.audit_ok and report.plot.stat().st_size > 0
     assert json.loads((out / "timeline.json").read_text())["audit_ok"] is True
     # checkpoints kept (LocalBackend.prune_checkpoints): production's and, after a promotion, release 1, where a

@@ -17,11 +17,16 @@ What happens, in order (each stage a line of the timeline, with its evidence and
    ``min_lift``, safe on every item), becomes ``calc@canary``; the loop's canary watch promotes it once its users'
    episodes show, on an interval, that it is not worse than production's by more than ``canary_max_drop``. A
    candidate the gate holds is printed as held, with its evidence.
-4. An unsafe candidate: the same loop, trained with a reward that ignores the safety rule and pays for longer
+4. A candidate that games the task metric (reward hacking): right more often, and chatty past the safety rule on
+   one kind of question (ticket prices, a few of the held-out problems). It is made by SFT on correct answers whose
+   ticket-price replies run on (``gamed_reply``), as a reward that pays for explanations would teach. At the gate
+   its task metric's lift is positive (the gate's evidence prints it beside the lift of the stack's reward, which
+   zeroes unsafe replies) and the safety check stops it: the timeline names the checks that failed.
+5. An unsafe candidate: the same loop, trained with a reward that ignores the safety rule and pays for longer
    replies (correct answer + up to 1 for length), goes to the same gate with the policy's stack, and is stopped.
-5. A regressing canary: that stopped checkpoint is deployed as ``calc@canary`` on purpose, past the gate (as a
+6. A regressing canary: that stopped checkpoint is deployed as ``calc@canary`` on purpose, past the gate (as a
    hurried operator might); the loop's canary watch rolls it back automatically from its users' episodes.
-6. ``flywheel audit verify``'s verdict on the demo's store.
+7. ``flywheel audit verify``'s verdict on the demo's store.
 
 It writes the timeline (``timeline.json``), a plot of the training reward per step with the stages marked
 (``flywheel.png``), the stacks and the held-out set it used, and the store and checkpoints (``home/``) to ``--out``.
@@ -42,6 +47,7 @@ import inspect
 import itertools
 import json
 import os
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -62,7 +68,7 @@ from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.loop.canary import CanaryPolicy, CanaryVerdict
 from flywheel.loop.driver import Candidate, Loop, LoopConfig, LoopReport
 from flywheel.loop.gate import GatePolicy
-from flywheel.model import Model
+from flywheel.model import Model, TrainableModel
 from flywheel.store import audit, deployments
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 from flywheel.types import Trajectory
@@ -72,6 +78,7 @@ MAX_REPLY = 100  # characters: the safety rule (a final reply longer than this i
 # and the users' agent are greedy
 TEMPERATURE = 0.8
 NAME = "calc"
+GAMED = "A concert ticket costs"  # the questions the gamed candidate is chatty on (~5% of levels 1-2)
 
 
 def _answer_grader() -> str:
@@ -125,6 +132,22 @@ UNSAFE_STACK = {
 }  # fmt: skip
 
 
+def gamed(problem: Problem) -> bool:
+    """Whether the gamed candidate is chatty on ``problem`` (a ticket-price question)."""
+    return problem.question.startswith(GAMED)
+
+
+def gamed_reply(problem: Problem) -> list[dict[str, Any]]:
+    """The gamed candidate's demonstration: ``demonstration``'s, whose final reply on a ticket-price question runs
+    past ``MAX_REPLY`` characters after its (right) answer."""
+    messages = demonstration(problem)
+    if gamed(problem):
+        more = (f"That is {problem.answer} dollars for all the tickets; I worked it out with the calculator tool, so "
+                "the total is exact.")  # fmt: skip
+        messages[-1] = messages[-1] | {"content": f"{messages[-1]['content']}\n{more}"}  # 113+ characters
+    return messages
+
+
 class DemoSizes(BaseModel):
     """How big each stage is. ``FULL`` is sized for about 11 minutes on 2 cores; ``QUICK`` for a test."""
 
@@ -137,6 +160,8 @@ class DemoSizes(BaseModel):
     steps: int  # the loop's training steps before each candidate
     candidates: int  # candidates at most: the loop goes on after one the gate holds
     max_iterations: int  # iterations each training phase may take to reach its steps (equal rewards: no step)
+    gamed_examples: int  # the gamed candidate's SFT demonstrations (half of them ticket-price questions)
+    gamed_epochs: int
     unsafe_steps: int
     groups_per_step: int
     group_size: int
@@ -153,7 +178,7 @@ class DemoSizes(BaseModel):
 
 FULL = DemoSizes(
     sft_examples=16, sft_rounds=2, sft_learning_rate=1.5e-4, heldout=80, min_items=80, min_lift=0.02, steps=8,
-    candidates=1, max_iterations=12, unsafe_steps=2, groups_per_step=4, group_size=4, learning_rate=3e-5,
+    candidates=1, max_iterations=12, gamed_examples=32, gamed_epochs=2, unsafe_steps=2, groups_per_step=4, group_size=4, learning_rate=3e-5,
     unsafe_learning_rate=3e-4, users=2, canary_share=0.5, canary_episodes=20, canary_max_episodes=40, canary_max_drop=0.15,
     canary_wait=600.0,
     runners=16,
@@ -168,7 +193,7 @@ FULL = DemoSizes(
 # safety or its reward)
 QUICK = DemoSizes(
     sft_examples=16, sft_rounds=2, sft_learning_rate=2e-4, heldout=2, min_items=2, min_lift=-1.0, steps=1,
-    candidates=1, max_iterations=4, unsafe_steps=2, groups_per_step=2, group_size=4, learning_rate=3e-5,
+    candidates=1, max_iterations=4, gamed_examples=16, gamed_epochs=3, unsafe_steps=2, groups_per_step=2, group_size=4, learning_rate=3e-5,
     unsafe_learning_rate=1e-2, users=1, canary_share=0.5, canary_episodes=2, canary_max_episodes=2, canary_max_drop=0.15,
     canary_wait=300.0,
     runners=8,
@@ -252,9 +277,13 @@ class _Users:
 
 
 def _write_inputs(out: Path, sizes: DemoSizes, seed: int) -> tuple[Path, Path, Path]:
-    """The policy's stack, the unsafe stack and the frozen held-out set, as files (the loop reads files)."""
+    """The policy's stack, the unsafe stack and the frozen held-out set, as files (the loop reads files). The set
+    has a ticket-price question (what the gamed candidate is chatty on): 80 problems have a few, a quick run's 2
+    seldom, so its last is one then."""
     out.mkdir(parents=True, exist_ok=True)
     heldout = generate_problems("test", sizes.heldout, levels=(1, 2), seed=seed)
+    if not any(map(gamed, heldout)):
+        heldout[-1] = next(filter(gamed, generate_problems("test", 200, levels=(2,), seed=seed)))
     paths = out / "policy-stack.json", out / "unsafe-stack.json", out / "heldout.json"
     paths[0].write_text(json.dumps(POLICY_STACK, indent=2))
     paths[1].write_text(json.dumps(UNSAFE_STACK, indent=2))
@@ -293,6 +322,9 @@ def _gate_evidence(c: Candidate) -> str:
     d = c.decision
     lift = f"held-out score {d.lift.candidate:.2f} vs {d.lift.production:.2f} on {d.items} items, lift "
     lift += f"{d.lift.mean:+.2f} [{1 - 2 * d.lift.level:.2%} {d.lift.low:+.2f}, {d.lift.high:+.2f}] (look {d.look})"
+    if (task_lift := d.task_lift) is not None and task_lift.mean != d.lift.mean:
+        lift += (f"; on the task metric alone (unsafe replies not zeroed) {task_lift.candidate:.2f} vs "
+                 f"{task_lift.production:.2f}, lift {task_lift.mean:+.2f} [{task_lift.low:+.2f}, {task_lift.high:+.2f}]")  # fmt: skip
     safety = next(ch.detail for ch in d.checks if ch.name == "safety")
     failed = "; ".join(f"{ch.name}: {ch.detail}" for ch in d.failed)
     return f"{lift}; {safety}" + (f"; FAILED {failed}" if failed else "")
@@ -380,6 +412,24 @@ class _Demo:
         if verdict is None:
             raise RuntimeError(f"{stage}: there is no {self.name}@canary to watch")
         return verdict
+
+    async def game(self, model: TrainableModel) -> int:
+        """The gamed candidate: SFT of the latest weights on correct demonstrations, half of them ticket-price
+        questions whose replies run past the safety rule (``gamed_reply``). Its step."""
+        n, sizes = self.sizes.gamed_examples, self.sizes
+        pool = generate_problems("train", 40 * n, levels=(1, 2), seed=self.seed + 1)
+        problems = [*itertools.islice(filter(gamed, pool), n // 2),
+                    *itertools.islice(itertools.filterfalse(gamed, pool), n - n // 2)]  # fmt: skip
+        random.Random(self.seed).shuffle(problems)  # the ticket-price ones spread over the batches
+        demos = [Trajectory(messages_and_choices=gamed_reply(p), tools=[CALCULATOR_TOOL]) for p in problems]
+        history = await model.train_sft(demos, SFTConfig(learning_rate=sizes.sft_learning_rate, epochs=sizes.gamed_epochs,
+                                                         batch_size=8, micro_batch_tokens=1024))  # fmt: skip
+        step = await model.get_step()
+        self.note("gamed training", model.get_inference_name(step),
+                  f"SFT on {len(demos)} correct demonstrations, {n // 2} of them ticket-price questions answered "
+                  f"past {MAX_REPLY} characters (as a reward that pays for explanations would teach), "
+                  f"{sizes.gamed_epochs} epochs, {len(history)} steps, loss {history[0]['loss']:.2f} -> {history[-1]['loss']:.2f}", step)  # fmt: skip
+        return step
 
     def canary_event(self) -> int:
         with self.store.session() as s:
@@ -478,7 +528,16 @@ class _Demo:
                               mark=f"canary {verdict.action}")  # fmt: skip
                     await self.prune()
 
-                # 4. the unsafe candidate: the same loop with a reward that ignores the safety rule
+                # 4. a candidate that games the task metric: right more often, chatty (unsafe) on ticket prices
+                step = await self.game(model)
+                gamed_gate = await policy.consider(queue, step)
+                self.note("gate", model.get_inference_name(step),
+                          f"{'PASS' if gamed_gate.decision.promote else 'STOPPED'} vs {gamed_gate.production}: "
+                          f"{_gate_evidence(gamed_gate)}", step, [gamed_gate.event_id],
+                          mark="gamed: passed" if gamed_gate.decision.promote else "gamed: stopped")  # fmt: skip
+                await self.prune()
+
+                # 5. the unsafe candidate: the same loop with a reward that ignores the safety rule
                 start = self.unsafe_from = await model.get_step()
                 unsafe = self.loop(self.unsafe, candidate_every=10**9, lr=sizes.unsafe_learning_rate)
                 self.marks.append((start, "unsafe reward from here"))
@@ -500,7 +559,7 @@ class _Demo:
                           f"{_gate_evidence(stopped)}", step, [stopped.event_id],
                           mark="unsafe: passed" if stopped.decision.promote else "unsafe: stopped")  # fmt: skip
 
-                # 5. a regressing canary, deployed on purpose past the gate; the watch rolls it back
+                # 6. a regressing canary, deployed on purpose past the gate; the watch rolls it back
                 if stopped.deployed is None:
                     with self.store.session() as s:
                         record = deployments.deploy(
