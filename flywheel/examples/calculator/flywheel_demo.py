@@ -149,7 +149,8 @@ def gamed_reply(problem: Problem) -> list[dict[str, Any]]:
 
 
 class DemoSizes(BaseModel):
-    """How big each stage is. ``FULL`` is sized for about 11 minutes on 2 cores; ``QUICK`` for a test."""
+    """How big each stage is. ``FULL``: over 22 minutes on 2 cores under issue #37's gate (docs/benchmarks.md, the
+    flywheel demo); ``QUICK`` for a test."""
 
     sft_examples: int  # demonstrations of a warm-start round (batches of 8, one epoch)
     sft_rounds: int  # warm-start rounds at most: each trains on new demonstrations, then meets the gate
