@@ -67,6 +67,10 @@ def test_a_deterministic_evaluation_is_no_confirmation_the_look_decides_at_its_b
     assert again.confirmation is None and again.lift.level == pytest.approx(look_budget(0.05, 25, 1))
     assert "deterministic" in next(c.detail for c in again.checks if c.name == "confirmation")
     assert again.promote == (again.lift.low > policy.min_lift)
+    greedy = decide_look(policy, 1, (candidate, production), deterministic=True)  # known before any repeat
+    assert not greedy.needs_confirmation and greedy.lift == again.lift and greedy.promote == again.promote
+    assert "greedily" in next(c.detail for c in greedy.checks if c.name == "confirmation")
+    assert decide_look(policy, 1, (production, production), deterministic=True).confirmation is None
 
 
 def test_a_no_better_candidate_looked_at_25_times_is_rarely_promoted_where_the_old_rule_often_was():

@@ -54,7 +54,7 @@ async def agent(task: dict, base_url: str) -> float:
         model=current_lease().model,
         messages=[{"role": "user", "content": task["question"]}],
         max_tokens=6,
-        temperature=0,
+        temperature=task.get("temperature", 0),  # greedy unless the item says (a sampled evaluation is confirmed)
     )
     return 0.0  # the agent's own reward is not what the gate looks at: the stack grades the episode
 
@@ -67,6 +67,8 @@ async def test_held_out_items_run_by_runners_are_scored_recorded_and_paired(back
             # the same model on both sides: its runs are queued warm-ups first, then item by item, alternating
             first, again = await evaluate(queue, HELDOUT, [EMBEDDED_MODEL] * 2, STACK, samples=2, max_wait=300,
                                           store=backend.gateway.store)  # fmt: skip
+            working = HELDOUT.model_copy(update={"items": {k: v for k, v in HELDOUT.items.items() if not v["fail"]}})
+            (greedy,) = await evaluate(queue, working, [EMBEDDED_MODEL], STACK, max_wait=300)
     finally:
         runner.cancel()
     assert [r.item for r in first.results] == ["q0", "q1", "q2", "q3"] and first.failed_items == ["q3"]
@@ -87,6 +89,8 @@ async def test_held_out_items_run_by_runners_are_scored_recorded_and_paired(back
     assert {g.component for g in grades} == {"reward", "safety"}
     # greedy decoding: the same model twice gives the same scores, and the gate sees no lift
     assert [r.score for r in again.results] == [r.score for r in first.results]
+    # every call at temperature 0 and every attempt finished: the gate needs no repeat (an item failed: it does)
+    assert greedy.greedy and not first.greedy and not again.greedy
     decision = decide(again.results, first.results, GatePolicy(min_items=2))
     assert not decision.promote and decision.lift.mean == 0.0
 
@@ -126,7 +130,11 @@ async def test_the_loop_takes_production_tasks_trains_and_sends_a_gated_candidat
     groups of their items as off-policy members, once each (scored by the stack, trained with the sampler's
     log-probs they were logged with: their tokens' importance ratios are reported apart); a third, whose prompt had
     an e-mail address redacted (and its token ids with it), is left out as redacted. Stale ones: test_offpolicy.py."""
-    config = LoopConfig.load(write_config(tmp_path)).model_copy(
+    path = write_config(tmp_path)
+    heldout = json.loads((tmp_path / "heldout.json").read_text())  # sampled: the gate confirms a passing screen
+    heldout["items"] = {k: v | {"temperature": 1.0} for k, v in heldout["items"].items()}
+    (tmp_path / "heldout.json").write_text(json.dumps(heldout))
+    config = LoopConfig.load(path).model_copy(
         update={"steps": 2, "off_policy_members": 1, "shadow": ShadowPolicy(share=0.25)}
     )
     assert config.stack == tmp_path / "stack.json"  # paths are relative to the config file

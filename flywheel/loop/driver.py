@@ -361,7 +361,8 @@ class Loop:
             return candidate, current
 
         first = await both()
-        screen = decide_look(self.config.gate, look, (first[0].results, first[1].results))
+        greedy = first[0].greedy and first[1].greedy  # a repeat gives nothing new: decided without one
+        screen = decide_look(self.config.gate, look, (first[0].results, first[1].results), deterministic=greedy)
         again = await both() if screen.needs_confirmation else None
         return await self.settle(step, production, *first, again=again, look=look)
 
@@ -384,7 +385,10 @@ class Loop:
         name, runs = self.model.get_inference_name(step), (candidate, current, *(again or ()))
         look = self.look() if look is None else look
         fresh = None if again is None else (again[0].results, again[1].results)
-        decision = decide_look(self.config.gate, look, (candidate.results, current.results), fresh)
+        deterministic = candidate.greedy and current.greedy
+        decision = decide_look(
+            self.config.gate, look, (candidate.results, current.results), fresh, deterministic=deterministic
+        )
         log.info("candidate %s vs %s: %s", name, production, "promote" if decision.promote else "hold")
         failed = ", ".join(f"{c.name}: {c.detail}" for c in decision.failed)
         # a stack without a safety grader (gate.require_safety off, or the gate held it): the trail says so

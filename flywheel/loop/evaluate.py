@@ -22,7 +22,7 @@ from flywheel.graders.rewards import sample_of
 from flywheel.graders.stack import GraderStack, StackScore, score
 from flywheel.loop.gate import HeldOutSet, ItemResult
 from flywheel.store import Store
-from flywheel.types import Trajectory
+from flywheel.types import Choice, Trajectory, sampled_tokens
 
 
 class HeldOutRun(BaseModel):
@@ -35,6 +35,20 @@ class HeldOutRun(BaseModel):
     results: list[ItemResult]
     episodes: list[str]
     failed_items: list[str]  # no attempt finished
+    # every attempt finished and every call in it was drawn at temperature 0: a run again would repeat this one
+    greedy: bool = False
+
+
+def _greedy(trajectory: Trajectory) -> bool:
+    """Whether every call of ``trajectory`` (its other histories' too) was drawn at temperature 0 (a call that does
+    not say how it was drawn is not)."""
+    choices = [
+        item
+        for history in (trajectory, *trajectory.additional_histories)
+        for item in history.messages_and_choices
+        if isinstance(item, Choice)
+    ]
+    return bool(choices) and all((drawn := sampled_tokens(c)) is not None and drawn.greedy for c in choices)
 
 
 def _tool_calls(trajectory: Trajectory) -> int:
@@ -126,6 +140,8 @@ async def evaluate(
             results=[_item_result(i, samples, *side[i], safety_checked=checked) for i in heldout.items],
             episodes=[str(t.metadata["episode_id"]) for ts, _ in side.values() for t in ts],
             failed_items=[i for i, (ts, _) in side.items() if not ts],
+            greedy=bool(side)
+            and all(len(ts) == samples and all(_greedy(t) for t in ts) for ts, _ in side.values()),
         )
         for (model, run_id), side in zip(sides, scored, strict=True)
     ]

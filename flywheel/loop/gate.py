@@ -288,17 +288,33 @@ def _failures(pairs: list[tuple[ItemResult, ItemResult]], policy: GatePolicy) ->
 Results = tuple[list[ItemResult], list[ItemResult]]  # a held-out evaluation of both sides: (candidate, production)
 
 
-def decide_look(policy: GatePolicy, look: int, first: Results, again: Results | None = None) -> GateDecision:
+def decide_look(
+    policy: GatePolicy, look: int, first: Results, again: Results | None = None, *, deterministic: bool = False
+) -> GateDecision:
     """The gate's decision at the loop's ``look``-th look since production changed, on the evaluation ``first``.
 
     Without ``confirm``, the look tests at its budget. With it, ``first`` is a screen at ``alpha``; one that passes
     ``needs_confirmation`` (it does not promote) until ``again``, a fresh evaluation of both sides, passes at the
-    confirming level. An ``again`` identical to ``first`` item by item is no fresh evidence (the evaluation is
-    deterministic, e.g. greedy): the look then decides ``first`` at its budget alone, as without ``confirm``."""
+    confirming level. A ``deterministic`` evaluation (both sides greedy: ``HeldOutRun.greedy``), or an ``again``
+    identical to ``first`` item by item, has no fresh evidence to give: the look then decides ``first`` at its
+    budget alone, as without ``confirm`` (passing a screen and a repeat of it is passing the stricter of the two)."""
     screen_level, confirm_level = levels(policy, look)
     screen = decide(*first, policy, level=screen_level).model_copy(update={"look": look})
     if confirm_level is None or not screen.promote:
         return screen
+    if deterministic or (again is not None and _scores(first) == _scores(again)):
+        budget = look_budget(policy.lifetime_alpha, policy.planned_looks, look)
+        alone = decide(*first, policy, level=budget).model_copy(update={"look": look})
+        why = (
+            "both sides were evaluated greedily (every call at temperature 0): a fresh evaluation would repeat it"
+            if deterministic
+            else "the fresh evaluation gave the same scores item by item (a deterministic evaluation)"
+        )
+        check = Check(
+            name="confirmation", passed=True,
+            detail=f"{why}: no new evidence, so the look decided at its budget alone (one-sided level {budget:.3g})",
+        )  # fmt: skip
+        return alone.model_copy(update={"checks": [*alone.checks, check]})
     if again is None:
         pending = Check(
             name="confirmation", passed=False,
@@ -306,15 +322,6 @@ def decide_look(policy: GatePolicy, look: int, first: Results, again: Results | 
         )  # fmt: skip
         return screen.model_copy(update={"promote": False, "checks": [*screen.checks, pending],
                                          "needs_confirmation": True})  # fmt: skip
-    if _scores(first) == _scores(again):
-        budget = look_budget(policy.lifetime_alpha, policy.planned_looks, look)
-        alone = decide(*first, policy, level=budget).model_copy(update={"look": look})
-        check = Check(
-            name="confirmation", passed=True,
-            detail=f"the fresh evaluation gave the same scores item by item (a deterministic evaluation): no new "
-            f"evidence, so the look decided at its budget alone (one-sided level {budget:.3g})",
-        )  # fmt: skip
-        return alone.model_copy(update={"checks": [*alone.checks, check]})
     confirmation = decide(*again, policy, level=confirm_level).model_copy(update={"look": look})
     check = Check(
         name="confirmation",
