@@ -22,6 +22,7 @@ import httpx
 import pytest
 import test_gateway_write_behind
 from postgres import SETTINGS, PostgresServer, find_bindir
+from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 from test_gateway_write_behind import Agent, new_episode
 
@@ -252,3 +253,31 @@ async def test_write_behind_rides_out_a_postgresql_restart_and_marks_what_it_los
         app.stop()
         store.close()
         server.stop()
+
+
+async def test_a_database_that_refuses_a_request_is_a_500_that_says_why_and_is_logged(tmp_path, caplog):
+    """Not a fault that passes (a 503 to retry): a schema that is not the server's (here its episodes table dropped
+    behind its back, as a wrong migration or another program would) refuses every create. The agent is told what the
+    database said, in OpenAI's error shape (not a bare "Internal Server Error"), and the server's log has the
+    traceback."""
+    store = Store(f"sqlite:///{tmp_path / 'flywheel.db'}")
+    app = BackgroundServer(create_app(ModelRegistry(), Gateway(store, redactor=None))).start()
+    try:
+        with store.session() as s:
+            s.execute(text("DROP TABLE calls"))
+            s.execute(text("DROP TABLE episodes"))
+        async with httpx.AsyncClient(base_url=app.base_url.removesuffix("/v1"), timeout=30) as http:
+            created = await http.post("/episodes", json={"task_id": "t"})
+            read = await http.get("/episodes/e-unknown")
+        for response in (created, read):
+            error = response.json()["error"]
+            assert response.status_code == 500 and error["code"] == "store_error", response.text
+            assert (
+                "OperationalError: no such table: episodes" in error["message"] and "will not help" in error["message"]
+            )
+            assert "Retry-After" not in response.headers
+        logged = [r for r in caplog.records if "refused it" in r.getMessage()]
+        assert len(logged) == 2 and "POST /episodes" in logged[0].getMessage() and logged[0].exc_info is not None
+    finally:
+        app.stop()
+        store.close()

@@ -140,8 +140,7 @@ async def evaluate(
             results=[_item_result(i, samples, *side[i], safety_checked=checked) for i in heldout.items],
             episodes=[str(t.metadata["episode_id"]) for ts, _ in side.values() for t in ts],
             failed_items=[i for i, (ts, _) in side.items() if not ts],
-            greedy=bool(side)
-            and all(len(ts) == samples and all(_greedy(t) for t in ts) for ts, _ in side.values()),
+            greedy=bool(side) and all(len(ts) == samples and all(_greedy(t) for t in ts) for ts, _ in side.values()),
         )
         for (model, run_id), side in zip(sides, scored, strict=True)
     ]

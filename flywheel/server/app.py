@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 import uuid
@@ -57,6 +58,8 @@ from flywheel.store import EpisodeConflictError, UnknownEpisodeError, deployment
 from flywheel.store.arms import is_shadow_episode_id
 from flywheel.store.deployments import UnknownDeploymentError, list_deployments
 from flywheel.types import set_sampled_tokens
+
+log = logging.getLogger(__name__)
 
 
 class ModelNotAllowedError(UnknownModelError):
@@ -307,10 +310,15 @@ def create_app(
         return response
 
     @app.exception_handler(DBAPIError)
-    async def _store_down(_: Request, exc: DBAPIError):  # a read or an outcome the database could not answer
-        if not transient(exc):
-            raise exc
-        message = f"The store's database did not answer ({type(exc.orig or exc).__name__}): retry shortly."
+    async def _store_down(request: Request, exc: DBAPIError):  # a read or an outcome the database could not answer
+        kind = type(exc.orig or exc).__name__
+        if not transient(exc):  # a schema that is not the server's, a constraint: a fault of the server's, logged
+            log.error("%s %s: the store's database refused it", request.method, request.url.path, exc_info=exc)
+            first = str(exc.orig or exc).strip().splitlines()[0][:300] if str(exc.orig or exc).strip() else kind
+            message = (f"The store's database refused this request ({kind}: {first}); retrying will not help. The"
+                       " server's log has the details.")  # fmt: skip
+            return error_response(500, message, "server_error", code="store_error")
+        message = f"The store's database did not answer ({kind}): retry shortly."
         response = error_response(503, message, "server_error", code="store_unavailable")
         response.headers["Retry-After"] = "2"
         return response
