@@ -25,10 +25,11 @@ from rich.console import Console
 from rich.table import Table
 
 from flywheel.agents import AIRConfig, Tool, ToolError, final_answer, run_agent
-from flywheel.backend import LocalBackend
+from flywheel.checkpoints import layout
 from flywheel.examples.calculator import task
 from flywheel.gather import gather_trajectory_groups
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
 from flywheel.model import TrainableModel
 from flywheel.train.config import SFTConfig, TrainConfig
 from flywheel.types import Trajectory, TrajectoryGroup
@@ -103,7 +104,7 @@ async def warm_start(home: Path, args: argparse.Namespace, val: list[task.Proble
         ]
         await model.train_sft(demos, SFTConfig(learning_rate=3e-4, epochs=2, batch_size=8))
         step = await model.get_step()
-        return backend.model_dir(model) / "checkpoints" / f"{step:04d}", await validate(model, val)
+        return layout.checkpoint_dir(backend.model_dir(model), step), await validate(model, val)
     finally:
         await backend.close()
 
@@ -116,7 +117,7 @@ async def run_arm(
     backend = LocalBackend(path=home)
     try:
         model = TrainableModel(name=name, project="credit", base_model=args.model)
-        shutil.copytree(sft, backend.model_dir(model) / "checkpoints" / sft.name)  # register() resumes from it
+        shutil.copytree(sft, layout.checkpoints_dir(backend.model_dir(model)) / sft.name)  # register() resumes from it
         await model.register(backend)
         pool = train_pool(args)[args.sft_examples :]  # RL scenarios the warm start never showed
         rows = [{"step": 0, "val/reward": sft_val}]

@@ -40,7 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flywheel.agents import AIRConfig
-from flywheel.backend import LocalBackend
+from flywheel.checkpoints import layout
 from flywheel.examples.support.db import build_database
 from flywheel.examples.support.grading import support_stack
 from flywheel.examples.support.tickets import Ticket
@@ -57,8 +57,8 @@ from flywheel.examples.support.train import (
     paired,
     sft_best_epoch,
 )
+from flywheel.local.backend import LocalBackend
 from flywheel.model import TrainableModel
-from flywheel.runs import ADAPTER_WEIGHTS
 from flywheel.types import Trajectory
 
 PROJECT = "credit-support"
@@ -89,7 +89,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
         test_tickets=args.test,
         temperature=args.temperature,
     )
-    if args.from_dir is not None and (args.from_dir / ADAPTER_WEIGHTS).exists():
+    if args.from_dir is not None and (args.from_dir / layout.ADAPTER_WEIGHTS).exists():
         config = config.with_lora()  # a LoRA checkpoint: the arms train the adapter, as its job did
     if args.lr is not None:
         config = config.model_copy(update={"rl": config.rl.model_copy(update={"learning_rate": args.lr})})
@@ -99,7 +99,7 @@ def job_config(args: argparse.Namespace) -> JobConfig:
 def link_checkpoint(source: Path, backend: LocalBackend, model: TrainableModel) -> None:
     """Put the checkpoint at ``source`` into ``model``'s directory (register() resumes from it): hard links where
     the file system allows (checkpoints are written to a new directory and renamed, never in place), else a copy."""
-    target = backend.model_dir(model) / "checkpoints" / source.name
+    target = layout.checkpoints_dir(backend.model_dir(model)) / source.name
     try:
         shutil.copytree(source, target, copy_function=os.link)
     except OSError:
@@ -131,7 +131,7 @@ async def start(home: Path, args: argparse.Namespace, config: JobConfig, db_path
             step, val_rewards, _ = await sft_best_epoch(model, backend, job, demos, val, config)
             sft = {"demonstrations": len(demos), "of": len(expert), "step": step, "epoch_val_rewards": val_rewards}
         trajectories = await job.evaluate(test, f"start, step {step} (test)")
-        return backend.model_dir(model) / "checkpoints" / f"{step:04d}", summary(trajectories), sft
+        return layout.checkpoint_dir(backend.model_dir(model), step), summary(trajectories), sft
     finally:
         await backend.close()
 
@@ -308,7 +308,7 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.group_size < 2:
         parser.error(f"--group-size must be at least 2 (GRPO compares a ticket's rollouts), got {args.group_size}")
-    if args.from_dir is not None and not (args.from_dir / "trainer_state.json").is_file():
+    if args.from_dir is not None and not (args.from_dir / layout.STATE).is_file():
         parser.error(
             f"--from {args.from_dir}: not a complete checkpoint directory (no trainer_state.json); expected "
             "$FLYWHEEL_HOME/support/models/<name>/checkpoints/<step>"

@@ -106,8 +106,8 @@ async def main() -> None:
     args = ap.parse_args()
     from machine import describe  # bench/machine.py; these import torch, which the agents' process need not
 
-    from flywheel.backend import LocalBackend
     from flywheel.inference.loading import EMBEDDED_MODEL
+    from flywheel.local.backend import LocalBackend
 
     backend = LocalBackend(path=tempfile.mkdtemp(prefix="gateway-bench-"))
     try:

@@ -35,11 +35,12 @@ from blocks import report, run_child  # bench/blocks.py
 from credit import rollout, validate  # bench/credit.py: the calculator agent on run_agent, greedy validation
 from machine import describe  # bench/machine.py
 
-from flywheel.backend import LocalBackend
+from flywheel.checkpoints import layout
 from flywheel.examples.calculator import task
 from flywheel.gather import gather_trajectory_groups
 from flywheel.inference.chat import render_prompt, to_default_format
 from flywheel.inference.loading import EMBEDDED_MODEL, resolve_model
+from flywheel.local.backend import LocalBackend
 from flywheel.model import TrainableModel
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 from flywheel.types import Trajectory, TrajectoryGroup
@@ -78,7 +79,7 @@ async def warm_start(out: Path, args: argparse.Namespace) -> dict:
         await model.train_sft(
             trajectories, SFTConfig(learning_rate=5e-5, epochs=2, batch_size=8, micro_batch_tokens=1024)
         )
-        checkpoint = backend.model_dir(model) / "checkpoints" / f"{await model.get_step():04d}"
+        checkpoint = layout.checkpoint_dir(backend.model_dir(model), await model.get_step())
         snapshot(checkpoint / WEIGHTS, base, out / "warm")
     return {"dir": str(out / "warm")}
 
@@ -140,7 +141,7 @@ async def train_flywheel(out: Path, args: argparse.Namespace) -> dict:
             with clock.excluding():
                 if clock.due():  # a step whose groups all had equal rewards trains nothing and saves nothing
                     directory, trained = out / "flywheel" / f"step-{i + 1}", await model.get_step()
-                    checkpoint = backend.model_dir(model) / "checkpoints" / f"{trained:04d}" if trained else warm
+                    checkpoint = layout.checkpoint_dir(backend.model_dir(model), trained) if trained else warm
                     snapshot(checkpoint / WEIGHTS, warm, directory)
                     snaps.append({"step": i + 1, "elapsed": steps[-1]["elapsed"], "dir": str(directory)})
                 await model.delete_checkpoints()

@@ -17,9 +17,9 @@ from step_time import LEARNING_RATE, LORA, closeness, prompts
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
-from flywheel.backend import LocalBackend
 from flywheel.gather import gather_trajectory_groups
 from flywheel.inference.loading import EMBEDDED_MODEL, resolve_model
+from flywheel.local.backend import LocalBackend
 from flywheel.model import TrainableModel
 from flywheel.train.config import TrainConfig
 from flywheel.types import Trajectory, TrajectoryGroup

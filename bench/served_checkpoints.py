@@ -33,11 +33,11 @@ from machine import describe, save_result  # bench/machine.py
 from peft.tuners.lora import Linear as LoraLinear
 from torch.profiler import ProfilerActivity, profile
 
-from flywheel.backend import LocalBackend
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.kv_attention import DecodeBatch
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.inference.sampling import SamplingParams
+from flywheel.local.backend import LocalBackend
 from flywheel.model import TrainableModel
 from flywheel.train.config import SFTConfig, TrainedWeights
 from flywheel.types import Trajectory

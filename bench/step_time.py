@@ -30,10 +30,10 @@ from blocks import report, run_child, summary  # bench/blocks.py
 from machine import describe  # bench/machine.py
 from trl_side import grpo_config, train_lora  # bench/trl_side.py
 
-from flywheel.backend import LocalBackend
 from flywheel.examples.calculator.task import extract_answer, generate_problems
 from flywheel.gather import gather_trajectory_groups
 from flywheel.inference.loading import EMBEDDED_MODEL, resolve_model
+from flywheel.local.backend import LocalBackend
 from flywheel.model import TrainableModel
 from flywheel.train.config import TrainConfig, TrainedWeights
 from flywheel.types import Trajectory, TrajectoryGroup

@@ -27,10 +27,11 @@ from openai.types.chat.chat_completion import Choice
 from rich.console import Console
 from rich.table import Table
 
-from flywheel.backend import LocalBackend
+from flywheel.checkpoints import layout
 from flywheel.examples.support.db import build_database
 from flywheel.examples.support.grading import support_stack
 from flywheel.examples.support.train import Job, JobConfig, group_plan, job_tickets, rl_order
+from flywheel.local.backend import LocalBackend
 from flywheel.model import TrainableModel
 from flywheel.types import TrajectoryGroup
 
@@ -112,7 +113,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tickets", type=int, default=4, help="tickets per step")
     parser.add_argument("--group-size", type=int, default=6, help="rollouts per ticket")
     args = parser.parse_args()
-    if not (args.from_dir / "trainer_state.json").is_file():
+    if not (args.from_dir / layout.STATE).is_file():
         parser.error(f"--from {args.from_dir}: not a complete checkpoint directory (no trainer_state.json)")
     if args.group_size < 2 or args.steps < 1 or args.tickets < 1:
         parser.error("--group-size must be at least 2, --steps and --tickets at least 1")

@@ -25,10 +25,10 @@ from flywheel.utils import retry
 if TYPE_CHECKING:
     from flywheel import rewards
     from flywheel.agents.dynamic_sampling import gather_mixed_groups
-    from flywheel.backend import LocalBackend
+    from flywheel.local.backend import LocalBackend
 
 _LAZY = {
-    "LocalBackend": ("flywheel.backend", "LocalBackend"),
+    "LocalBackend": ("flywheel.local.backend", "LocalBackend"),
     "rewards": ("flywheel.rewards", None),
     "gather_mixed_groups": ("flywheel.agents.dynamic_sampling", "gather_mixed_groups"),  # DAPO's dynamic sampling
 }

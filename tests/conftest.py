@@ -13,9 +13,9 @@ import pytest
 import pytest_asyncio
 from postgres import PostgresServer, find_bindir
 
-from flywheel.backend import LocalBackend
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
 from flywheel.model import TrainableModel
 
 

@@ -28,11 +28,10 @@ from openai.types.chat import ChatCompletion
 from pydantic import BaseModel
 
 import flywheel as art
-from flywheel.backend import LocalBackend
 from flywheel.guided_completion import get_guided_completion_params
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.local import LocalBackend as ARTLocalBackend
-from flywheel.local.backend import LocalBackend as ARTLocalBackendModule
+from flywheel.local.backend import LocalBackend
 from flywheel.train.config import TrainedWeights
 from flywheel.types import sampled_tokens
 from flywheel.utils import iterate_dataset, limit_concurrency
@@ -331,7 +330,7 @@ async def test_model_backend_client_and_litellm_params_as_arts(backend: LocalBac
     assert client.max_retries == 2 and client.timeout.read == 1200  # type: ignore[union-attr]
     params = model.litellm_completion_params(step=0)
     assert params["model"] == f"openai/{model.name}@0" and params["api_base"] == backend.base_url
-    assert ARTLocalBackend is ARTLocalBackendModule is art.LocalBackend
+    assert ARTLocalBackend is LocalBackend is art.LocalBackend
 
 
 async def test_a_prompted_model_is_a_baseline_logged_like_a_trained_one(backend: LocalBackend):

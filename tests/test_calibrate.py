@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flywheel.backend import LocalBackend
 from flywheel.cli import app
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
 from flywheel.rewards import RetryPolicy, Score
 from flywheel.rewards.calibrate import DEFAULT_DATA, calibrate, kendall_tau_b, load_groups, measure
 

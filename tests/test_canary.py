@@ -15,10 +15,10 @@ import httpx
 import openai
 import pytest
 
-from flywheel.backend import LocalBackend
 from flywheel.gateway.recorder import Gateway
 from flywheel.gateway.traffic import CANARY, SHADOW, TrafficPolicy, arm_hash
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
 from flywheel.store import Store, audit, deployments

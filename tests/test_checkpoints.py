@@ -1,5 +1,5 @@
-"""Checkpoints and a model's directory (flywheel/runs.py): pruning, recovery from what a kill leaves, branches after
-a restore, RNG states and the caller's ``extra``, skipped saves, one step at a time, one owner per directory.
+"""Checkpoints and a model's directory (flywheel/checkpoints/): pruning, recovery from what a kill leaves, branches
+after a restore, RNG states and the caller's ``extra``, skipped saves, one step at a time, one owner per directory.
 
 What a kill leaves on disk is built by hand in the recovery tests (each state named after the instant it stands
 for); tests/test_crash.py kills real runs."""
@@ -20,8 +20,7 @@ import pytest
 import torch
 
 import flywheel as art
-from flywheel.inference.loading import EMBEDDED_MODEL
-from flywheel.runs import (
+from flywheel.checkpoints.layout import (
     ADAPTER_WEIGHTS,
     ASIDE,
     DELETING,
@@ -30,14 +29,12 @@ from flywheel.runs import (
     RUN,
     STATE,
     TMP,
-    Checkpoint,
-    CheckpointState,
-    CheckpointWriteError,
-    ModelInUseError,
-    RunStore,
     model_path,
 )
+from flywheel.checkpoints.run import CheckpointWriteError, ModelInUseError, RunStore
+from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.store import Store, deployments
+from flywheel.train.checkpoint import Checkpoint, CheckpointState
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 
 SYSTEM = {"role": "system", "content": "You answer with one word."}

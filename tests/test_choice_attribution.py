@@ -11,12 +11,12 @@ from typing import Any
 import openai
 import pytest
 
-from flywheel.backend import LocalBackend
 from flywheel.gateway.client import EpisodeClient, GatewayError
 from flywheel.gateway.export import AMBIGUOUS_CHOICE, AmbiguousChoiceError, episode_trajectory, trajectory_group
 from flywheel.gateway.splice import Output, output_key, splice_prompt, tokenizer_key
 from flywheel.inference.chat import render_prompt
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
 from flywheel.loop.offpolicy import LeftOut, draw
 from flywheel.store import Store
 from flywheel.store import episodes as db

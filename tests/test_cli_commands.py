@@ -19,8 +19,9 @@ import httpx
 import openai
 import pytest
 
+from flywheel.checkpoints.layout import model_path
+from flywheel.checkpoints.run import RunStore
 from flywheel.inference.loading import EMBEDDED_MODEL, resolve_model
-from flywheel.runs import RunStore, model_path
 
 FLYWHEEL = str(Path(sys.executable).parent / "flywheel")  # the console script installed beside this Python
 

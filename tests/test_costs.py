@@ -9,9 +9,9 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from flywheel.backend import LocalBackend
 from flywheel.cli import app
 from flywheel.gateway.client import EpisodeClient
+from flywheel.local.backend import LocalBackend
 from flywheel.store import Store
 from flywheel.store import episodes as db
 from flywheel.store.arms import arms

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.runs import HISTORY, RunStore
+from flywheel.checkpoints.layout import HISTORY
+from flywheel.checkpoints.run import RunStore
 
 SCRIPT = Path(__file__).with_name("crash_run.py")
 STEPS = 8

@@ -10,14 +10,16 @@ import torch
 from sqlalchemy import func, select, text
 from typer.testing import CliRunner
 
-from flywheel.backend import LocalBackend
+from flywheel.checkpoints.layout import model_path
+from flywheel.checkpoints.run import RunStore
 from flywheel.cli import app
 from flywheel.gateway.client import EpisodeClient
 from flywheel.inference.loading import EMBEDDED_MODEL
-from flywheel.runs import Checkpoint, CheckpointState, RunStore, model_path
+from flywheel.local.backend import LocalBackend
 from flywheel.store import Store, audit, deployments
 from flywheel.store.deployments import InvalidAliasError, NoRollbackError, UnknownDeploymentError
 from flywheel.store.schema import AuditEvent, Deployment
+from flywheel.train.checkpoint import Checkpoint, CheckpointState
 from flywheel.train.config import TrainedWeights
 
 from helpers import at_once

@@ -15,7 +15,6 @@ import openai
 import pytest
 import torch
 
-from flywheel.backend import LocalBackend
 from flywheel.inference.chat import render_prompt
 from flywheel.inference.engine import EngineClosedError, InferenceEngine
 from flywheel.inference.kv_attention import SlotKVCache
@@ -23,6 +22,7 @@ from flywheel.inference.loading import EMBEDDED_MODEL, load_model
 from flywheel.inference.prefix_cache import PrefixCache
 from flywheel.inference.registry import ModelRegistry
 from flywheel.inference.sampling import SamplingParams
+from flywheel.local.backend import LocalBackend
 from flywheel.model import TrainableModel
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer

@@ -14,11 +14,11 @@ import shutil
 import pytest
 from rich.console import Console
 
-from flywheel.backend import LocalBackend
+from flywheel.checkpoints.layout import OPTIMIZER, model_path
 from flywheel.examples.calculator.flywheel_demo import POLICY_STACK, run_demo
 from flywheel.examples.calculator.task import Problem, reward
 from flywheel.graders import grade, parse_grader
-from flywheel.runs import OPTIMIZER, model_path
+from flywheel.local.backend import LocalBackend
 from flywheel.store import audit, deployments
 
 

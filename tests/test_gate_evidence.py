@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.backend import LocalBackend
 from flywheel.gateway.traffic import TrafficPolicy
 from flywheel.graders.stack import parse_stack, score
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
 from flywheel.loop.driver import Loop, LoopConfig
 from flywheel.loop.evaluate import HeldOutRun, _item_result
 from flywheel.loop.gate import GatePolicy, ItemResult, decide

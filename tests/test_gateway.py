@@ -10,11 +10,11 @@ import httpx
 import openai
 import pytest
 
-from flywheel.backend import LocalBackend
 from flywheel.gateway.client import EpisodeClient, GatewayError
 from flywheel.gateway.splice import Output, output_key, splice_prompt, tokenizer_key
 from flywheel.inference.chat import render_prompt
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
 from flywheel.store import Store
 from flywheel.store import episodes as db
 from flywheel.train.batch import trajectory_sequences

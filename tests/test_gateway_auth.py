@@ -20,13 +20,13 @@ from fastapi.routing import iter_route_contexts
 from sqlalchemy import select
 from typer.testing import CliRunner, Result
 
-from flywheel.backend import LocalBackend
 from flywheel.cli import app
 from flywheel.gateway.auth import BUDGETS_ENV_VAR, ENV_VAR, ApiKeyError, ApiKeys, Role, TokenBudgets, required_role
 from flywheel.gateway.client import EpisodeClient, GatewayError
 from flywheel.gateway.recorder import Gateway
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.inference.registry import ModelRegistry
+from flywheel.local.backend import LocalBackend
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
 from flywheel.store import Store, deployments

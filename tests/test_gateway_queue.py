@@ -21,7 +21,6 @@ import httpx
 import openai
 import pytest
 
-from flywheel.backend import LocalBackend
 from flywheel.gateway.client import (
     Attempt,
     EpisodeClient,
@@ -33,6 +32,7 @@ from flywheel.gateway.client import (
 )
 from flywheel.gateway.runner import Runner, RunnerStats, current_lease
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
 
 TESTS = Path(__file__).resolve().parent
 FLYWHEEL = str(Path(sys.executable).parent / "flywheel")  # the console script installed beside this Python

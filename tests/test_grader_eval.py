@@ -10,10 +10,10 @@ import pytest
 import pytest_asyncio
 from typer.testing import CliRunner
 
-from flywheel.backend import LocalBackend
 from flywheel.cli import app
 from flywheel.graders.evaluation import mean_interval, parse_model_spec, wilson
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
 from flywheel.model import TrainableModel
 from flywheel.train import SFTConfig, TrainedWeights
 from flywheel.types import Trajectory

@@ -14,7 +14,6 @@ from openai.types.chat import ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice
 from typer.testing import CliRunner
 
-from flywheel.backend import LocalBackend
 from flywheel.cli import app
 from flywheel.gather import gather_trajectory_groups
 from flywheel.graders import (
@@ -34,6 +33,7 @@ from flywheel.graders.rewards import after_each, sample_of
 from flywheel.graders.similarity import meteor_uses_synonyms
 from flywheel.graders.templates import check_template, render
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
 from flywheel.model import Model
 from flywheel.rewards.ruler import is_local_judge
 from flywheel.server.background import BackgroundServer

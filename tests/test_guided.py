@@ -13,9 +13,9 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from flywheel.backend import LocalBackend
 from flywheel.gateway.client import EpisodeClient
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
 
 MODEL = EMBEDDED_MODEL
 MESSAGES = [{"role": "user", "content": "Describe a person called Ada as JSON."}]

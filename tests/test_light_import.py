@@ -14,12 +14,13 @@ from flywheel import Trajectory, TrajectoryGroup, gather_trajectory_groups, Trai
 from flywheel.types import sampled_tokens, set_intermediate_reward
 from flywheel.gather import gather_trajectories
 from flywheel.home import default_home
+from flywheel.checkpoints.layout import model_path, steps  # a model's directory and its checkpoints
 from flywheel.train.config import TrainConfig
 from flywheel.agents import Tool, run_agent, to_transitions  # tool-using agents and their exports
 from flywheel.graders.spec import parse_grader  # graders' data types
 from flywheel.gateway.client import EpisodeClient, QueueClient  # an agent or runner talking to the gateway
 from flywheel.gateway.runner import Runner  # a runner of the rollout queue
-heavy = sorted(m for m in ("torch", "peft", "fastapi", "uvicorn", "transformers", "litellm", "flywheel.backend",
+heavy = sorted(m for m in ("torch", "peft", "fastapi", "uvicorn", "transformers", "litellm", "flywheel.local",
                            "flywheel.inference.engine", "sqlalchemy", "flywheel.store") if m in sys.modules)
 backend = art.LocalBackend  # the heavy name still resolves, when asked for
 print(json.dumps({"heavy": heavy, "torch_after_backend": "torch" in sys.modules, "modules": len(sys.modules)}))
@@ -48,8 +49,8 @@ codes = {"flywheel": help_of()}
 print("-- end of flywheel --help")
 for group in ("export", "graders", "judge", "audit", "review", "eval", "loop", "serve", "train", "deploy"):
     codes[group] = help_of(group)
-heavy = sorted(m for m in ("torch", "transformers", "peft", "flywheel.inference.loading", "flywheel.backend",
-                           "flywheel.runs", "flywheel.loop.driver", "flywheel.train.trainer", "sqlalchemy",
+heavy = sorted(m for m in ("torch", "transformers", "peft", "flywheel.inference.loading", "flywheel.local",
+                           "flywheel.checkpoints.run", "flywheel.loop.driver", "flywheel.train.trainer", "sqlalchemy",
                            "flywheel.store") if m in sys.modules)
 print(json.dumps({"codes": codes, "heavy": heavy, "modules": len(sys.modules)}))
 """

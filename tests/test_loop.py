@@ -16,23 +16,23 @@ import yaml
 from typer.testing import CliRunner
 
 from flywheel.agents.dynamic_sampling import DynamicSamplingConfig
-from flywheel.backend import LocalBackend
 from flywheel.cli import app
 from flywheel.gateway.client import EpisodeClient, QueueClient
 from flywheel.gateway.runner import Runner, current_lease
 from flywheel.graders.stack import load_stack, parse_stack
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
 from flywheel.loop.alarm import AlarmPolicy, reward_hacking
 from flywheel.loop.canary import CanaryPolicy
 from flywheel.loop.driver import REWIND, Loop, LoopConfig
 from flywheel.loop.evaluate import HeldOutRun, evaluate
 from flywheel.loop.gate import GatePolicy, HeldOutSet, ItemResult, decide, levels
 from flywheel.loop.shadow import ShadowPolicy
-from flywheel.runs import Checkpoint, CheckpointState
 from flywheel.store import Store, audit, deployments
 from flywheel.store import episodes as db
 from flywheel.store import grades as gdb
 from flywheel.store.arms import shadow_episode
+from flywheel.train.checkpoint import Checkpoint, CheckpointState
 from flywheel.types import Trajectory, TrajectoryGroup
 
 HELDOUT = HeldOutSet(

@@ -16,8 +16,8 @@ import pytest
 from test_loop import write_config
 from users import Users, differences
 
-from flywheel.backend import LocalBackend
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
 from flywheel.loop.driver import Loop, LoopConfig
 from flywheel.store import audit, deployments
 

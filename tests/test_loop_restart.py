@@ -27,16 +27,16 @@ from test_loop import NOISY, write_config
 from typer.testing import CliRunner
 from users import Users, differences
 
-from flywheel.backend import LocalBackend
+from flywheel.checkpoints.run import RunStore
 from flywheel.cli import app
 from flywheel.gateway.recorder import Gateway
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.loading import EMBEDDED_MODEL, load_model
 from flywheel.inference.registry import ModelRegistry, ServedModel
+from flywheel.local.backend import LocalBackend
 from flywheel.loop import alarm as alarms
 from flywheel.loop.driver import GATE_ACTIONS, REWIND, ROLLBACKS, Loop, LoopConfig
 from flywheel.model import TrainableModel
-from flywheel.runs import RunStore
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
 from flywheel.store import Store, audit, deployments

@@ -23,8 +23,8 @@ from openai.types.chat.chat_completion import Choice
 
 import flywheel as art
 import flywheel.rewards.cache
-from flywheel.backend import LocalBackend
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
 from flywheel.rewards import JudgeCache, JudgeError, JudgeUsage, RetryPolicy, ruler, ruler_score_group
 from flywheel.rewards.ruler import _Candidate, build_request
 from flywheel.server.background import BackgroundServer

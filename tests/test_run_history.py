@@ -11,10 +11,12 @@ import pytest
 import torch
 from sqlalchemy import event, text
 
-from flywheel import runs as runs_module
-from flywheel.runs import HISTORY, OPEN_STORES, RUN, Checkpoint, CheckpointState, RunStore, model_path
+from flywheel.checkpoints import run as run_module
+from flywheel.checkpoints.layout import HISTORY, RUN, model_path
+from flywheel.checkpoints.run import OPEN_STORES, RunStore
 from flywheel.store import Store
 from flywheel.store import history as history_db
+from flywheel.train.checkpoint import Checkpoint, CheckpointState
 from flywheel.train.config import TrainedWeights
 from flywheel.types import Trajectory
 
@@ -139,7 +141,7 @@ def test_a_writer_asks_the_store_for_the_runs_rows_once_not_at_every_step(store:
     def count(_conn, _cursor, statement, *_args) -> None:
         queries.append(statement)
 
-    engine = runs_module._store(db_url).engine
+    engine = run_module._store(db_url).engine
     event.listen(engine, "before_cursor_execute", count)
     try:
         for step in (1, 2, 3):
@@ -217,7 +219,7 @@ def test_a_process_keeps_few_stores_open_and_one_closed_for_another_still_serves
     runs = [RunStore(model_path(tmp_path / f"home{i}", "p", "m")) for i in range(OPEN_STORES + 2)]
     for i, run in enumerate(runs):
         run.append([row(i)])
-    assert len(runs_module._stores) <= OPEN_STORES
-    assert runs[0].db not in runs_module._stores  # closed to make room
+    assert len(run_module._stores) <= OPEN_STORES
+    assert runs[0].db not in run_module._stores  # closed to make room
     (runs[0].path / HISTORY).unlink()  # so that what is read comes from the store
     assert [r["step"] for r in runs[0].history()] == [0]

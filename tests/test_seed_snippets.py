@@ -15,8 +15,8 @@ from openai.types.chat import ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice
 
 import flywheel as art
-from flywheel.backend import LocalBackend
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
 from flywheel.rewards import ruler, ruler_score_group
 
 JUDGE = f"openai/{EMBEDDED_MODEL}"

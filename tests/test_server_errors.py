@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
-from flywheel.backend import LocalBackend
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
 
 MODEL = EMBEDDED_MODEL
 MESSAGES = [{"role": "user", "content": "Say hi."}]

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 import flywheel as art
 from flywheel.agents import Transition, from_transitions, read_transitions, to_transitions, write_transitions
+from flywheel.checkpoints.run import RunStore
 from flywheel.cli import app
-from flywheel.runs import RunStore
 from flywheel.store import Store
 from flywheel.store import history as history_db
 from flywheel.train.credit import set_turn_rewards, turn_rewards

@@ -1,6 +1,6 @@
-"""Weights & Biases logging (flywheel/wandb_log.py), as ART does it: a training step's and ``model.log``'s metrics
-reach a W&B run named after the model, in W&B's offline mode (no network), read back from the run's own ``.wandb``
-file; a restarted backend logs to the same run id; without wandb installed, one warning and no error."""
+"""Weights & Biases logging (flywheel/local/wandb_log.py), as ART does it: a training step's and ``model.log``'s metrics
+reach a W&B run named after the model, in W&B's offline mode (no network), read back from the run's own ``.wandb`` file;
+a restarted backend logs to the same run id; without wandb installed, one warning and no error."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 import flywheel as art
 from flywheel.inference.loading import EMBEDDED_MODEL
-from flywheel.wandb_log import WandbLog, run_id
+from flywheel.local.wandb_log import WandbLog, run_id
 
 
 def require_wandb() -> None:

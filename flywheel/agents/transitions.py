@@ -160,12 +160,13 @@ def write_transitions(path: str | Path, rows: Iterable[Transition]) -> int:
 
 def run_directory(run: str | Path) -> Path:
     """A model directory as given, or ``project/name`` under ``$FLYWHEEL_HOME``."""
+    from flywheel.checkpoints.layout import model_path
     from flywheel.home import default_home
 
     path = Path(run)
     if path.is_dir():
         return path
-    candidate = default_home() / path.parent / "models" / path.name if len(path.parts) == 2 else None
+    candidate = model_path(default_home(), str(path.parent), path.name) if len(path.parts) == 2 else None
     if candidate is not None and candidate.is_dir():
         return candidate
     raise FileNotFoundError(
@@ -176,9 +177,9 @@ def run_directory(run: str | Path) -> Path:
 
 def run_transitions(run_dir: Path, split: str = "train", *, gamma: float = 1.0) -> Iterator[Transition]:
     """The transitions of a run's trajectories of ``split``, as the store holds them (``$FLYWHEEL_DB``, else the
-    home's SQLite: ``flywheel.runs.RunStore``; the ``trajectories/`` files are their export, and are imported
-    first if the store has none of the run's)."""
-    from flywheel.runs import RunStore  # torch: not on this module's import path
+    home's SQLite: ``flywheel.checkpoints.run.RunStore``; the ``trajectories/`` files are their export, and are
+    imported first if the store has none of the run's)."""
+    from flywheel.checkpoints.run import RunStore  # torch: not on this module's import path
 
     run = RunStore(run_dir)
     found = run.trajectory_texts(split)

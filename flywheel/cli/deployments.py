@@ -1,14 +1,13 @@
 """``flywheel deploy | promote | rollback | deployments | audit [verify]``: deployments (aliases such as
 ``calc@production`` that the gateway serves) and the audit trail, from the command line.
 
-A model's checkpoints are its directory's (``runs.RunStore``) under ``$FLYWHEEL_HOME``, ``<project>/models/<name>``;
-an alias is pointed only at a step that has one. Bad input (a malformed alias, an unknown model or step, nothing to
-roll back to) is one line and exit status 2, with nothing written.
+A model's checkpoints are its directory's under ``$FLYWHEEL_HOME`` (``flywheel.checkpoints.layout``:
+``<project>/models/<name>/checkpoints/``); an alias is pointed only at a step that has one. Bad input (a malformed
+alias, an unknown model or step, nothing to roll back to) is one line and exit status 2, with nothing written.
 """
 
 from __future__ import annotations
 
-import glob
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated
@@ -17,6 +16,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from flywheel.checkpoints import layout
 from flywheel.cli.common import Actor, Db, Home, Project, Why, console, fail, open_store, require_actor
 from flywheel.home import default_home
 
@@ -24,21 +24,15 @@ audit_app = typer.Typer(help="The audit trail: who deployed, promoted or rolled 
 
 
 def _checkpoints(model: str, home: Path | None, project: str | None) -> list[int]:
-    """The model's checkpoint steps (``RunStore.steps``), found under the home's projects."""
-    from flywheel.runs import RunStore, model_path  # torch: only once the input is known to be well-formed
-
+    """The model's complete checkpoints' steps, found under the home's projects."""
     root = home or default_home()
-    if project is not None:
-        found = [p for p in [model_path(root, project, model)] if p.is_dir()]
-    else:
-        found = sorted(p for p in root.glob(f"*/models/{glob.escape(model)}") if p.is_dir())
+    found = layout.find_models(root, model, project)
     if not found:
-        where = model_path(root, project or "<project>", model)
-        fail(f"No model '{model}' under {root} (its checkpoints would be in {where / 'checkpoints'}).")
+        where = layout.checkpoints_dir(layout.model_path(root, project or "<project>", model))
+        fail(f"No model '{model}' under {root} (its checkpoints would be in {where}).")
     if len(found) > 1:
-        projects = ", ".join(p.parent.parent.name for p in found)
-        fail(f"'{model}' is a model of several projects ({projects}): name one with --project.")
-    return RunStore(found[0]).steps()
+        fail(f"'{model}' is a model of several projects ({', '.join(found)}): name one with --project.")
+    return layout.steps(next(iter(found.values())))
 
 
 def _check_step(model: str, step: int, home: Path | None, project: str | None) -> None:

@@ -111,9 +111,9 @@ def eval_command(
     python_timeout: PythonTimeout = 120.0,
 ) -> None:
     """Run a model on RFT data and report each grader's mean score with a 95% interval."""
+    from flywheel.checkpoints.run import ModelInUseError
     from flywheel.graders.evaluation import EvalConfig, evaluate
     from flywheel.graders.sandbox import SandboxLimits
-    from flywheel.runs import ModelInUseError
 
     config = EvalConfig(
         model=model, data=data, graders=grader, project=project, base_model=base_model, home=home, limit=limit,

@@ -70,10 +70,10 @@ def demo(
 
 
 async def _demo(n_problems: int, group_size: int, level: int, base_model: str, seed: int) -> None:
-    from flywheel.backend import LocalBackend
     from flywheel.examples.calculator.agent import rollout
     from flywheel.examples.calculator.task import extract_answer, generate_problems
     from flywheel.gather import gather_trajectory_groups
+    from flywheel.local.backend import LocalBackend
     from flywheel.model import TrainableModel
     from flywheel.types import TrajectoryGroup, completion_token_count
 
@@ -220,8 +220,8 @@ def train(
         config = config.model_copy(update={"time_budget_minutes": budget_minutes or None})
     if not full_finetune:
         config = config.with_lora()
+    from flywheel.checkpoints.run import CheckpointWriteError
     from flywheel.graders.stack import StackGradingError
-    from flywheel.runs import CheckpointWriteError
 
     try:
         asyncio.run(run(config, console))

@@ -36,8 +36,8 @@ def loop_command(
     """Run the flywheel loop: production episodes become training tasks, the model trains through the gateway's
     runners, and every few steps a candidate meets the promotion gate (a passing one goes to MODEL@canary). Killed
     and started again, it takes up where it stopped (docs/user-guide.md, "Restarting the loop")."""
-    from flywheel.backend import LocalBackend
     from flywheel.graders.spec import GraderSpecError
+    from flywheel.local.backend import LocalBackend
     from flywheel.loop.driver import Loop, LoopConfig, RewindError
 
     try:
@@ -58,7 +58,7 @@ def loop_command(
         finally:
             await loop.backend.close()
 
-    from flywheel.runs import CheckpointWriteError, ModelInUseError
+    from flywheel.checkpoints.run import CheckpointWriteError, ModelInUseError
 
     # the loop's progress (each iteration, gate, shadow and canary decision) is logged under "flywheel.loop"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -107,16 +107,15 @@ def loop_command(
 
 def _clear_alarm(loop_config: LoopConfig, source: Path, home: Path | None, actor: str, why: str | None) -> None:
     """``--clear-alarm``: a ``loop.alarm.clear`` event naming the model's latest checkpoint (no model loads)."""
+    from flywheel.checkpoints import layout
     from flywheel.home import default_home
     from flywheel.loop.alarm import NoAlarmError, clear
-    from flywheel.runs import RunStore, model_path
     from flywheel.store.db import default_url
 
     if not why:
         fail(f"{source}: --clear-alarm needs --why: the reason goes into the audit trail", plain=True)
     root = home or default_home()
-    models = model_path(root, loop_config.project, loop_config.name)
-    step = (RunStore(models).latest() if models.exists() else None) or 0
+    step = layout.latest(layout.model_path(root, loop_config.project, loop_config.name)) or 0
     store = open_store(default_url(root), plain=True, prefix=str(source))
     try:
         with store.session() as s:

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 from tqdm.auto import tqdm
 
-from flywheel.backend import LocalBackend
+from flywheel.local.backend import LocalBackend
 from flywheel.model import TrainableModel
 from flywheel.train.config import SFTConfig
 from flywheel.types import Trajectory

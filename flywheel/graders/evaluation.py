@@ -13,7 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from flywheel.backend import LocalBackend
+from flywheel.checkpoints import layout
+from flywheel.checkpoints.run import RunStore
 from flywheel.gather import gather_trajectories
 from flywheel.graders.data import RFTRow, load_rft_jsonl
 from flywheel.graders.model_graders import JudgeSettings
@@ -24,8 +25,8 @@ from flywheel.graders.sandbox import PythonSandbox, SandboxLimits
 from flywheel.graders.spec import Grader, MultiGrader, load_grader
 from flywheel.home import default_home
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
 from flywheel.model import Model, TrainableModel
-from flywheel.runs import RunStore, model_path
 from flywheel.stats import bootstrap_mean, wilson
 from flywheel.train.config import TrainedWeights
 from flywheel.types import Trajectory
@@ -94,7 +95,8 @@ class EvalReport(BaseModel):
 
 
 def _projects_with(home: Path, name: str) -> list[str]:
-    return sorted(p.parent.parent.name for p in home.glob(f"*/models/{name}") if (p / "checkpoints").is_dir())
+    found = layout.find_models(home, name)
+    return [project for project, path in found.items() if layout.checkpoints_dir(path).is_dir()]
 
 
 async def _policy(config: EvalConfig, backend: LocalBackend) -> Model:
@@ -109,14 +111,14 @@ async def _policy(config: EvalConfig, backend: LocalBackend) -> Model:
                 f"model {name!r} exists in several projects under {home} ({', '.join(found)}): pass --project"
             )
         project = found[0] if found else None
-    if project is None or not (model_path(home, project, name) / "checkpoints").is_dir():
+    if project is None or not layout.checkpoints_dir(layout.model_path(home, project, name)).is_dir():
         if step is not None:
             raise ValueError(
                 f"no checkpoints of model {name!r} under {home}/{project or '*'}/models/ (FLYWHEEL_HOME or --home)"
             )
         await backend.load(name)  # a base model as it is
         return Model(name=name, project="eval", inference_model_name=name, inference_base_url=backend.base_url)
-    run = RunStore(model_path(home, project, name))
+    run = RunStore(layout.model_path(home, project, name))
     available = run.steps()
     if step is not None and step not in available:
         raise ValueError(f"{name}@{step}: no such checkpoint; available steps: {available or 'none'}")

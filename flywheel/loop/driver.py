@@ -50,13 +50,13 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flywheel.agents.dynamic_sampling import DynamicSampler, DynamicSamplingConfig, MixedGroups, NoMixedGroupsError
-from flywheel.backend import LocalBackend
 from flywheel.gateway.client import QueueClient, TaskSpec
 from flywheel.gateway.runner import Runner, load_agent
 from flywheel.graders.regress import last_sample
 from flywheel.graders.rewards import sample_of
 from flywheel.graders.stack import GraderStack, StackScore, load_stack, score
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
 from flywheel.loop import alarm as alarms
 from flywheel.loop.alarm import AlarmPolicy, reward_hacking
 from flywheel.loop.canary import CanaryPolicy, CanaryVerdict, Scored, verdict

@@ -1,7 +1,7 @@
-"""A run's history: the rows of metrics of each training step and evaluation of a model, in the order they were
-written, and the trajectories saved with a step (the trained ones, an evaluation's). ``flywheel.runs.RunStore``
-writes them here and exports them to the model's ``history.jsonl`` and ``trajectories/<split>/<step>.jsonl``; what
-its crash recovery keeps or drops, and the branches a restore gives up, are changed here.
+"""A run's history: the rows of metrics of each training step and evaluation of a model, in the order they were written,
+and the trajectories saved with a step (the trained ones, an evaluation's). ``flywheel.checkpoints.run.RunStore`` writes
+them here and exports them to the model's ``history.jsonl`` and ``trajectories/<split>/<step>.jsonl``; what its crash
+recovery keeps or drops, and the branches a restore gives up, are changed here.
 
 A run is a ``RunKey``: the project, the model's name and the id its directory keeps, so that two machines training
 one name into a shared store keep their rows apart. Rows stored before runs had ids have the run "" until their
@@ -30,7 +30,7 @@ BEFORE_IDS = ""  # the run of rows stored before runs had ids
 
 
 class RunKey(NamedTuple):
-    """A run: a model's project and name, and the id its directory keeps (``flywheel.runs.RunStore``)."""
+    """A run: a model's project and name, and the id its directory keeps (``flywheel.checkpoints.run.RunStore``)."""
 
     project: str
     model: str

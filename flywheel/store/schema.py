@@ -211,12 +211,12 @@ class Review(Base):
 
 
 class RunHistoryRow(Base):
-    """One history row of a model's run (a training step's or an evaluation's metrics), as ``flywheel.runs`` writes
-    it: the row itself is JSON text (it may hold NaN, as ``history.jsonl`` does), its step, split and time columns
-    are there to query by. ``run`` is the id the model's directory keeps (two machines training one name are two
-    runs; "" for rows stored before runs had ids). ``branch`` is None on the run's live line; rows of a branch given
-    up (training went on from an earlier checkpoint) keep the name of the ``abandoned/`` directory they were
-    archived to."""
+    """One history row of a model's run (a training step's or an evaluation's metrics), as ``flywheel.checkpoints.run``
+    writes it: the row itself is JSON text (it may hold NaN, as ``history.jsonl`` does), its step, split and time
+    columns are there to query by. ``run`` is the id the model's directory keeps (two machines training one name are two
+    runs; "" for rows stored before runs had ids). ``branch`` is None on the run's live line; rows of a branch given up
+    (training went on from an earlier checkpoint) keep the name of the ``abandoned/`` directory they were archived
+    to."""
 
     __tablename__ = "run_history"
     __table_args__ = (Index("ix_run_history_run", "project", "model", "run", "branch", "step"),)

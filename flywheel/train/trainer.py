@@ -22,8 +22,8 @@ from transformers import PreTrainedModel, get_scheduler
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.kv_attention import PackedBatch
 from flywheel.inference.lora import fuse_lora_forward
-from flywheel.runs import Checkpoint, CheckpointState
 from flywheel.train.batch import MicroBatch, TrainingSequence, pack, trajectory_sequences
+from flywheel.train.checkpoint import Checkpoint, CheckpointState
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 from flywheel.train.credit import credit_advantages, has_reward_variance, has_signal
 from flywheel.train.logprobs import token_logprobs

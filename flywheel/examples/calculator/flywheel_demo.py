@@ -57,7 +57,6 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
-from flywheel.backend import LocalBackend
 from flywheel.examples.calculator import task
 from flywheel.examples.calculator.agent import rollout
 from flywheel.examples.calculator.task import CALCULATOR_TOOL, Problem, demonstration, generate_problems
@@ -65,6 +64,7 @@ from flywheel.examples.calculator.train import register_new
 from flywheel.gateway.client import EpisodeClient, QueueClient
 from flywheel.gateway.runner import Runner, current_lease
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
 from flywheel.loop.canary import CanaryPolicy, CanaryVerdict
 from flywheel.loop.driver import Candidate, Loop, LoopConfig, LoopReport
 from flywheel.loop.gate import GatePolicy

@@ -21,13 +21,13 @@ from tqdm.auto import tqdm
 
 from flywheel.agents.curriculum import mixed_outcome_weight
 from flywheel.agents.dynamic_sampling import DynamicSampler, DynamicSamplingConfig, MixedGroups, NoMixedGroupsError
-from flywheel.backend import LocalBackend
 from flywheel.examples.calculator.agent import rollout
 from flywheel.examples.calculator.task import CALCULATOR_TOOL, Problem, demonstration, generate_problems
 from flywheel.examples.sft_arm import sft_best_epoch
 from flywheel.gather import gather_trajectory_groups
 from flywheel.graders.evaluation import wilson
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
 from flywheel.model import TrainableModel
 from flywheel.stats import bootstrap_mean
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights

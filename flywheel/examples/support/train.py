@@ -29,7 +29,6 @@ from tqdm.auto import tqdm
 
 from flywheel.agents.air import AIRConfig
 from flywheel.agents.dynamic_sampling import DynamicSampler, DynamicSamplingConfig, NoMixedGroupsError
-from flywheel.backend import LocalBackend
 from flywheel.examples.calculator.train import peak_rss_gb, register_new, rl_rounds
 from flywheel.examples.sft_arm import sft_best_epoch
 from flywheel.examples.support.agent import MAX_TURNS, demonstration, expert_rollout, rollout
@@ -39,6 +38,7 @@ from flywheel.examples.support.tickets import Ticket, generate_tickets
 from flywheel.gather import gather_trajectory_groups
 from flywheel.graders.stack import GraderStack
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
 from flywheel.model import TrainableModel
 from flywheel.stats import bootstrap_mean
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights

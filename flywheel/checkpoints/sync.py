@@ -7,16 +7,21 @@ trajectories), never its lock, its run id or its temporaries (dot-names: a pulle
 is copied when the other side lacks it or has another size (checkpoint files never change once written; the history
 only grows). A push copies the history last, so a reader never sees a row whose checkpoint is not there yet; a pull
 copies it first, so the rows of checkpoints it copies are there (``recover`` at ``register`` drops rows past the
-latest checkpoint).
+latest checkpoint). ``pull_run`` pulls into a run's directory under its lock and makes the pulled history the
+store's.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from flywheel.runs import HISTORY
+from flywheel.checkpoints import layout
+from flywheel.checkpoints.layout import HISTORY
+
+if TYPE_CHECKING:
+    from flywheel.checkpoints.run import RunStore
 
 
 def remote_url(project: str, name: str, s3_bucket: str | None, prefix: str | None) -> str:
@@ -27,7 +32,7 @@ def remote_url(project: str, name: str, s3_bucket: str | None, prefix: str | Non
             "checkpoint sync needs a place: pass s3_bucket= (a bucket name or any fsspec URL) or set BACKUP_BUCKET"
         )
     root = bucket.rstrip("/") if "://" in bucket else f"s3://{bucket}"
-    parts = [p.strip("/") for p in (prefix, project, "models", name) if p and p.strip("/")]
+    parts = [p.strip("/") for p in (prefix, project, layout.MODELS, name) if p and p.strip("/")]
     return "/".join([root, *parts])
 
 
@@ -46,9 +51,9 @@ def _local_files(directory: Path) -> dict[str, int]:
     """Relative path -> size of the directory's files, without dot-names (the lock, temporaries)."""
     files = {}
     for path in directory.rglob("*"):
-        relative = path.relative_to(directory)
-        if path.is_file() and not any(part.startswith(".") for part in relative.parts):
-            files[relative.as_posix()] = path.stat().st_size
+        relative = path.relative_to(directory).as_posix()
+        if path.is_file() and not layout.is_private(relative):
+            files[relative] = path.stat().st_size
     return files
 
 
@@ -58,7 +63,7 @@ def _remote_files(fs: Any, root: str) -> dict[str, int]:
     files = {}
     for path, info in fs.find(root, detail=True).items():
         relative = path[len(root.rstrip("/")) :].lstrip("/")
-        if info.get("type", "file") == "file" and not any(part.startswith(".") for part in relative.split("/")):
+        if info.get("type", "file") == "file" and not layout.is_private(relative):
             files[relative] = int(info.get("size") or 0)
     return files
 
@@ -102,13 +107,15 @@ def pull(
     remote = _remote_files(fs, root)
     if not remote and verbose:
         print(f"nothing to pull yet: {url} has no model directory")
-    steps = sorted({int(n.split("/")[1]) for n in remote if n.startswith("checkpoints/") and n.split("/")[1].isdigit()})
+    steps = sorted({step for step in map(layout.checkpoint_step, remote) if step is not None})
     if only_step is not None:
         step = steps[-1] if only_step == "latest" and steps else only_step
         if step not in steps:
             raise FileNotFoundError(f"{url} has no checkpoint {only_step!r} (it has {steps or 'none'})")
         remote = {
-            n: s for n, s in remote.items() if not n.startswith("checkpoints/") or n.split("/")[1] == f"{step:04d}"
+            n: s
+            for n, s in remote.items()
+            if not n.startswith(f"{layout.CHECKPOINTS}/") or layout.checkpoint_step(n) == step
         }
     local = _local_files(directory) if directory.is_dir() else {}
     copied = [name for name in sorted(remote, key=lambda n: (n != HISTORY, n)) if local.get(name) != remote[name]]
@@ -120,4 +127,25 @@ def pull(
     if delete and only_step is None:
         for name in sorted(local.keys() - remote.keys()):
             (directory / name).unlink()
+    return copied
+
+
+def pull_run(
+    run: RunStore,
+    url: str,
+    *,
+    only_step: int | Literal["latest"] | None = None,
+    delete: bool = False,
+    verbose: bool = False,
+) -> list[str]:
+    """``pull`` into a run's directory under its lock (no backend has it registered while its files change); pulled
+    history rows or trajectories become the run's history in the store too (``RunStore.import_history``). Returns the
+    files copied."""
+    run.lock()
+    try:
+        copied = pull(url, run.path, only_step=only_step, delete=delete, verbose=verbose)
+        if any(layout.is_history(name) for name in copied):
+            run.import_history()  # the pulled files are the run's history now: the store's copy follows them
+    finally:
+        run.unlock()
     return copied

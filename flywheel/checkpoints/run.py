@@ -1,16 +1,6 @@
-"""One model's directory, and the one place that knows its layout: history, trajectories, checkpoints (their
-format, durable atomic writes, listing, pruning), recovery after a crash, and the lock that gives it one owner.
-
-    <home>/<project>/models/<name>/
-      history.jsonl                      one JSON row per step or evaluation: "time", "step", "split", metrics;
-                                         the export of the rows the store holds (flywheel.store.history)
-      trajectories/<split>/<step>.jsonl  the trajectories behind a row: the export of those the store holds
-      checkpoints/<step:04d>/            trainer_state.json (written last: a complete checkpoint has it),
-                                         adapter_model.safetensors + adapter_config.json (LoRA, peft's files) or
-                                         model.safetensors (full fine-tuning), optimizer.pt, rng.pt
-      abandoned/<time>-after-<step>/     a branch given up by training on from an earlier checkpoint
-      .lock                              held (flock) while a backend has the model registered; holds its pid
-      .run                               the run's id in the store, made when the directory is first used
+"""One model's directory (``RunStore``; its layout: ``flywheel.checkpoints.layout``): history, trajectories,
+checkpoints (their format, durable atomic writes, listing, pruning), recovery after a crash, and the lock that gives
+it one owner.
 
 History rows and trajectories live in the store (``$FLYWHEEL_DB``, else SQLite in the home: ``<home>/flywheel.db``,
 the database the gateway records episodes in; ``flywheel.store.history``), keyed by project, model name and the
@@ -44,36 +34,37 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, Field, model_validator
 from safetensors.torch import load_file, save_file
 from sqlalchemy.orm import Session
 
+from flywheel.checkpoints import layout
+from flywheel.checkpoints.layout import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    ASIDE,
+    DELETING,
+    FULL_WEIGHTS,
+    HISTORY,
+    LOCK,
+    OPTIMIZER,
+    RNG,
+    RUN,
+    STATE,
+    TMP,
+)
 from flywheel.store import Store, deployments
 from flywheel.store import history as history_db
 from flywheel.store.db import default_url
 from flywheel.store.history import RunKey
-from flywheel.train.config import TrainedWeights
+from flywheel.train.checkpoint import Checkpoint, CheckpointState
 from flywheel.types import Trajectory
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file names
-ADAPTER_CONFIG = "adapter_config.json"
-FULL_WEIGHTS = "model.safetensors"
-OPTIMIZER = "optimizer.pt"
-RNG = "rng.pt"
-STATE = "trainer_state.json"
-HISTORY = "history.jsonl"
-LOCK = ".lock"
-RUN = ".run"
-TMP, ASIDE, DELETING = ".tmp-", ".old-", ".del-"  # checkpoints/ entries in flight (all dot-names are temporary)
 
 Row = dict[str, Any]
 # The stores of the databases this process used last, one per URL (opening one checks its migrations); one evicted
@@ -102,45 +93,6 @@ class CheckpointWriteError(RuntimeError):
     before."""
 
 
-class CheckpointState(BaseModel):
-    """``trainer_state.json``: what the checkpoint is and what it commits."""
-
-    step: int = Field(ge=0)
-    rl_steps: int = Field(0, ge=0)  # of them, RL steps: the learning-rate schedule's clock
-    trained_weights: TrainedWeights  # what the run trains: a LoRA adapter and its shape, or every weight
-    last_split: str | None = None  # "train" or "sft": the phase that wrote it
-    last_config: dict[str, Any] = {}  # that phase's TrainConfig / SFTConfig
-    extra: dict[str, Any] = {}  # the caller's own state, e.g. its data position; back on resume
-    rows: list[Row] = []  # the history rows this checkpoint commits (appended once it is durable)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _read_the_old_form(cls, data: Any) -> Any:
-        # states written before TrainedWeights was named so hold it as "lora", with "full_finetune": bool for mode
-        if isinstance(data, dict) and "lora" in data and "trained_weights" not in data:
-            data = dict(data)
-            weights = dict(data.pop("lora"))
-            weights["mode"] = "full" if weights.pop("full_finetune", False) else "lora"
-            data["trained_weights"] = weights
-        return data
-
-
-@dataclass
-class Checkpoint:
-    """A checkpoint in memory: what ``Trainer.checkpoint`` snapshots and ``Trainer.load`` applies."""
-
-    state: CheckpointState
-    weights: dict[str, torch.Tensor]  # fp32 masters: keyed as peft's adapter file, or as the model's parameters
-    optimizer: dict[str, Any] | None = None  # the optimizer's state_dict
-    rng: dict[str, Any] | None = None  # torch / python / numpy (/ CUDA) generator states
-    adapter_config: dict[str, Any] | None = None  # peft's adapter_config.json (LoRA only)
-
-
-def model_path(home: Path, project: str, name: str) -> Path:
-    """Where a model's directory is under a Flywheel home."""
-    return home / project / "models" / name
-
-
 class RunStore:
     """One model's directory (``<home>/<project>/models/<name>``) and its history rows and trajectories in the store
     (``db``: a database URL; default ``$FLYWHEEL_DB``, else ``<home>/flywheel.db``). Writers (a registered backend) hold
@@ -148,12 +100,11 @@ class RunStore:
 
     def __init__(self, path: Path, db: str | None = None):
         self.path = Path(path)
-        self.checkpoints = self.path / "checkpoints"
+        self.checkpoints = layout.checkpoints_dir(self.path)
         self._history = self.path / HISTORY
         self._lock_fd: int | None = None
-        where = self.path.absolute()
-        self.project, self.name = where.parent.parent.name, where.name
-        self.db = db or default_url(where.parent.parent.parent)
+        home, self.project, self.name = layout.home_project_name(self.path)
+        self.db = db or default_url(home)
         self._key: RunKey | None = None
         # whether the files are known to be in the store (imported, or written through this instance): looked up
         # once, not at every step; this class empties the store's line only together with its files
@@ -189,17 +140,14 @@ class RunStore:
     # ---- checkpoints -------------------------------------------------------------------------------------------
 
     def checkpoint_dir(self, step: int) -> Path:
-        return self.checkpoints / f"{step:04d}"
+        return layout.checkpoint_dir(self.path, step)
 
     def steps(self) -> list[int]:
         """Steps with a complete checkpoint, ascending."""
-        if not self.checkpoints.is_dir():
-            return []
-        return sorted(int(p.name) for p in self.checkpoints.iterdir() if p.name.isdigit() and (p / STATE).is_file())
+        return layout.steps(self.path)
 
     def latest(self) -> int | None:
-        steps = self.steps()
-        return steps[-1] if steps else None
+        return layout.latest(self.path)
 
     def state(self, step: int) -> CheckpointState:
         path = self.checkpoint_dir(step) / STATE
@@ -239,7 +187,7 @@ class RunStore:
         if not self.checkpoints.is_dir():
             self.checkpoints.mkdir(parents=True)
             _fsync_dir(self.path)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP}{step:04d}-", dir=self.checkpoints))
+        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP}{layout.checkpoint_name(step)}-", dir=self.checkpoints))
         aside = self.checkpoints / f"{ASIDE}{tmp.name[len(TMP) :]}"
         try:
             try:
@@ -283,7 +231,7 @@ class RunStore:
     def delete(self, step: int) -> None:
         """Remove checkpoint ``step`` (renamed out of the listing first, so a kill never leaves half of one)."""
         directory = self.checkpoint_dir(step)
-        doomed = Path(tempfile.mkdtemp(prefix=f"{DELETING}{step:04d}-", dir=self.checkpoints))
+        doomed = Path(tempfile.mkdtemp(prefix=f"{DELETING}{layout.checkpoint_name(step)}-", dir=self.checkpoints))
         directory.rename(doomed / directory.name)
         _fsync_dir(self.checkpoints)
         shutil.rmtree(doomed)
@@ -339,7 +287,7 @@ class RunStore:
         path = self.path / RUN
         if path.exists():
             return path.read_text().strip()
-        older = self._history.exists() or self.checkpoints.is_dir() or (self.path / "trajectories").is_dir()
+        older = self._history.exists() or self.checkpoints.is_dir() or (self.path / layout.TRAJECTORIES).is_dir()
         self.path.mkdir(parents=True, exist_ok=True)
         while True:
             fd, tmp = tempfile.mkstemp(prefix=f"{RUN}-", dir=self.path)
@@ -449,7 +397,7 @@ class RunStore:
             return history_db.trajectory_splits(s, self.key)
 
     def _trajectory_file(self, split: str, step: int) -> Path:
-        return self.path / "trajectories" / split / f"{step:04d}.jsonl"
+        return layout.trajectory_file(self.path, split, step)
 
     def _import_trajectories(self, s: Session) -> None:
         """Trajectory files, when the store has none of the run's (written before it kept them, or pulled)."""
@@ -458,7 +406,7 @@ class RunStore:
         if history_db.has_trajectories(s, self.key):
             self._trajectories_imported = True  # committed before this unit of work
             return
-        for f in sorted(self._trajectory_files(above=-1)):
+        for f in sorted(layout.trajectory_files(self.path, above=-1)):
             history_db.add_trajectories(s, self.key, f.parent.name, int(f.stem), _complete_lines(f))
 
     # ---- recovery and branches ---------------------------------------------------------------------------------
@@ -499,7 +447,7 @@ class RunStore:
             self._import_trajectories(s)
             history_db.drop_trajectories_above(s, self.key, top)
             last = history_db.last_saved(s, self.key)
-        for f in self._trajectory_files(above=top):
+        for f in layout.trajectory_files(self.path, above=top):
             f.unlink()
         if last is not None:  # a kill between the store's commit of the last trajectories and their export
             split, step, count = last
@@ -514,20 +462,16 @@ class RunStore:
     def abandon_after(self, step: int) -> Path | None:
         """Move the checkpoints, history rows and trajectory files of steps above ``step`` to ``abandoned/``
         (training goes on from ``step``: they are another branch). Returns where they went, or None if none."""
-        later = sorted(
-            (p for p in self.checkpoints.glob("[0-9]*") if p.name.isdigit() and int(p.name) > step), reverse=True
-        )
+        later = [p for s, p in reversed(layout.checkpoint_dirs(self.path)) if s > step]
         rows = self.history()
         dropped = [r for r in rows if r.get("step", 0) > step]
-        files = self._trajectory_files(above=step)
+        files = layout.trajectory_files(self.path, above=step)
         if not (later or dropped or files):
             return None
-        archive = self.path / "abandoned" / f"{time.strftime('%Y%m%d-%H%M%S')}-after-{step:04d}"
-        while archive.exists():
-            archive = archive.with_name(archive.name + "+")
-        (archive / "checkpoints").mkdir(parents=True)
+        archive = layout.abandoned_dir(self.path, step)
+        (archive / layout.CHECKPOINTS).mkdir(parents=True)
         for p in later:  # highest first: a kill part-way leaves a consistent run at a lower step (recover)
-            p.rename(archive / "checkpoints" / p.name)
+            p.rename(archive / layout.CHECKPOINTS / p.name)
         if later:
             _fsync_dir(self.checkpoints)
         (archive / HISTORY).write_text("".join(json.dumps(r) + "\n" for r in dropped))
@@ -535,12 +479,9 @@ class RunStore:
             history_db.abandon_above(s, self.key, step, f"{archive.parent.name}/{archive.name}")
         self._export([r for r in rows if r.get("step", 0) <= step])
         for f in files:
-            (archive / "trajectories" / f.parent.name).mkdir(parents=True, exist_ok=True)
-            f.rename(archive / "trajectories" / f.parent.name / f.name)
+            (archive / layout.TRAJECTORIES / f.parent.name).mkdir(parents=True, exist_ok=True)
+            f.rename(archive / layout.TRAJECTORIES / f.parent.name / f.name)
         return archive
-
-    def _trajectory_files(self, above: int) -> list[Path]:
-        return [f for f in self.path.glob("trajectories/*/*.jsonl") if f.stem.isdigit() and int(f.stem) > above]
 
     def _rewrite_history(self, rows: list[Row]) -> None:
         """Make the run's rows exactly ``rows``, in the store and its export."""
