@@ -121,7 +121,7 @@ async def test_the_gate_event_says_safety_was_not_checked(backend: LocalBackend,
         gate = GatePolicy(min_lift=0.0, confirm=False, require_safety=require)
         loop = Loop(loop_config(tmp_path, name, gate=gate), backend, actor="test")
         candidate = run_of(f"{name}@2", side(20, checked=False))
-        decided = await loop.settle(2, EMBEDDED_MODEL, candidate, run_of(EMBEDDED_MODEL, side(20, score=0.0, checked=False)))  # fmt: skip
+        decided = await loop.ladder.settle(2, EMBEDDED_MODEL, candidate, run_of(EMBEDDED_MODEL, side(20, score=0.0, checked=False)))  # fmt: skip
         with store.session() as s:
             (event,) = audit.events(s, subject=f"{name}@2", actions=("gate.pass", "gate.hold"))
         assert event.action == action and decided.decision.promote is (not require)
@@ -166,11 +166,11 @@ async def test_production_is_evaluated_by_its_checkpoint_not_through_its_alias(b
     """``MODEL@production`` may send a share of an episode's calls to the canary: production's side of the gate is
     the checkpoint the deployment points at (the base model before any)."""
     loop = Loop(loop_config(tmp_path, "by-checkpoint"), backend, actor="test")
-    assert await loop.production_name() == EMBEDDED_MODEL
+    assert await loop.ladder.production_name() == EMBEDDED_MODEL
     with backend.gateway.store.session() as s:
         deployments.deploy(s, "by-checkpoint@production", 3, actor="test")
         deployments.deploy(s, "by-checkpoint@canary", 5, actor="test", share=1.0)
-    assert await loop.production_name() == "by-checkpoint@3"
+    assert await loop.ladder.production_name() == "by-checkpoint@3"
 
 
 async def test_only_production_episodes_go_to_the_canary_or_are_mirrored_to_the_shadow(tmp_path):

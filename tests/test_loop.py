@@ -1,7 +1,8 @@
 """The loop on the session's backend: held-out evaluation through the gateway's runners (flywheel/loop/evaluate.py:
 a real Runner with a small agent, each item scored by a grader stack, grades recorded, results paired by the gate),
-and the loop itself (flywheel/loop/driver.py: production episodes in, training steps, candidates through the gate to
-production and to a canary, the canary promoted or rolled back by its episodes, every decision audited)."""
+and the loop itself (flywheel/loop/driver.py: production episodes in, training steps; its promotion ladder,
+flywheel/loop/ladder.py: candidates through the gate to production and to a canary, the canary promoted or rolled
+back by its episodes, every decision audited)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.local.backend import LocalBackend
 from flywheel.loop.alarm import AlarmPolicy, reward_hacking
 from flywheel.loop.canary import CanaryPolicy
-from flywheel.loop.driver import REWIND, Loop, LoopConfig
+from flywheel.loop.driver import Loop, LoopConfig
 from flywheel.loop.evaluate import HeldOutRun, evaluate
 from flywheel.loop.gate import GatePolicy, HeldOutSet, ItemResult, decide, levels
+from flywheel.loop.ladder import REWIND
 from flywheel.loop.shadow import ShadowPolicy
 from flywheel.store import Store, audit, deployments
 from flywheel.store import episodes as db
@@ -329,16 +331,16 @@ async def test_the_canary_is_promoted_or_rolled_back_by_the_episodes_it_answered
         with store.session() as s:
             deployments.deploy(s, alias, step, actor="test", share=share)
 
-    assert await loop.watch_canary() is None  # no canary: nothing to watch
+    assert await loop.ladder.watch_canary() is None  # no canary: nothing to watch
     deploy(prod, 1)
     deploy(canary, 2, 0.5)  # worse than production: it rarely gives the refund
     for _ in range(3):
         answered(store, prod, 1, "Your refund is on its way.")
     answered(store, canary, 2, "Sorry.")
-    assert (await loop.watch_canary()).action == "wait"  # 1 of 3 canary episodes
+    assert (await loop.ladder.watch_canary()).action == "wait"  # 1 of 3 canary episodes
     answered(store, canary, 2, "Sorry, no.")
     answered(store, canary, 2, "Your refund is on its way.")
-    rolled_back = await loop.watch_canary()
+    rolled_back = await loop.ladder.watch_canary()
     assert rolled_back.action == "rollback" and "not shown within 0.05 of production" in rolled_back.reason
     assert rolled_back.difference[0] == pytest.approx(-2 / 3) and rolled_back.look == 3  # its one look
     assert (rolled_back.canary_episodes, rolled_back.production_episodes) == (3, 3)
@@ -348,11 +350,11 @@ async def test_the_canary_is_promoted_or_rolled_back_by_the_episodes_it_answered
     deploy(canary, 3, 0.5)  # as good as production
     for _ in range(3):
         answered(store, canary, 3, "Your refund is on its way.")
-    waiting = await loop.watch_canary()  # production's episodes before this canary's deployment do not count
+    waiting = await loop.ladder.watch_canary()  # production's episodes before this canary's deployment do not count
     assert waiting.action == "wait" and waiting.production_episodes == 0
     for _ in range(3):
         answered(store, prod, 1, "Your refund is on its way.")
-    promoted = await loop.watch_canary()
+    promoted = await loop.ladder.watch_canary()
     assert promoted.action == "promote"
     with store.session() as s:
         assert deployments.find(s, canary) is None and deployments.get(s, prod).step == 3
@@ -362,7 +364,7 @@ async def test_the_canary_is_promoted_or_rolled_back_by_the_episodes_it_answered
     deploy(canary, 4, 0.5)  # one unsafe answer is enough, before any count is reached
     answered(store, canary, 4, "Your refund is on its way.")
     answered(store, canary, 4, "Send me your card number.")
-    unsafe = await loop.watch_canary()
+    unsafe = await loop.ladder.watch_canary()
     assert unsafe.action == "rollback" and len(unsafe.unsafe) == 1 and "safety" in unsafe.reason
     with store.session() as s:
         assert deployments.find(s, canary) is None and deployments.get(s, prod).step == 3
@@ -384,7 +386,7 @@ async def test_a_shadow_goes_to_canary_or_is_stopped_by_its_answers_paired_with_
     with store.session() as s:
         deployments.deploy(s, prod, 1, actor="test")
         deployments.deploy(s, shadow, 2, actor="test", share=0.5)
-    assert await loop.watch_shadow() is None  # no shadow stage configured
+    assert await loop.ladder.watch_shadow() is None  # no shadow stage configured
     config.shadow = ShadowPolicy(share=0.5, min_pairs=2, max_pairs=2)  # one look, at 2 pairs
 
     def pair(step: int, answer: str, *, finish: bool = True, messages: list | None = None) -> str:
@@ -394,10 +396,10 @@ async def test_a_shadow_goes_to_canary_or_is_stopped_by_its_answers_paired_with_
     mirrored(store, first, shadow, 2, "Sorry.")
     pair(2, good, finish=False)  # its production episode is still open: not paired yet
     pair(2, good, messages=[{"role": "user", "content": "hi"}])  # the mirror missed the last call: not the same inputs
-    waiting = await loop.watch_shadow()
+    waiting = await loop.ladder.watch_shadow()
     assert (waiting.action, waiting.pairs) == ("wait", 1)
     pair(2, "Sorry, no.")
-    stopped = await loop.watch_shadow()
+    stopped = await loop.ladder.watch_shadow()
     assert stopped.action == "stop" and stopped.pairs == 2 and stopped.difference[0] == -1.0
     with store.session() as s:
         assert deployments.find(s, shadow) is None and deployments.find(s, canary) is None
@@ -408,10 +410,10 @@ async def test_a_shadow_goes_to_canary_or_is_stopped_by_its_answers_paired_with_
     pair(3, good)
     mirrored(store, first, shadow, 3, good)  # a late mirror into an earlier shadow episode: paired anew for step 3
     loop.alarm = "reward up, holdout flat"  # the reward-hacking alarm holds it as it holds a canary's promotion
-    paused = await loop.watch_shadow()
+    paused = await loop.ladder.watch_shadow()
     assert paused.action == "wait" and paused.reason.startswith("promotion paused")
     loop.alarm = None
-    passed = await loop.watch_shadow()
+    passed = await loop.ladder.watch_shadow()
     assert (passed.action, passed.pairs, passed.difference[0]) == ("canary", 2, 0.0)
     with store.session() as s:
         assert deployments.find(s, shadow) is None
@@ -421,10 +423,10 @@ async def test_a_shadow_goes_to_canary_or_is_stopped_by_its_answers_paired_with_
         deployments.deploy(s, shadow, 4, actor="test", share=0.5)
     for _ in range(2):
         pair(4, good)
-    held = await loop.watch_shadow()  # as good, but the canary of step 3 is still watched
+    held = await loop.ladder.watch_shadow()  # as good, but the canary of step 3 is still watched
     assert held.action == "wait" and "a canary is running" in held.reason
     pair(4, "Send me your card number.")
-    unsafe = await loop.watch_shadow()
+    unsafe = await loop.ladder.watch_shadow()
     assert unsafe.action == "stop" and len(unsafe.unsafe) == 1 and "safety" in unsafe.reason
     with store.session() as s:
         assert deployments.find(s, shadow) is None and deployments.get(s, canary).step == 3
@@ -451,10 +453,10 @@ async def test_the_shadow_watch_reads_an_unpaired_episode_again_only_once_a_late
     read, calls = [], db.calls
     monkeypatch.setattr(db, "calls", lambda s, episode_id: read.append(episode_id) or calls(s, episode_id))
     for _ in range(3):
-        assert (await loop.watch_shadow()).pairs == 0
+        assert (await loop.ladder.watch_shadow()).pairs == 0
     assert read.count(missed) == 1
     mirrored(store, origin, shadow, 2, "Your refund is on its way.")  # the original's last call, mirrored late
-    late = await loop.watch_shadow()
+    late = await loop.ladder.watch_shadow()
     assert (late.action, late.pairs, read.count(missed)) == ("wait", 1, 2)
 
 
@@ -473,9 +475,9 @@ async def test_a_shadow_pairs_only_with_production_originals(backend: LocalBacke
         record_call(s, evaluation.id, prod, 1, good)
         db.set_outcome(s, evaluation.id, reward=0.0, finish=True)
     mirrored(store, evaluation.id, shadow, 2, good)
-    assert (await loop.watch_shadow()).pairs == 0
+    assert (await loop.ladder.watch_shadow()).pairs == 0
     mirrored(store, answered(store, prod, 1, good), shadow, 2, good)
-    assert (await loop.watch_shadow()).pairs == 1
+    assert (await loop.ladder.watch_shadow()).pairs == 1
 
 
 def heldout_run(model: str, score: float, items: int = 3, scores: list[float] | None = None) -> HeldOutRun:
@@ -501,17 +503,17 @@ async def test_the_gate_counts_its_looks_since_production_changed_and_confirms_a
     prod = "looks-agent@production"
     with store.session() as s:
         deployments.deploy(s, prod, 1, actor="test")
-    assert loop.look() == 1
+    assert loop.ladder.look() == 1
     better = heldout_run("looks-agent@2", 0.0, scores=[1.0] * 16 + [0.0] * 4)  # +0.8 over production's 20 zeros
     zeros = heldout_run(prod, 0.0, items=20)
-    pending = await loop.settle(2, prod, better, zeros)  # the screen passes: not without its confirmation
+    pending = await loop.ladder.settle(2, prod, better, zeros)  # the screen passes: not without its confirmation
     assert pending.decision.needs_confirmation and not pending.decision.promote and pending.deployed is None
-    assert loop.look() == 2
+    assert loop.ladder.look() == 2
     flat = heldout_run("looks-agent@3", 0.0, items=20)  # the fresh evaluation: no lift at all
-    refused = await loop.settle(3, prod, better, zeros, again=(flat, zeros))
+    refused = await loop.ladder.settle(3, prod, better, zeros, again=(flat, zeros))
     assert not refused.decision.promote and refused.decision.look == 2
     assert [c.name for c in refused.decision.failed] == ["confirmation"]
-    confirmed = await loop.settle(4, prod, better, zeros, again=(better, zeros))  # greedy: the same scores again
+    confirmed = await loop.ladder.settle(4, prod, better, zeros, again=(better, zeros))  # greedy: the same scores again
     assert confirmed.decision.promote and confirmed.deployed == "looks-agent@canary"
     assert confirmed.decision.lift.level == pytest.approx(levels(config.gate, 3)[0] * levels(config.gate, 3)[1])
     with store.session() as s:
@@ -520,7 +522,7 @@ async def test_the_gate_counts_its_looks_since_production_changed_and_confirms_a
             ("looks-agent@2", 1), ("looks-agent@3", 2), ("looks-agent@4", 3)]  # fmt: skip
         assert events[-2].details["confirmation"]["mean"] == 0.0 and events[-1].reason.startswith("look 3:")
         deployments.promote(s, "looks-agent", actor="test", reason="as if the canary were promoted")
-    assert loop.look() == 1  # production changed: a new series of looks
+    assert loop.ladder.look() == 1  # production changed: a new series of looks
 
 
 async def test_a_newer_candidate_replaces_a_shadow_still_pairing_and_never_a_canary_being_watched(
@@ -542,7 +544,7 @@ async def test_a_newer_candidate_replaces_a_shadow_still_pairing_and_never_a_can
 
     async def candidate(step: int):
         fresh = (heldout_run(f"replace-agent@{step}", 1.0), heldout_run(prod, 0.0))  # its confirmation, the same
-        return await loop.settle(step, prod, heldout_run(f"replace-agent@{step}", 1.0), heldout_run(prod, 0.0),
+        return await loop.ladder.settle(step, prod, heldout_run(f"replace-agent@{step}", 1.0), heldout_run(prod, 0.0),
                                  again=fresh)  # fmt: skip
 
     assert (await candidate(2)).deployed == shadow
@@ -560,7 +562,7 @@ async def test_a_newer_candidate_replaces_a_shadow_still_pairing_and_never_a_can
     # a late answer of step 2's shadow, mirrored after the switch, and step 4's first: only step 4's pairs
     mirrored(store, answered(store, prod, 1, good), shadow, 2, good)
     mirrored(store, answered(store, prod, 1, good), shadow, 4, "Sorry.")
-    assert (await loop.watch_shadow()).pairs == 1
+    assert (await loop.ladder.watch_shadow()).pairs == 1
     with store.session() as s:
         deployments.deploy(s, canary, 4, actor="test", share=0.5)  # as if step 4's shadow had passed
     waiting = await candidate(6)  # a canary is watched: the newer candidate waits in shadow, the canary untouched
@@ -602,7 +604,7 @@ async def test_after_a_rollback_training_goes_on_from_production_s_weights_once(
         with store.session() as s:
             deployments.deploy(s, canary, step, actor="test", share=0.5)
         answered(store, canary, step, "Send me your card number.")
-        assert (await loop.watch_canary()).action == "rollback"
+        assert (await loop.ladder.watch_canary()).action == "rollback"
         with store.session() as s:
             return audit.events(s, subject=canary, actions=("canary.rollback",))[-1].id
 
@@ -621,7 +623,7 @@ async def test_after_a_rollback_training_goes_on_from_production_s_weights_once(
     assert await loop.model.get_step() == 3 and live_is(1) and trainer.optimizer is None  # production's, fresh
     assert run.read(3).optimizer is None and loop.step_means == []
     assert [r["split"] for r in backend.history(loop.model) if r["step"] == 3] == ["rewind"]
-    assert await loop.consider_due(None) is None  # production's weights again: not a candidate
+    assert await loop.ladder.consider_due(None) is None  # production's weights again: not a candidate
     assert await loop.rewind_if_due() is None  # once
     assert await rolled_back(2) and await loop.rewind_if_due() is None  # step 2's line was left at step 3
 
@@ -631,7 +633,7 @@ async def test_after_a_rollback_training_goes_on_from_production_s_weights_once(
     def killed(*args, **kwargs):
         raise RuntimeError("killed after the rewound checkpoint was written")  # a kill, between two statements
 
-    loop._record_rewind = killed
+    loop.ladder._record_rewind = killed
     with pytest.raises(RuntimeError, match="killed"):
         await loop.rewind_if_due()
     restarted = Loop(config, backend, actor="test")
@@ -698,7 +700,7 @@ async def test_an_alarm_is_audited_once_and_stops_promotions(backend: LocalBacke
     loop.stack = load_stack(tmp_path / "stack.json")
     answered(store, "alarm-agent@canary", 2, "Your refund is on its way.")
     answered(store, "alarm-agent@production", 1, "Your refund is on its way.")  # production needs its minimum too
-    held = await loop.watch_canary()  # would be promoted: the alarm holds it
+    held = await loop.ladder.watch_canary()  # would be promoted: the alarm holds it
     assert held.action == "wait" and held.reason.startswith("promotion paused")
     with store.session() as s:
         assert deployments.get(s, "alarm-agent@production").step == 1

@@ -35,7 +35,8 @@ from flywheel.inference.loading import EMBEDDED_MODEL, load_model
 from flywheel.inference.registry import ModelRegistry, ServedModel
 from flywheel.local.backend import LocalBackend
 from flywheel.loop import alarm as alarms
-from flywheel.loop.driver import GATE_ACTIONS, REWIND, ROLLBACKS, Loop, LoopConfig
+from flywheel.loop.driver import Loop, LoopConfig
+from flywheel.loop.ladder import GATE_ACTIONS, REWIND, ROLLBACKS
 from flywheel.model import TrainableModel
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer

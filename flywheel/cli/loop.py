@@ -38,7 +38,8 @@ def loop_command(
     and started again, it takes up where it stopped (docs/user-guide.md, "Restarting the loop")."""
     from flywheel.graders.spec import GraderSpecError
     from flywheel.local.backend import LocalBackend
-    from flywheel.loop.driver import Loop, LoopConfig, RewindError
+    from flywheel.loop.driver import Loop, LoopConfig
+    from flywheel.loop.ladder import RewindError
 
     try:
         loop_config = LoopConfig.load(config)

@@ -14,8 +14,8 @@ An episode is left out, and the reason counted, when it cannot be corrected for 
   production's weights, so production's own episodes are as fresh as the steps since the rewind; the ratio of a
   far-off policy is mostly the cap);
 - ``rolled_back``: a checkpoint that answered it is on no line the current one grew from (a canary rolled back
-  and the steps it came from: training went on from production's weights, ``Loop.rewind_if_due``), however few
-  steps ago it was;
+  and the steps it came from: training went on from production's weights, ``PromotionLadder.rewind_if_due``),
+  however few steps ago it was;
 - ``text_only`` / ``redacted``: a call has no token ids (an upstream returned none; or personal data was redacted
   before it was stored, and its token ids with it);
 - ``guided``: a constrained call (a forced tool call: ``tool_choice`` "required" or named; ``guided_choice``; a JSON

@@ -405,7 +405,7 @@ class _Demo:
     async def watch(self, loop: Loop, stage: str, users: _Users) -> CanaryVerdict:
         """The loop's canary watch, every few seconds, until it promotes or rolls back the canary."""
         deadline = time.monotonic() + self.sizes.canary_wait
-        while (verdict := await loop.watch_canary()) is not None and verdict.action == "wait":
+        while (verdict := await loop.ladder.watch_canary()) is not None and verdict.action == "wait":
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{stage}: no verdict from the canary watch in {self.sizes.canary_wait:.0f} s "
                                    f"({verdict.reason}; {users.finished} production episodes so far)")  # fmt: skip
@@ -473,7 +473,7 @@ class _Demo:
                     self.note("warm start", model.get_inference_name(release),
                               f"SFT on {len(demos)} {'more ' if n else ''}demonstrations, {len(history)} steps, loss "
                               f"{history[0]['loss']:.2f} -> {history[-1]['loss']:.2f}", release)  # fmt: skip
-                    first = await policy.consider(queue, release)
+                    first = await policy.ladder.consider(queue, release)
                     self.note("gate", model.get_inference_name(release),
                               f"{'PASS' if first.decision.promote else 'HOLD'} vs the base model: "
                               f"{_gate_evidence(first)}", release, [first.event_id],
@@ -506,7 +506,7 @@ class _Demo:
                     if report.candidates:
                         candidate = report.candidates[-1]
                     elif step > begin:  # an iteration took no step (equal rewards in every group): its last one
-                        candidate = await policy.consider(queue, step)
+                        candidate = await policy.ladder.consider(queue, step)
                     else:
                         raise RuntimeError(
                             f"the loop took no training step in {len(report.steps)} iterations: every group's "
@@ -531,7 +531,7 @@ class _Demo:
 
                 # 4. a candidate that games the task metric: right more often, chatty (unsafe) on ticket prices
                 step = await self.game(model)
-                gamed_gate = await policy.consider(queue, step)
+                gamed_gate = await policy.ladder.consider(queue, step)
                 self.note("gate", model.get_inference_name(step),
                           f"{'PASS' if gamed_gate.decision.promote else 'STOPPED'} vs {gamed_gate.production}: "
                           f"{_gate_evidence(gamed_gate)}", step, [gamed_gate.event_id],
@@ -554,7 +554,7 @@ class _Demo:
                         f"the unsafe reward trained no step in {len(unsafe_report.steps)} iterations: "
                         "every group's rewards were equal"
                     )
-                stopped = await policy.consider(queue, step)
+                stopped = await policy.ladder.consider(queue, step)
                 self.note("gate", model.get_inference_name(step),
                           f"{'PASS' if stopped.decision.promote else 'STOPPED'} vs {stopped.production}: "
                           f"{_gate_evidence(stopped)}", step, [stopped.event_id],
