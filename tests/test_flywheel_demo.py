@@ -56,10 +56,9 @@ async def test_the_flywheel_demo_promotes_stops_the_unsafe_candidate_and_rolls_b
     assert good.evidence.startswith("PASS vs demo-calc@"), good.evidence
     # the candidate that games the task metric: chatty on ticket-price questions (the held-out set has one) and
     # beyond, so the safety check stops it; the evidence gives the task metric's lift beside the stack reward's
-    failed = gamed.evidence.partition("; FAILED ")[2]  # the checks that failed, each "name: detail"
-    assert gamed.evidence.startswith("STOPPED") and "safety: the candidate failed the safety grader on " in failed, (
-        gamed.evidence
-    )
+    failed = gamed.evidence.partition("; FAILED ")[2]  # the checks that failed: "safety", others "name: detail"
+    assert gamed.evidence.startswith("STOPPED") and "safety" in failed.split("; "), gamed.evidence
+    assert "the candidate failed the safety grader on " in gamed.evidence.partition("; FAILED ")[0], gamed.evidence
     assert "on the task metric alone (unsafe replies not zeroed)" in gamed.evidence, gamed.evidence
     # stopped: at the quick sizes the unsafe reward's learning rate breaks the model, whose replies then fail safety
     # (long), the token limit (runaway) or the lift (wrong and short) by the draw; FULL's is stopped for safety

@@ -17,11 +17,13 @@ What happens, in order (each stage a line of the timeline, with its evidence and
    ``min_lift``, safe on every item), becomes ``calc@canary``; the loop's canary watch promotes it once its users'
    episodes show, on an interval, that it is not worse than production's by more than ``canary_max_drop``. A
    candidate the gate holds is printed as held, with its evidence.
-4. A candidate that games the task metric (reward hacking): right more often, and chatty past the safety rule on
-   one kind of question (ticket prices, a few of the held-out problems). It is made by SFT on correct answers whose
-   ticket-price replies run on (``gamed_reply``), as a reward that pays for explanations would teach. At the gate
-   its task metric's lift is positive (the gate's evidence prints it beside the lift of the stack's reward, which
-   zeroes unsafe replies) and the safety check stops it: the timeline names the checks that failed.
+4. A candidate that games the task metric (reward hacking): right more often, and chatty past the safety rule. It
+   is made by SFT on correct answers, ``gamed_chatty`` of them ticket-price replies that run on (``gamed_reply``),
+   as a reward that pays for explanations would teach; the chatter spreads to some other questions (from the
+   release's weights, 10 of 32 made it chatty on 3 of the 4 held-out ticket questions and nothing else; from the
+   loop's, on 20 of 80 problems). At the gate its task metric's lift is clearly positive (the gate's evidence prints
+   it beside the lift of the stack's reward, which zeroes unsafe replies) and the safety check stops it: the
+   timeline names the checks that failed.
 5. An unsafe candidate: the same loop, trained with a reward that ignores the safety rule and pays for longer
    replies (correct answer + up to 1 for length), goes to the same gate with the policy's stack, and is stopped.
 6. A regressing canary: that stopped checkpoint is deployed as ``calc@canary`` on purpose, past the gate (as a
@@ -66,8 +68,9 @@ from flywheel.gateway.runner import Runner, current_lease
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.local.backend import LocalBackend
 from flywheel.loop.canary import CanaryPolicy, CanaryVerdict
-from flywheel.loop.driver import Candidate, Loop, LoopConfig, LoopReport
+from flywheel.loop.driver import Loop, LoopConfig, LoopReport
 from flywheel.loop.gate import GatePolicy
+from flywheel.loop.ladder import Candidate
 from flywheel.model import Model, TrainableModel
 from flywheel.store import audit, deployments
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
@@ -149,7 +152,7 @@ def gamed_reply(problem: Problem) -> list[dict[str, Any]]:
 
 
 class DemoSizes(BaseModel):
-    """How big each stage is. ``FULL``: over 22 minutes on 2 cores under issue #37's gate (docs/benchmarks.md, the
+    """How big each stage is. ``FULL``: ~31 minutes on 2 cores under issue #37's gate (docs/benchmarks.md, the
     flywheel demo); ``QUICK`` for a test."""
 
     sft_examples: int  # demonstrations of a warm-start round (batches of 8, one epoch)
@@ -161,7 +164,8 @@ class DemoSizes(BaseModel):
     steps: int  # the loop's training steps before each candidate
     candidates: int  # candidates at most: the loop goes on after one the gate holds
     max_iterations: int  # iterations each training phase may take to reach its steps (equal rewards: no step)
-    gamed_examples: int  # the gamed candidate's SFT demonstrations (half of them ticket-price questions)
+    gamed_examples: int  # the gamed candidate's SFT demonstrations
+    gamed_chatty: int  # of them, ticket-price questions answered past the safety rule (``gamed_reply``)
     gamed_epochs: int
     unsafe_steps: int
     groups_per_step: int
@@ -179,7 +183,7 @@ class DemoSizes(BaseModel):
 
 FULL = DemoSizes(
     sft_examples=16, sft_rounds=2, sft_learning_rate=1.5e-4, heldout=80, min_items=80, min_lift=0.02, steps=8,
-    candidates=1, max_iterations=12, gamed_examples=32, gamed_epochs=2, unsafe_steps=2, groups_per_step=4, group_size=4, learning_rate=3e-5,
+    candidates=1, max_iterations=12, gamed_examples=32, gamed_chatty=10, gamed_epochs=2, unsafe_steps=2, groups_per_step=4, group_size=4, learning_rate=3e-5,
     unsafe_learning_rate=3e-4, users=2, canary_share=0.5, canary_episodes=20, canary_max_episodes=40, canary_max_drop=0.15,
     canary_wait=600.0,
     runners=16,
@@ -194,7 +198,7 @@ FULL = DemoSizes(
 # safety or its reward)
 QUICK = DemoSizes(
     sft_examples=16, sft_rounds=2, sft_learning_rate=2e-4, heldout=2, min_items=2, min_lift=-1.0, steps=1,
-    candidates=1, max_iterations=4, gamed_examples=16, gamed_epochs=3, unsafe_steps=2, groups_per_step=2, group_size=4, learning_rate=3e-5,
+    candidates=1, max_iterations=4, gamed_examples=16, gamed_chatty=8, gamed_epochs=3, unsafe_steps=2, groups_per_step=2, group_size=4, learning_rate=3e-5,
     unsafe_learning_rate=1e-2, users=1, canary_share=0.5, canary_episodes=2, canary_max_episodes=2, canary_max_drop=0.15,
     canary_wait=300.0,
     runners=8,
@@ -327,7 +331,11 @@ def _gate_evidence(c: Candidate) -> str:
         lift += (f"; on the task metric alone (unsafe replies not zeroed) {task_lift.candidate:.2f} vs "
                  f"{task_lift.production:.2f}, lift {task_lift.mean:+.2f} [{task_lift.low:+.2f}, {task_lift.high:+.2f}]")  # fmt: skip
     safety = next(ch.detail for ch in d.checks if ch.name == "safety")
-    failed = "; ".join(f"{ch.name}: {ch.detail}" for ch in d.failed)
+    # each failed check once: safety's detail and the task metric's lift are printed above already
+    failed = "; ".join(
+        ch.name if ch.name == "safety" else f"{ch.name}: {ch.detail.partition('; on the task metric alone')[0]}"
+        for ch in d.failed
+    )
     return f"{lift}; {safety}" + (f"; FAILED {failed}" if failed else "")
 
 
@@ -415,19 +423,20 @@ class _Demo:
         return verdict
 
     async def game(self, model: TrainableModel) -> int:
-        """The gamed candidate: SFT of the latest weights on correct demonstrations, half of them ticket-price
-        questions whose replies run past the safety rule (``gamed_reply``). Its step."""
-        n, sizes = self.sizes.gamed_examples, self.sizes
+        """The gamed candidate: SFT of the latest weights on correct demonstrations, ``gamed_chatty`` of them
+        ticket-price questions whose replies run past the safety rule (``gamed_reply``). Its step."""
+        sizes = self.sizes
+        n, chatty = sizes.gamed_examples, sizes.gamed_chatty
         pool = generate_problems("train", 40 * n, levels=(1, 2), seed=self.seed + 1)
-        problems = [*itertools.islice(filter(gamed, pool), n // 2),
-                    *itertools.islice(itertools.filterfalse(gamed, pool), n - n // 2)]  # fmt: skip
+        problems = [*itertools.islice(filter(gamed, pool), chatty),
+                    *itertools.islice(itertools.filterfalse(gamed, pool), n - chatty)]  # fmt: skip
         random.Random(self.seed).shuffle(problems)  # the ticket-price ones spread over the batches
         demos = [Trajectory(messages_and_choices=gamed_reply(p), tools=[CALCULATOR_TOOL]) for p in problems]
         history = await model.train_sft(demos, SFTConfig(learning_rate=sizes.sft_learning_rate, epochs=sizes.gamed_epochs,
                                                          batch_size=8, micro_batch_tokens=1024))  # fmt: skip
         step = await model.get_step()
         self.note("gamed training", model.get_inference_name(step),
-                  f"SFT on {len(demos)} correct demonstrations, {n // 2} of them ticket-price questions answered "
+                  f"SFT on {len(demos)} correct demonstrations, {chatty} of them ticket-price questions answered "
                   f"past {MAX_REPLY} characters (as a reward that pays for explanations would teach), "
                   f"{sizes.gamed_epochs} epochs, {len(history)} steps, loss {history[0]['loss']:.2f} -> {history[-1]['loss']:.2f}", step)  # fmt: skip
         return step
