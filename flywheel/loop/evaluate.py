@@ -22,7 +22,8 @@ from flywheel.graders.rewards import sample_of
 from flywheel.graders.stack import GraderStack, StackScore, score
 from flywheel.loop.gate import HeldOutSet, ItemResult
 from flywheel.store import Store
-from flywheel.types import Choice, Trajectory, sampled_tokens
+from flywheel.train.credit import sampled_turns
+from flywheel.types import Trajectory, sampled_tokens
 
 
 class HeldOutRun(BaseModel):
@@ -42,12 +43,7 @@ class HeldOutRun(BaseModel):
 def _greedy(trajectory: Trajectory) -> bool:
     """Whether every call of ``trajectory`` (its other histories' too) was drawn at temperature 0 (a call that does
     not say how it was drawn is not)."""
-    choices = [
-        item
-        for history in (trajectory, *trajectory.additional_histories)
-        for item in history.messages_and_choices
-        if isinstance(item, Choice)
-    ]
+    choices = sampled_turns(trajectory)
     return bool(choices) and all((drawn := sampled_tokens(c)) is not None and drawn.greedy for c in choices)
 
 
