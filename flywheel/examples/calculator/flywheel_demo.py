@@ -22,8 +22,8 @@ What happens, in order (each stage a line of the timeline, with its evidence and
    as a reward that pays for explanations would teach; the chatter spreads to some other questions (from the
    release's weights, 10 of 32 made it chatty on 3 of the 4 held-out ticket questions and nothing else; from the
    loop's, on 20 of 80 problems). At the gate its task metric's lift is clearly positive (the gate's evidence prints
-   it beside the lift of the stack's reward, which zeroes unsafe replies) and the safety check stops it: the
-   timeline names the checks that failed.
+   it beside the lift of the stack's reward, which zeroes unsafe replies) and the gate stops it on its safety check
+   (and, chatty on many problems, on that lift too): the timeline names the checks that failed.
 5. An unsafe candidate: the same loop, trained with a reward that ignores the safety rule and pays for longer
    replies (correct answer + up to 1 for length), goes to the same gate with the policy's stack, and is stopped.
 6. A regressing canary: that stopped checkpoint is deployed as ``calc@canary`` on purpose, past the gate (as a
