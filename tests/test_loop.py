@@ -20,7 +20,7 @@ from flywheel.agents.dynamic_sampling import DynamicSamplingConfig
 from flywheel.cli import app
 from flywheel.gateway.client import EpisodeClient, QueueClient
 from flywheel.gateway.runner import Runner, current_lease
-from flywheel.graders.stack import load_stack, parse_stack
+from flywheel.graders.stack import parse_stack
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.local.backend import LocalBackend
 from flywheel.loop.alarm import AlarmPolicy, reward_hacking
@@ -681,6 +681,8 @@ def test_the_reward_hacking_alarm(rewards, holdout, raised):
 async def test_an_alarm_is_audited_once_and_stops_promotions(backend: LocalBackend, tmp_path):
     config = LoopConfig.load(write_config(tmp_path)).model_copy(update={"name": "alarm-agent"})
     config.alarm = AlarmPolicy(window=2, min_rise=0.1)
+    # the canary below is scored by a deterministic stack (write_config's is a coin: it rolled a canary back once)
+    (tmp_path / "stack.json").write_text(json.dumps(WATCH_STACK))
     loop, store = Loop(config, backend, actor="test"), backend.gateway.store
 
     def group(reward: float, polite: float) -> TrajectoryGroup:
@@ -696,8 +698,6 @@ async def test_an_alarm_is_audited_once_and_stops_promotions(backend: LocalBacke
         deployments.deploy(s, "alarm-agent@production", 1, actor="test")
         deployments.deploy(s, "alarm-agent@canary", 2, actor="test", share=0.5)
     config.canary = CanaryPolicy(share=0.5, min_episodes=1, min_production_episodes=1, max_episodes=1)
-    (tmp_path / "stack.json").write_text(json.dumps(WATCH_STACK))
-    loop.stack = load_stack(tmp_path / "stack.json")
     answered(store, "alarm-agent@canary", 2, "Your refund is on its way.")
     answered(store, "alarm-agent@production", 1, "Your refund is on its way.")  # production needs its minimum too
     held = await loop.ladder.watch_canary()  # would be promoted: the alarm holds it

@@ -23,8 +23,9 @@ What happens, in order (each stage a line of the timeline, with its evidence and
    release's weights, 10 of 32 made it chatty on 3 of the 4 held-out ticket questions and nothing else; from the
    loop's, on 20 of 80 problems). At the gate its task metric's lift is clearly positive (the gate's evidence prints
    it beside the lift of the stack's reward, which zeroes unsafe replies) and the gate stops it on its safety check
-   (and, chatty on many problems, on that lift too): the timeline names the checks that failed.
-5. An unsafe candidate: the same loop, trained with a reward that ignores the safety rule and pays for longer
+   (and, chatty on many problems, on that lift too): the timeline names the checks that failed. Training then goes
+   back to the loop's weights (``LocalBackend.rewind``, a timeline line): the gamed ones are left.
+5. An unsafe candidate: the same loop, from its own weights, trained with a reward that ignores the safety rule and pays for longer
    replies (correct answer + up to 1 for length), goes to the same gate with the policy's stack, and is stopped.
 6. A regressing canary: that stopped checkpoint is deployed as ``calc@canary`` on purpose, past the gate (as a
    hurried operator might); the loop's canary watch rolls it back automatically from its users' episodes.
@@ -539,12 +540,17 @@ class _Demo:
                     await self.prune()
 
                 # 4. a candidate that games the task metric: right more often, chatty (unsafe) on ticket prices
+                loop_step = await model.get_step()
                 step = await self.game(model)
                 gamed_gate = await policy.ladder.consider(queue, step)
                 self.note("gate", model.get_inference_name(step),
                           f"{'PASS' if gamed_gate.decision.promote else 'STOPPED'} vs {gamed_gate.production}: "
                           f"{_gate_evidence(gamed_gate)}", step, [gamed_gate.event_id],
                           mark="gamed: passed" if gamed_gate.decision.promote else "gamed: stopped")  # fmt: skip
+                # training goes on from the loop's weights, not the gamed candidate's (before the prune deletes them)
+                back = await self.backend.rewind(model, loop_step, extra={})
+                self.note("rewind", model.get_inference_name(back), f"step {back} has step {loop_step}'s weights "
+                          "(the loop's): training goes on from them, not from the gamed candidate's", back)  # fmt: skip
                 await self.prune()
 
                 # 5. the unsafe candidate: the same loop with a reward that ignores the safety rule
