@@ -119,9 +119,28 @@ def serve(
             " replica)."
         ),
     ] = True,
+    fine_tuning: Annotated[
+        bool,
+        typer.Option(
+            help="Serve OpenAI's fine-tuning API (/v1/files, /v1/fine_tuning/jobs): jobs fine-tune --model, one at a"
+            " time, and their models are served here."
+        ),
+    ] = True,
+    fine_tune_alias: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="NAME=MODEL: a fine-tuning job may name MODEL (--model) as NAME, e.g. gpt-4.1-mini="
+            + EMBEDDED_MODEL
+            + ", so that a script written for OpenAI runs unchanged. Repeatable."
+        ),
+    ] = None,
+    fine_tune_max_tokens: Annotated[
+        int, typer.Option(min=1, help="The most tokens an answer may take when a reinforcement job samples its model.")
+    ] = 512,
 ):
-    """Serve a model over an OpenAI-compatible API (/v1/models, /v1/chat/completions), and the gateway: episodes
-    (POST /episodes) whose calls, through /episodes/<id>/v1, are recorded for training."""
+    """Serve a model over an OpenAI-compatible API (/v1/models, /v1/chat/completions), the gateway: episodes
+    (POST /episodes) whose calls, through /episodes/<id>/v1, are recorded for training, and OpenAI's fine-tuning
+    API (/v1/files, /v1/fine_tuning/jobs)."""
     import uvicorn
 
     from flywheel.gateway.auth import ENV_VAR, ApiKeyError, ApiKeys, is_loopback
@@ -168,7 +187,22 @@ def serve(
         hf_model, tokenizer, resolved = load_model(model, dtype=_dtype(dtype))
     except ModelNotFoundError as exc:
         fail(str(exc))
-    registry = ModelRegistry()
+    aliases = {}
+    for item in fine_tune_alias or []:
+        name, sep, target = item.partition("=")
+        if not sep or not name.strip() or target.strip() not in {model, resolved.name}:
+            fail(f"Invalid --fine-tune-alias {item!r}: give NAME={model} (the model this server serves).")
+        aliases[name.strip()] = model
+    service = None
+    if fine_tuning:
+        from flywheel.finetuning.service import FineTuning
+        from flywheel.home import default_home
+
+        options = {"dtype": _dtype(dtype), "max_batch": max_batch}
+        service = FineTuning(
+            store, default_home(), [model], aliases, backend_options=options, max_tokens=fine_tune_max_tokens
+        ).start()
+    registry = ModelRegistry(loader=service.serve if service else None)
     try:
         engine = InferenceEngine(hf_model, tokenizer, max_batch=max_batch, compile=compile)
     except ValueError as exc:  # --compile where it cannot run
@@ -191,7 +225,16 @@ def serve(
         prices=prices,
     )
     app = create_app(registry, gateway, auth=keys, upstream=relay_to)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    if service is not None:
+        from flywheel.finetuning.routes import mount
+
+        mount(app, service)
+        console.print(f"Fine-tuning: http://{host}:{port}/v1/fine_tuning/jobs (files and models in {default_home()})")
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info")
+    finally:
+        if service is not None:  # a running job stays running: the next start resumes it
+            service.stop()
 
 
 def runner(

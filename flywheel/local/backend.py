@@ -172,6 +172,32 @@ class LocalBackend:
             self._serve()
         self._publish(model)
 
+    async def unregister(self, model: TrainableModel) -> None:
+        """Let go of a registered model: its engines close (requests on them finish first), its names are no longer
+        served and its directory is free. What was not checkpointed is dropped: registering it again resumes from
+        its latest checkpoint (e.g. a fine-tuning job paused or cancelled mid-epoch). Not registered: nothing."""
+        key = (model.project, model.name)
+        async with self._lock:
+            trainer = self._trainers.pop(key, None)
+            if trainer is None:
+                return
+            lock = self._step_locks.pop(key)
+            async with lock:  # a step being taken is saved first
+                pass
+            engines = [trainer.engine]
+            with self._checkpoint_lock:
+                for served in list(self._checkpoint_engines):
+                    if served.rpartition("@")[0] == model.name:
+                        engines.append(self._checkpoint_engines.pop(served))
+            for served in self.registry.all():
+                if served.engine in engines:
+                    self.registry.remove(served.name)
+            for engine in engines:
+                await asyncio.to_thread(engine.close, drain=True)
+            self._runs.pop(key).unlock()
+            for state in (self._extras, self._trained):
+                state.pop(key, None)
+
     def trainer(self, model: TrainableModel) -> Trainer:
         try:
             return self._trainers[(model.project, model.name)]
@@ -340,6 +366,11 @@ class LocalBackend:
             rows = [{"step": trainer.step - len(history) + i + 1, "split": "sft", **m} for i, m in enumerate(history)]
             await self._after_step(model, trainer, rows, "sft", config.model_dump(), True, None)
         return history
+
+    async def sft_loss(self, model: TrainableModel, trajectories: list[Trajectory]) -> dict[str, float]:
+        """SFT's loss on ``trajectories`` under the live weights, without training (``Trainer.sft_loss``)."""
+        trainer = self.trainer(model)
+        return await trainer.engine.call(trainer.sft_loss, trajectories)
 
     async def _set_kl_reference(self, model: TrainableModel, trainer: Trainer, step: int | None) -> None:
         """The KL term's reference: the base model (``None``) or this model's checkpoint at ``step``."""

@@ -33,6 +33,7 @@ from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError
 from starlette.background import BackgroundTask
 
+from flywheel.finetuning.graders import graders_router
 from flywheel.gateway.api import episode_router
 from flywheel.gateway.auth import ApiKeyAuth, ApiKeys, Role, TokenBudgetError, TokenBudgets, request_role
 from flywheel.gateway.export import NotTrainableError
@@ -52,8 +53,9 @@ from flywheel.inference.guided import (
 )
 from flywheel.inference.registry import ModelRegistry, ServedModel, UnknownModelError
 from flywheel.inference.sampling import SamplingParams
+from flywheel.server.errors import error_response
 from flywheel.server.limits import MAX_BODY_BYTES, BodyLimit
-from flywheel.server.protocol import ChatCompletionRequest, ErrorDetail, ErrorResponse, JsonSchemaFormat, TextFormat
+from flywheel.server.protocol import ChatCompletionRequest, JsonSchemaFormat, TextFormat
 from flywheel.store import EpisodeConflictError, UnknownEpisodeError, deployments
 from flywheel.store.arms import is_shadow_episode_id
 from flywheel.store.deployments import UnknownDeploymentError, list_deployments
@@ -72,11 +74,6 @@ class ModelNotAllowedError(UnknownModelError):
             f"An agent key may ask only for the models served now ({', '.join(known) or 'none'}) and deployment "
             f"aliases (MODEL@production, ...); '{name}' is neither: loading another checkpoint needs a runner key.",
         )
-
-
-def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
-    body = ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code))
-    return JSONResponse(status_code=status, content=body.model_dump())
 
 
 def _logprob_items(engine: InferenceEngine, c: Completion) -> list[ChatCompletionTokenLogprob]:
@@ -291,6 +288,7 @@ def create_app(
     async def health():
         return {"status": "ok"}
 
+    app.include_router(graders_router())
     if gateway is not None:
         app.include_router(episode_router(gateway))
         app.include_router(queue_router(gateway))

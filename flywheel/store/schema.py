@@ -247,3 +247,70 @@ class RunTrajectory(Base):
     step: Mapped[int]
     trajectory: Mapped[str] = mapped_column(Text)
     branch: Mapped[str | None] = mapped_column(String(256))
+
+
+class FineTuningFile(Base):
+    """A file uploaded through ``/v1/files`` (its bytes are under the home's ``files/``, named by its id)."""
+
+    __tablename__ = "ft_files"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # file-<hex>
+    filename: Mapped[str] = mapped_column(String(512))
+    purpose: Mapped[str] = mapped_column(String(32))
+    bytes: Mapped[int] = mapped_column(Integer)
+    lines: Mapped[int] = mapped_column(Integer)  # JSONL rows
+    sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime]
+
+
+class FineTuningJob(Base):
+    """A fine-tuning job as ``/v1/fine_tuning/jobs`` created it, and where it stands (OpenAI's states)."""
+
+    __tablename__ = "ft_jobs"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # ftjob-<hex>
+    seq: Mapped[int] = mapped_column(Integer, unique=True)  # creation order (the list's, the queue's)
+    model: Mapped[str] = mapped_column(String(256))  # as the request named it
+    base_model: Mapped[str] = mapped_column(String(256))  # what Flywheel trains (an alias resolved)
+    method: Mapped[dict[str, Any]]  # {"type": ..., "<type>": {"hyperparameters": ..., "grader": ...}}, resolved
+    training_file: Mapped[str] = mapped_column(String(64))
+    validation_file: Mapped[str | None] = mapped_column(String(64))
+    suffix: Mapped[str | None] = mapped_column(String(64))
+    seed: Mapped[int] = mapped_column(Integer)
+    meta: Mapped[dict[str, Any]]  # the request's metadata
+    status: Mapped[str] = mapped_column(String(32), index=True)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, server_default=false())
+    fine_tuned_model: Mapped[str | None] = mapped_column(String(256))
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    trained_tokens: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime]
+    finished_at: Mapped[datetime | None]
+
+
+class FineTuningEvent(Base):
+    """One event of a job (a message, or a step's metrics), as ``/v1/fine_tuning/jobs/{id}/events`` lists them."""
+
+    __tablename__ = "ft_job_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("ft_jobs.id", ondelete="CASCADE"), index=True)
+    level: Mapped[str] = mapped_column(String(8))  # info | warn | error
+    type: Mapped[str] = mapped_column(String(16))  # message | metrics
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime]
+
+
+class FineTuningCheckpoint(Base):
+    """A checkpoint a job kept (one per epoch), served as the model ``fine_tuned_model_checkpoint`` names."""
+
+    __tablename__ = "ft_checkpoints"
+    __table_args__ = (UniqueConstraint("job_id", "step", name="uq_ft_checkpoints_job_step"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # ftckpt-<hex>
+    job_id: Mapped[str] = mapped_column(ForeignKey("ft_jobs.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    epoch: Mapped[int] = mapped_column(Integer)
+    model: Mapped[str] = mapped_column(String(300))  # name@step
+    metrics: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime]

@@ -117,8 +117,9 @@ def _append_turn(
 def history_sequences(
     history: History, tokenizer: PreTrainedTokenizerBase, *, train_message_dicts: bool = False, first_turn: int = 0
 ) -> list[TrainingSequence]:
-    """Sequences of one conversation. ``train_message_dicts`` (SFT) also trains assistant message dicts.
-    Sampled turns are numbered from ``first_turn`` on."""
+    """Sequences of one conversation. ``train_message_dicts`` (SFT) also trains assistant message dicts, except
+    those with ``"weight": 0`` (OpenAI's fine-tuning files mark context-only replies so). Sampled turns are numbered
+    from ``first_turn`` on."""
     sequences: list[TrainingSequence] = []
     context: list[dict] = []
     turn = first_turn
@@ -129,7 +130,7 @@ def history_sequences(
             turn += 1
             context.append(choice_to_message(item))
         else:
-            if train_message_dicts and item.get("role") == "assistant":
+            if train_message_dicts and item.get("role") == "assistant" and item.get("weight", 1) != 0:
                 prompt, completion = assistant_turn_tokens(tokenizer, context, item, history.tools)
                 _append_turn(sequences, prompt, completion, None)
             context.append(dict(item))

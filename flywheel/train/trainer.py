@@ -478,6 +478,24 @@ class Trainer:
                         progress(history[-1])
         return history
 
+    def sft_loss(self, trajectories: list[Trajectory], micro_batch_tokens: int = 2048) -> dict[str, float]:
+        """SFT's loss on ``trajectories`` without training on them (a validation set's): the mean negative
+        log-likelihood per trained token (``loss``) over ``tokens`` of them."""
+        tokenizer = self.engine.tokenizer
+        sequences = [
+            s for t in trajectories for s in trajectory_sequences(t, tokenizer, train_message_dicts=True)
+            if any(s.trained[1:])
+        ]  # fmt: skip
+        for s in sequences:
+            s.temperature = []
+        total, tokens = 0.0, 0
+        with self.engine.exclusive(), torch.no_grad():
+            for mb in pack(sequences, micro_batch_tokens, self.engine.model.device):
+                logp, _ = self._token_logprobs(mb)
+                total -= float(logp.sum())
+                tokens += len(mb.targets)
+        return {"loss": total / tokens if tokens else math.nan, "tokens": tokens}
+
     def _sft_update(self, sequences: list[TrainingSequence], config: SFTConfig) -> tuple[dict[str, float], bool]:
         for s in sequences:  # SFT's targets are the model's own distribution (T = 1)
             s.temperature = []

@@ -1,0 +1,55 @@
+"""One server's fine-tuning API: its files, its jobs and the worker that runs them, started and stopped together."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flywheel.finetuning.files import Files
+from flywheel.finetuning.jobs import RFT_MAX_TOKENS, BaseModels, Jobs, JobWorker
+from flywheel.inference.registry import ServedModel
+from flywheel.store import Store
+from flywheel.store import finetuning as records
+from flywheel.store.finetuning import JobStatus
+from flywheel.store.schema import FineTuningJob
+
+
+class FineTuning:
+    """Files under ``home/files``, jobs' models under ``home/fine-tuning`` (a ``LocalBackend`` home), records in
+    ``store``. ``base_models``: the models jobs may fine-tune; ``aliases``: other names for them (OpenAI's);
+    ``max_tokens``: the most tokens an RFT answer may take."""
+
+    def __init__(
+        self,
+        store: Store,
+        home: Path,
+        base_models: list[str],
+        aliases: dict[str, str] | None = None,
+        backend_options: dict[str, Any] | None = None,
+        max_tokens: int = RFT_MAX_TOKENS,
+    ):
+        self.store = store
+        self.files = Files(store, home / "files")
+        self.worker = JobWorker(store, self.files, home, backend_options=backend_options, max_tokens=max_tokens)
+        self.jobs = Jobs(store, self.files, BaseModels(base_models, aliases or {}), self.worker)
+
+    def start(self) -> FineTuning:
+        """Start the worker (a job the last server left running is resumed); returns once it is ready."""
+        self.worker.start()
+        return self
+
+    def stop(self) -> None:
+        self.worker.stop()
+
+    def serve(self, name: str) -> ServedModel | None:
+        """A loader for the server's registry: the jobs' models and checkpoints."""
+        return self.worker.serve(name)
+
+    def models(self) -> list[FineTuningJob]:
+        """The succeeded jobs (their ``fine_tuned_model``s are listed by ``/v1/models``)."""
+        with self.store.session() as s:
+            jobs = records.list_jobs(s, after=None, limit=10_000)
+            done = [j for j in jobs if j.status == JobStatus.succeeded and j.fine_tuned_model]
+            for job in done:
+                s.expunge(job)
+        return done

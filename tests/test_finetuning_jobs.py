@@ -1,0 +1,307 @@
+"""OpenAI's fine-tuning API served by ``flywheel serve``, driven by the real openai SDK as a script written for
+OpenAI drives it (only the base URL changed): files uploaded, supervised jobs created under an OpenAI model name (an
+alias of the embedded model), polled to their end, their events and checkpoints listed, their models answering chat
+completions; a job cancelled while it runs, one paused and resumed, a server killed mid-job and started again, and
+the bad input OpenAI refuses, refused in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from flywheel.inference.loading import EMBEDDED_MODEL
+from tests.test_cli_commands import FLYWHEEL, env, free_port
+
+ALIAS = "gpt-4.1-mini-2025-04-14"
+
+
+def example(a: int, b: int) -> dict:
+    return {"messages": [{"role": "system", "content": "Answer with the sum only."},
+                         {"role": "user", "content": f"What is {a} + {b}?"},
+                         {"role": "assistant", "content": f"Answer: {a + b}"}]}  # fmt: skip
+
+
+def jsonl(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+class Server:
+    """``flywheel serve`` in a process of its own, on a free loopback port, with its home in ``home``."""
+
+    def __init__(self, home: Path):
+        self.home, self.port = home, free_port()
+        self.proc = subprocess.Popen(
+            [FLYWHEEL, "serve", "--port", str(self.port), "--fine-tune-alias", f"{ALIAS}={EMBEDDED_MODEL}",
+             "--fine-tune-max-tokens", "24"],
+            stdout=subprocess.PIPE, stderr=(home / "server.err").open("a"), text=True, env=env(home),
+        )  # fmt: skip
+        base = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 300
+        while True:
+            assert self.proc.poll() is None, (home / "server.err").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the server did not come up in 5 minutes"
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        self.client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stop(self, sig: int = signal.SIGINT) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("finetuning")
+
+
+@pytest.fixture(scope="module")
+def server(home) -> Iterator[Server]:
+    served = Server(home)
+    yield served
+    served.stop()
+
+
+def upload(client: openai.OpenAI, rows: list[dict], name: str = "train.jsonl") -> str:
+    return client.files.create(file=(name, io.BytesIO(jsonl(rows))), purpose="fine-tune").id
+
+
+def wait(client: openai.OpenAI, job_id: str, until, timeout: float = 600):
+    deadline = time.monotonic() + timeout
+    while True:
+        job = client.fine_tuning.jobs.retrieve(job_id)
+        if until(job):
+            return job
+        assert time.monotonic() < deadline, (job, [e.message for e in client.fine_tuning.jobs.list_events(job_id)])
+        time.sleep(0.5)
+
+
+def events(client: openai.OpenAI, job_id: str) -> list:
+    """Every event of the job, oldest first (the SDK pages through them: newest first, 20 a page)."""
+    return list(client.fine_tuning.jobs.list_events(job_id, limit=5))[::-1]
+
+
+def test_files_are_uploaded_listed_read_back_and_deleted(server: Server):
+    client = server.client
+    data = jsonl([example(1, 2), example(3, 4)])
+    made = client.files.create(file=("sums.jsonl", io.BytesIO(data)), purpose="fine-tune")
+    assert made.id.startswith("file-") and made.bytes == len(data) and made.filename == "sums.jsonl"
+    assert made.purpose == "fine-tune" and made.status == "processed"
+    assert client.files.retrieve(made.id).bytes == len(data)
+    assert client.files.content(made.id).content == data
+    assert made.id in [f.id for f in client.files.list(purpose="fine-tune")]
+    assert client.files.delete(made.id).deleted
+    with pytest.raises(openai.NotFoundError, match=made.id):
+        client.files.retrieve(made.id)
+    assert made.id not in [f.id for f in client.files.list()]
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (b'{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [\n', "line 2 is not JSON"),
+        (jsonl([example(1, 1), {"messages": [{"role": "robot", "content": "x"}]}]), "line 2: messages[0].role"),
+        (jsonl([{"prompt": "1+1", "completion": "2"}]), "line 1: it has no 'messages'"),
+        (b"\n\n", "no examples"),
+        (b"\xff\xfe", "not UTF-8"),
+    ],
+    ids=["not-json", "bad-role", "no-messages", "empty", "not-utf8"],
+)
+def test_a_file_that_is_not_fine_tuning_jsonl_is_refused_naming_the_line(server: Server, content: bytes, said: str):
+    with pytest.raises(openai.BadRequestError, match=re.escape(said)) as caught:
+        server.client.files.create(file=("bad.jsonl", io.BytesIO(content)), purpose="fine-tune")
+    assert caught.value.body["param"] == "file"
+
+
+def test_bad_job_requests_get_openai_errors_that_say_what_is_wrong(server: Server):
+    client = server.client
+    training = upload(client, [example(1, 2)])
+    no_assistant = upload(client, [{"messages": [{"role": "user", "content": "hi"}]}])
+    jobs = client.fine_tuning.jobs
+    with pytest.raises(openai.BadRequestError, match=f"{EMBEDDED_MODEL}.*{ALIAS}") as caught:
+        jobs.create(model="gpt-5-nano", training_file=training)
+    assert caught.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError, match="file-missing") as caught:
+        jobs.create(model=ALIAS, training_file="file-missing")
+    assert caught.value.body["param"] == "training_file"
+    with pytest.raises(openai.BadRequestError, match="line 1 has no assistant message") as caught:
+        jobs.create(model=ALIAS, training_file=training, validation_file=no_assistant)
+    assert caught.value.body["param"] == "validation_file"
+    with pytest.raises(openai.BadRequestError, match="n_epochs"):
+        jobs.create(model=ALIAS, training_file=training, method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 0}}})  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="dpo"):
+        jobs.create(model=ALIAS, training_file=training, method={"type": "dpo", "dpo": {}})
+    with pytest.raises(openai.BadRequestError, match="learning_rate"):  # a hyperparameter OpenAI does not have
+        jobs.create(model=ALIAS, training_file=training, method={"type": "supervised", "supervised": {"hyperparameters": {"learning_rate": 0.1}}})  # fmt: skip
+    with pytest.raises(openai.NotFoundError, match="ftjob-nope"):
+        jobs.retrieve("ftjob-nope")
+    with pytest.raises(openai.NotFoundError, match="ftjob-nope"):
+        jobs.cancel("ftjob-nope")
+
+
+def test_a_supervised_job_runs_to_a_served_model_behind_a_job_cancelled_while_it_ran(server: Server):
+    client = server.client
+    training = upload(client, [example(a, b) for a in range(1, 5) for b in range(1, 3)])  # 8 examples
+    validation = upload(client, [example(7, 1), example(2, 9)], "valid.jsonl")
+    long = client.fine_tuning.jobs.create(
+        model=ALIAS, training_file=training,
+        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 50, "batch_size": 1}}},
+    )  # fmt: skip
+    job = client.fine_tuning.jobs.create(
+        model=ALIAS, training_file=training, validation_file=validation, suffix="sums", seed=7,
+        metadata={"team": "tests"},
+        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 2, "batch_size": 4}}},
+    )  # fmt: skip
+    assert job.status == "queued" and job.model == ALIAS and job.seed == 7 and job.metadata == {"team": "tests"}
+    assert job.hyperparameters.n_epochs == 2 and job.hyperparameters.batch_size == 4
+    assert job.method.type == "supervised" and job.fine_tuned_model is None
+
+    # the first job runs (the second waits behind it); cancelled after a step, it stops and the second one runs
+    wait(client, long.id, lambda j: j.status == "running")
+    deadline = time.monotonic() + 300
+    while not any(e.type == "metrics" for e in events(client, long.id)):
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    assert client.fine_tuning.jobs.retrieve(job.id).status == "queued"
+    assert client.fine_tuning.jobs.cancel(long.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError, match="cannot be cancelled"):
+        client.fine_tuning.jobs.cancel(long.id)
+
+    done = wait(client, job.id, lambda j: j.status in ("succeeded", "failed", "cancelled"))
+    assert done.status == "succeeded", (done.error, [e.message for e in events(client, job.id)])
+    assert done.fine_tuned_model.startswith(f"ft:{ALIAS}:flywheel:sums:") and done.finished_at >= done.created_at
+    assert done.trained_tokens > 0 and done.error is None
+    cancelled = client.fine_tuning.jobs.retrieve(long.id)
+    assert cancelled.status == "cancelled" and cancelled.fine_tuned_model is None
+    assert "Job cancelled" in [e.message.split(" (")[0] for e in events(client, long.id)]
+
+    said = events(client, job.id)
+    messages = [e.message for e in said]
+    assert messages[:3] == [f"Validating training file: {training}", f"Validating validation file: {validation}",
+                            "Files validated, moving job to queued state"]  # fmt: skip
+    assert messages[-1] == "The job has successfully completed" and "Fine-tuning job started" in messages
+    steps = [e.data for e in said if e.type == "metrics"]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4] and all(s["total_steps"] == 4 for s in steps)
+    assert all(s["train_loss"] > 0 for s in steps)
+
+    checkpoints = list(client.fine_tuning.jobs.checkpoints.list(job.id))
+    assert [c.step_number for c in checkpoints] == [4, 2]  # newest first
+    assert checkpoints[0].fine_tuned_model_checkpoint == f"{done.fine_tuned_model}@4"
+    assert all(c.metrics.valid_loss > 0 and c.metrics.train_loss > 0 for c in checkpoints)
+    assert checkpoints[0].metrics.valid_loss < checkpoints[1].metrics.valid_loss  # it learned the format
+
+    for model in (done.fine_tuned_model, checkpoints[1].fine_tuned_model_checkpoint):
+        reply = client.chat.completions.create(
+            model=model, messages=example(5, 3)["messages"][:2], max_tokens=8, temperature=0
+        )
+        assert reply.model == model and reply.choices[0].message.content
+
+    listed = client.fine_tuning.jobs.list(limit=1)
+    assert [j.id for j in listed.data] == [job.id] and listed.has_more  # newest first, paged
+    assert [j.id for j in client.fine_tuning.jobs.list(metadata={"team": "tests"})] == [job.id]
+
+
+def test_a_job_paused_and_resumed_and_one_whose_server_was_killed_go_on_to_succeed(tmp_path):
+    server = Server(tmp_path)
+    try:
+        client = server.client
+        training = upload(client, [example(a, 1) for a in range(1, 7)])
+        job = client.fine_tuning.jobs.create(
+            model=ALIAS, training_file=training,
+            method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 3, "batch_size": 3}}},
+        )  # fmt: skip
+        wait(client, job.id, lambda j: j.status == "running")
+        assert client.fine_tuning.jobs.pause(job.id).status == "paused"
+        time.sleep(2.0)
+        assert client.fine_tuning.jobs.retrieve(job.id).status == "paused"  # it stays paused
+        assert client.fine_tuning.jobs.resume(job.id).status == "queued"
+        with pytest.raises(openai.BadRequestError, match="only a paused job"):
+            client.fine_tuning.jobs.resume(job.id)
+        wait(client, job.id, lambda j: len(list(client.fine_tuning.jobs.checkpoints.list(j.id))) >= 1)
+        server.stop(signal.SIGKILL)  # mid-job: no shutdown at all
+        server = Server(tmp_path)
+        done = wait(server.client, job.id, lambda j: j.status in ("succeeded", "failed", "cancelled"))
+        assert done.status == "succeeded", done.error
+        messages = [e.message for e in events(server.client, job.id)]
+        assert "Job paused (its training stops at the next step)" in messages and "Job resumed: queued" in messages
+        assert "The server restarted: the job resumes from its last checkpoint" in messages
+        checkpoints = list(server.client.fine_tuning.jobs.checkpoints.list(job.id))
+        assert [c.step_number for c in checkpoints] == [6, 4, 2]  # one per epoch, none lost, none twice
+        reply = server.client.chat.completions.create(
+            model=done.fine_tuned_model, messages=example(5, 3)["messages"][:2], max_tokens=8, temperature=0
+        )
+        assert reply.choices[0].message.content
+    finally:
+        server.stop()
+
+
+GRADER = {
+    "type": "multi", "name": "sum", "calculate_output": "0.5 * exact + 0.5 * number",
+    "graders": {
+        "exact": {"type": "string_check", "name": "exact", "input": "{{sample.output_text}}",
+                  "reference": "Answer: {{item.answer}}", "operation": "eq"},
+        "number": {"type": "python", "name": "number",
+                   "source": "def grade(sample, item):\n    return float(item['answer'] in sample['output_text'])\n"},
+    },
+}  # fmt: skip
+
+
+def question(a: int, b: int) -> dict:
+    return {"messages": example(a, b)["messages"][:2], "answer": str(a + b)}
+
+
+def test_a_reinforcement_job_grades_its_answers_trains_and_serves_its_model(server: Server):
+    client = server.client
+    training = upload(client, [question(a, 2) for a in range(1, 5)], "rft-train.jsonl")
+    validation = upload(client, [question(6, 1), question(3, 5)], "rft-valid.jsonl")
+    hyper = {"n_epochs": 1, "batch_size": 2, "compute_multiplier": 0.5, "eval_interval": 1, "eval_samples": 1,
+             "reasoning_effort": "low"}  # fmt: skip
+    job = client.fine_tuning.jobs.create(
+        model=ALIAS, training_file=training, validation_file=validation, suffix="rft",
+        method={"type": "reinforcement", "reinforcement": {"grader": GRADER, "hyperparameters": hyper}},
+    )  # fmt: skip
+    assert job.method.type == "reinforcement" and job.method.reinforcement.grader.type == "multi"
+    done = wait(client, job.id, lambda j: j.status in ("succeeded", "failed", "cancelled"))
+    said = events(client, job.id)
+    assert done.status == "succeeded", (done.error, [e.message for e in said])
+    assert any(e.level == "warn" and "reasoning_effort" in e.message for e in said)
+    steps = [e.data for e in said if e.type == "metrics"]
+    assert [s["step"] for s in steps] == [1, 2] and all(0 <= s["train_reward_mean"] <= 1 for s in steps)
+    checkpoints = list(client.fine_tuning.jobs.checkpoints.list(job.id))
+    assert len(checkpoints) == 2 and all(0 <= c.metrics.valid_reward_mean <= 1 for c in checkpoints)
+    reply = client.chat.completions.create(
+        model=done.fine_tuned_model, messages=question(2, 2)["messages"], max_tokens=8
+    )
+    assert reply.model == done.fine_tuned_model
+
+
+def test_a_reinforcement_job_with_a_bad_grader_or_data_it_cannot_grade_is_refused(server: Server):
+    client = server.client
+    training = upload(client, [question(1, 2)])
+    no_answer = upload(client, [{"messages": question(1, 1)["messages"]}])
+    jobs = client.fine_tuning.jobs
+    unknown = {"type": "reinforcement", "reinforcement": {"grader": {"type": "regex_check", "name": "r"}}}
+    with pytest.raises(openai.BadRequestError, match="regex_check") as caught:
+        jobs.create(model=ALIAS, training_file=training, method=unknown)
+    assert caught.value.body["param"] == "method.reinforcement.grader"
+    good = {"type": "reinforcement", "reinforcement": {"grader": GRADER}}
+    with pytest.raises(openai.BadRequestError, match=re.escape("line 1 has no 'answer', which the grader reads ({{item.answer}})")) as caught:  # fmt: skip
+        jobs.create(model=ALIAS, training_file=training, validation_file=no_answer, method=good)
+    assert caught.value.body["param"] == "validation_file"
