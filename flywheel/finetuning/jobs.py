@@ -169,6 +169,9 @@ class Jobs:
             if kind == "reinforcement" and hyper.get("reasoning_effort", "default") != "default":
                 records.add_event(s, job.id, f"reasoning_effort '{hyper['reasoning_effort']}' is ignored: the "
                                   "model answers as it is asked.", level="warn")  # fmt: skip
+            if kind == "reinforcement" and method[kind].get("response_format"):
+                records.add_event(s, job.id, "response_format is not applied to the answers yet: the grader sees "
+                                  "them as the model writes them.", level="warn")  # fmt: skip
             if body.integrations:
                 records.add_event(s, job.id, "Integrations (wandb) are not run by this server: set WANDB_API_KEY "
                                   "where it runs to log its models' steps to W&B.", level="warn")  # fmt: skip
