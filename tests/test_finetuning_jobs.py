@@ -18,7 +18,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from typer.testing import CliRunner
 
+from flywheel.cli import app
 from flywheel.inference.loading import EMBEDDED_MODEL
 from tests.test_cli_commands import FLYWHEEL, env, free_port
 
@@ -213,6 +215,7 @@ def test_a_supervised_job_runs_to_a_served_model_behind_a_job_cancelled_while_it
         )
         assert reply.model == model and reply.choices[0].message.content
 
+    assert done.fine_tuned_model in [m.id for m in client.models.list()]
     listed = client.fine_tuning.jobs.list(limit=1)
     assert [j.id for j in listed.data] == [job.id] and listed.has_more  # newest first, paged
     assert [j.id for j in client.fine_tuning.jobs.list(metadata={"team": "tests"})] == [job.id]
@@ -305,3 +308,35 @@ def test_a_reinforcement_job_with_a_bad_grader_or_data_it_cannot_grade_is_refuse
     with pytest.raises(openai.BadRequestError, match=re.escape("line 1 has no 'answer', which the grader reads ({{item.answer}})")) as caught:  # fmt: skip
         jobs.create(model=ALIAS, training_file=training, validation_file=no_answer, method=good)
     assert caught.value.body["param"] == "validation_file"
+
+
+def test_flywheel_jobs_drives_the_api_from_the_command_line(server: Server, tmp_path):
+    url = str(server.client.base_url)
+    cli = CliRunner()
+
+    def flywheel(*args: str) -> str:
+        result = cli.invoke(app, ["jobs", *args, "--url", url], env={"COLUMNS": "250"})
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(jsonl([example(a, 3) for a in range(1, 4)]))
+    file_id = flywheel("upload", str(path)).split()[0]
+    assert file_id.startswith("file-")
+    body = {"model": ALIAS, "training_file": file_id, "suffix": "cli",
+            "method": {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 1, "batch_size": 3}}}}  # fmt: skip
+    made = flywheel("create", json.dumps(body))
+    job_id = re.search(r"ftjob-\w+", made).group(0)
+    assert job_id in flywheel("list") and "supervised" in made
+    done = wait(server.client, job_id, lambda j: j.status in ("succeeded", "failed", "cancelled"))
+    assert done.status == "succeeded" and done.fine_tuned_model in flywheel("get", job_id)
+    assert "The job has successfully completed" in flywheel("events", job_id)
+    assert f"{done.fine_tuned_model}@1" in flywheel("checkpoints", job_id)
+    refused = cli.invoke(app, ["jobs", "cancel", job_id, "--url", url])
+    assert refused.exit_code == 2 and "400: " in refused.output and "cannot be cancelled" in refused.output
+    assert "Traceback" not in refused.output
+    (bad := tmp_path / "bad.json").write_text("{nope")
+    refused = cli.invoke(app, ["jobs", "create", str(bad), "--url", url])
+    assert refused.exit_code == 2 and "not JSON" in refused.output
+    gone = cli.invoke(app, ["jobs", "list", "--url", f"http://127.0.0.1:{free_port()}/v1"])
+    assert gone.exit_code == 2 and "cannot reach" in gone.output and "Traceback" not in gone.output

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import typer
 
-from flywheel.cli import deployments, graders, jobs, loop, serving
+from flywheel.cli import deployments, finetuning, graders, jobs, loop, serving
 from flywheel.cli.export import export_app
 from flywheel.cli.judge import judge_app
 from flywheel.cli.review import review_app
@@ -36,3 +36,4 @@ app.command()(serving.serve)
 app.command()(jobs.demo)
 app.command()(jobs.train)
 app.command()(serving.runner)
+app.add_typer(finetuning.jobs_app, name="jobs")

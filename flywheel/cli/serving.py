@@ -224,7 +224,7 @@ def serve(
         write_behind=write_behind,
         prices=prices,
     )
-    app = create_app(registry, gateway, auth=keys, upstream=relay_to)
+    app = create_app(registry, gateway, auth=keys, upstream=relay_to, listed=service.models if service else None)
     if service is not None:
         from flywheel.finetuning.routes import mount
 

@@ -7,11 +7,11 @@ from typing import Any
 
 from flywheel.finetuning.files import Files
 from flywheel.finetuning.jobs import RFT_MAX_TOKENS, BaseModels, Jobs, JobWorker
+from flywheel.finetuning.wire import ORGANIZATION
 from flywheel.inference.registry import ServedModel
 from flywheel.store import Store
 from flywheel.store import finetuning as records
 from flywheel.store.finetuning import JobStatus
-from flywheel.store.schema import FineTuningJob
 
 
 class FineTuning:
@@ -45,11 +45,10 @@ class FineTuning:
         """A loader for the server's registry: the jobs' models and checkpoints."""
         return self.worker.serve(name)
 
-    def models(self) -> list[FineTuningJob]:
-        """The succeeded jobs (their ``fine_tuned_model``s are listed by ``/v1/models``)."""
+    def models(self) -> list[dict[str, Any]]:
+        """The succeeded jobs' models, as ``/v1/models`` lists them (served on their first request)."""
         with self.store.session() as s:
             jobs = records.list_jobs(s, after=None, limit=10_000)
             done = [j for j in jobs if j.status == JobStatus.succeeded and j.fine_tuned_model]
-            for job in done:
-                s.expunge(job)
-        return done
+            return [{"id": j.fine_tuned_model, "object": "model", "created": int(j.created_at.timestamp()),
+                     "owned_by": ORGANIZATION} for j in done]  # fmt: skip

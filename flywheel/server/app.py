@@ -206,6 +206,7 @@ def create_app(
     upstream: Upstream | None = None,
     shadow_in_flight: int = SHADOW_IN_FLIGHT,
     budgets: TokenBudgets | None = None,
+    listed: Callable[[], list[dict[str, Any]]] | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible API over ``registry``'s engines; with a ``gateway``, also the episode API and the
     episode-scoped routes (``/episodes/{id}/v1/...``, or ``/v1/...`` with an ``X-Flywheel-Episode`` header) whose
@@ -215,7 +216,9 @@ def create_app(
     its traffic policy (``flywheel.gateway.traffic``: canary, shadow; at most ``shadow_in_flight`` shadow calls at
     once), which is ``app.state.traffic``. With keys, an agent key may not have a checkpoint loaded that no
     deployment points at, and each request's ``n`` x ``max_tokens`` is capped by its key's role (``budgets``, by
-    default ``TokenBudgets.configured()``). At shutdown, the gateway's calls still queued are written first."""
+    default ``TokenBudgets.configured()``). ``listed``: more models ``/v1/models`` lists (``/v1/models``' objects),
+    which the registry's loader serves on their first request (fine-tuned ones). At shutdown, the gateway's calls
+    still queued are written first."""
     budgets = budgets or TokenBudgets.configured()
 
     @asynccontextmanager
@@ -279,6 +282,9 @@ def create_app(
         models = [
             {"id": m.name, "object": "model", "created": m.created, "owned_by": m.owned_by} for m in registry.all()
         ]
+        if listed is not None:
+            local = {m["id"] for m in models}
+            models += [m for m in await asyncio.to_thread(listed) if m["id"] not in local]
         if relay is not None:  # the local engine's names first: it answers them
             local = {m["id"] for m in models}
             models += [m for m in await relay.models() if m["id"] not in local]
