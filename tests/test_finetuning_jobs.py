@@ -11,6 +11,7 @@ import json
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,6 +110,9 @@ def test_files_are_uploaded_listed_read_back_and_deleted(server: Server):
     assert client.files.retrieve(made.id).bytes == len(data)
     assert client.files.content(made.id).content == data
     assert made.id in [f.id for f in client.files.list(purpose="fine-tune")]
+    big = jsonl([{"messages": [{"role": "user", "content": "x" * (33 * 2**20)}, {"role": "assistant", "content": "y"}]}])  # fmt: skip
+    large = client.files.create(file=("big.jsonl", io.BytesIO(big)), purpose="fine-tune")  # over the 32 MB of a request
+    assert large.bytes == len(big) and client.files.delete(large.id).deleted
     assert client.files.delete(made.id).deleted
     with pytest.raises(openai.NotFoundError, match=made.id):
         client.files.retrieve(made.id)
@@ -340,3 +344,16 @@ def test_flywheel_jobs_drives_the_api_from_the_command_line(server: Server, tmp_
     assert refused.exit_code == 2 and "not JSON" in refused.output
     gone = cli.invoke(app, ["jobs", "list", "--url", f"http://127.0.0.1:{free_port()}/v1"])
     assert gone.exit_code == 2 and "cannot reach" in gone.output and "Traceback" not in gone.output
+
+
+def test_the_openai_rft_example_runs_unchanged_against_the_server(server: Server):
+    """examples/openai_rft/rft.py, a plain OpenAI script, with only the environment's base URL pointing here."""
+    script = Path(__file__).parents[1] / "examples" / "openai_rft" / "rft.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "--train-rows", "4", "--valid-rows", "2"], capture_output=True, text=True,
+        timeout=600, env={**env(server.home), "OPENAI_BASE_URL": str(server.client.base_url), "OPENAI_API_KEY": "x"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "The job has successfully completed" in run.stdout
+    assert re.search(r"validation reward [\d.]+ -> [\d.]+: it (rose|did not rise)", run.stdout), run.stdout
+    assert "ft:gpt-4.1-mini-2025-04-14:flywheel:sums:" in run.stdout

@@ -14,11 +14,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from flywheel.server.limits import UPLOAD_MAX_BYTES
 from flywheel.store import Store
 from flywheel.store import finetuning as records
 from flywheel.store.schema import FineTuningFile
 
-FILE_MAX_BYTES = 512 * 1024 * 1024  # OpenAI's limit for one uploaded file
 PURPOSES = ("fine-tune",)
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
@@ -102,8 +102,8 @@ class Files:
                 f"Invalid purpose {purpose!r}: this server keeps files for fine-tuning only ({', '.join(PURPOSES)}).",
                 "purpose", "invalid_value",
             )  # fmt: skip
-        if len(data) > FILE_MAX_BYTES:
-            raise FileError(f"The file is {len(data)} bytes: at most {FILE_MAX_BYTES} are allowed.", "file", "file_too_large")  # fmt: skip
+        if len(data) > UPLOAD_MAX_BYTES:
+            raise FileError(f"The file is {len(data)} bytes: at most {UPLOAD_MAX_BYTES} are allowed.", "file", "file_too_large")  # fmt: skip
         lines = check_jsonl(data)
         file_id = records.new_id("file")
         self.root.mkdir(parents=True, exist_ok=True)
