@@ -357,3 +357,9 @@ def test_the_openai_rft_example_runs_unchanged_against_the_server(server: Server
     assert "The job has successfully completed" in run.stdout
     assert re.search(r"validation reward [\d.]+ -> [\d.]+: it (rose|did not rise)", run.stdout), run.stdout
     assert "ft:gpt-4.1-mini-2025-04-14:flywheel:sums:" in run.stdout
+    # every job's model this server made still answers, though only the two latest stay loaded (MAX_MODELS)
+    made = [m.id for m in server.client.models.list() if m.id.startswith("ft:")]
+    assert len(made) >= 4, made
+    for model in made:
+        reply = server.client.chat.completions.create(model=model, messages=question(1, 1)["messages"], max_tokens=4)
+        assert reply.model == model and reply.choices[0].message.content is not None

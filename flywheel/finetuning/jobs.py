@@ -14,10 +14,12 @@ never lost."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import random
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 PROJECT = "fine-tuning"  # the project of the jobs' models, under the worker's home
 SFT_LEARNING_RATE = 2e-4  # learning_rate_multiplier 1 (LoRA's usual rate)
 RL_LEARNING_RATE = 5e-6  # learning_rate_multiplier 1 in RFT (ART's default)
+MAX_MODELS = 2  # jobs' models registered at once on the worker's backend (each holds an engine)
 RFT_MAX_TOKENS = 512  # an RFT answer's most tokens, by default
 AUTO_EPOCHS = 3
 
@@ -264,6 +267,8 @@ class JobWorker:
         self._wake, self._ready, self._stopping = threading.Event(), threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
+        self._models: OrderedDict[str, TrainableModel] = OrderedDict()  # registered, least recently used first
+        self._training: str | None = None  # the running job's model, never let go of while it trains
 
     def start(self) -> None:
         self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="fine-tuning-jobs", daemon=True)
@@ -297,13 +302,32 @@ class JobWorker:
         backend = self.backend
 
         async def served() -> ServedModel | None:
-            await model.register(backend)  # registered already: a no-op
+            await self._load(model)
             try:
                 return await backend.registry.resolve(name)
             except UnknownModelError:
                 return None
 
         return asyncio.run_coroutine_threadsafe(served(), self.loop).result()
+
+    async def _load(self, model: TrainableModel) -> TrainableModel:
+        """``model`` registered on the worker's backend (the one registered already, if it is), after letting go of
+        the least recently used others beyond ``MAX_MODELS`` (each holds an engine): a request for one of those
+        registers it again."""
+        assert self.backend is not None
+        if model.name in self._models:
+            self._models.move_to_end(model.name)
+            return self._models[model.name]
+        for name in [n for n in self._models if n != self._training][: max(0, len(self._models) + 1 - MAX_MODELS)]:
+            await self.backend.unregister(self._models.pop(name))
+        await model.register(self.backend)
+        self._models[model.name] = model
+        return model
+
+    async def _unload(self, model: TrainableModel) -> None:
+        assert self.backend is not None
+        self._models.pop(model.name, None)
+        await self.backend.unregister(model)
 
     async def _main(self) -> None:
         try:
@@ -346,6 +370,11 @@ class JobWorker:
                     message = f"{type(exc).__name__}: {exc}"
                     records.set_status(s, row, JobStatus.failed, error={"code": "server_error", "message": message, "param": None})  # fmt: skip
                     records.add_event(s, job.id, f"The job failed: {message}", level="error")
+            if (model := self._models.get(self._training or "")) is not None:  # its live weights are half-trained
+                with contextlib.suppress(Exception):
+                    await self._unload(model)
+        finally:
+            self._training = None
 
     def _status(self, job_id: str) -> JobStatus:
         with self.store.session() as s:
@@ -390,7 +419,7 @@ class JobWorker:
             try:
                 history = await self.backend.train_sft(model, order, config, progress)
             except _Stop:
-                await self.backend.unregister(model)  # what the epoch had not checkpointed is dropped
+                await self._unload(model)  # what the epoch had not checkpointed is dropped
                 raise
             loss = sum(h["loss"] for h in history) / len(history) if history else math.nan
             tokens = sum(int(h["tokens_trained"]) for h in history)
@@ -414,8 +443,8 @@ class JobWorker:
                 s.expunge(c)
             records.add_event(s, job.id, "Fine-tuning job started" if not done else f"Fine-tuning job resumed after step {done[-1].step}")  # fmt: skip
         model = TrainableModel(name=job.fine_tuned_model or fine_tuned_name(job), project=PROJECT, base_model=job.base_model)  # fmt: skip
-        await model.register(self.backend)
-        return model, done
+        self._training = model.name
+        return await self._load(model), done
 
     def _should_stop(self, job: JobRow) -> bool:
         """Cancelled or paused, or the server is stopping (the job stays running: the next start resumes it)."""
@@ -423,8 +452,7 @@ class JobWorker:
 
     async def _stop_if_asked(self, job: JobRow, model: TrainableModel) -> None:
         if self._should_stop(job):
-            assert self.backend is not None
-            await self.backend.unregister(model)
+            await self._unload(model)
             raise _Stop
 
     def _succeed(self, job: JobRow, name: str) -> None:
