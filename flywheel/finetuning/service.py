@@ -6,8 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.finetuning.files import Files
-from flywheel.finetuning.jobs import RFT_MAX_TOKENS, BaseModels, Jobs, JobWorker
+from flywheel.finetuning.jobs import BaseModels, Jobs
 from flywheel.finetuning.wire import ORGANIZATION
+from flywheel.finetuning.worker import RFT_MAX_TOKENS, JobWorker
 from flywheel.inference.registry import ServedModel
 from flywheel.store import Store
 from flywheel.store import finetuning as records
