@@ -4,6 +4,7 @@ where it is wrong. No model: the server's registry is empty."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 
 import openai
@@ -51,6 +52,27 @@ def test_a_grader_that_fails_scores_zero_with_openais_error_flag(graders):
     assert "ZeroDivisionError" in result.metadata.errors.python_grader_runtime_error_details
     missing = graders.run(grader=EXACT, model_sample="42", item={})  # no item.answer
     assert missing.reward == 0.0 and missing.metadata.errors.invalid_variable_error
+
+
+def test_a_json_sample_is_read_as_output_json_and_other_text_is_a_sample_parse_error(graders):
+    field = {"type": "string_check", "name": "field", "input": "{{sample.output_json.answer}}",
+             "reference": "{{item.answer}}", "operation": "eq"}  # fmt: skip
+    assert graders.run(grader=field, model_sample='{"answer": "42"}', item={"answer": "42"}).reward == 1.0
+    prose = graders.run(grader=field, model_sample="the answer is 42", item={"answer": "42"})
+    assert prose.reward == 0.0 and prose.metadata.errors.sample_parse_error
+
+
+def test_a_model_grader_whose_judge_cannot_be_reached_is_a_flagged_zero(graders, monkeypatch):
+    with socket.socket() as closed:  # a loopback port nothing listens on once closed
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setenv("OPENAI_API_KEY", "unused")
+    monkeypatch.setenv("OPENAI_BASE_URL", f"http://127.0.0.1:{port}/v1")
+    judge = {"type": "score_model", "name": "judge", "model": "gpt-4o-mini", "range": [0, 1],
+             "input": [{"role": "user", "content": "Rate: {{sample.output_text}}"}]}  # fmt: skip
+    result = graders.run(grader=judge, model_sample="hi", item={})
+    assert result.reward == 0.0 and result.metadata.errors.api_model_grader_server_error
+    assert "gpt-4o-mini" in result.metadata.errors.api_model_grader_server_error_details
 
 
 def test_validate_returns_a_good_grader_and_refuses_a_bad_one_saying_where(graders):

@@ -36,48 +36,74 @@ class _Body(BaseModel):
 
 
 class GraderRun(_Body):
+    """``graders/run``'s body: ``model_sample`` is the model's output text (``sample.output_json`` when it is valid
+    JSON), ``item`` the dataset row."""
+
     grader: dict[str, Any]
     model_sample: str
     item: dict[str, Any] = Field(default_factory=dict)
 
 
 class GraderValidate(_Body):
+    """``graders/validate``'s body."""
+
     grader: dict[str, Any]
 
 
 def _errors(result: GradeResult) -> dict[str, Any]:
     """OpenAI's error flags (each kind that occurred), with the details OpenAI gives for some."""
     raised = {_AS_OPENAI.get(kind, kind) for kind in result.errors}
-    flags: dict[str, Any] = {flag: flag in raised for flag in _FLAGS}
     details = result.error_details
-    flags["python_grader_runtime_error_details"] = details.get(kinds.PYTHON_GRADER_RUNTIME) or details.get(kinds.PYTHON_GRADER_FORBIDDEN)  # fmt: skip
-    flags["python_grader_server_error_type"] = kinds.PYTHON_GRADER_MEMORY if kinds.PYTHON_GRADER_MEMORY in details else None  # fmt: skip
+    flags: dict[str, Any] = {flag: flag in raised for flag in _FLAGS}
+    flags["python_grader_runtime_error_details"] = details.get(kinds.PYTHON_GRADER_RUNTIME) or details.get(
+        kinds.PYTHON_GRADER_FORBIDDEN
+    )
+    flags["python_grader_server_error_type"] = (
+        kinds.PYTHON_GRADER_MEMORY if kinds.PYTHON_GRADER_MEMORY in details else None
+    )
     flags["model_grader_server_error_details"] = details.get(kinds.MODEL_GRADER_SERVER)
     return flags
 
 
 def run_response(result: GradeResult) -> dict[str, Any]:
+    """``graders/run``'s answer, checked against the SDK's ``GraderRunResponse``, with Flywheel's message for each
+    error kind added as ``metadata.error_details``."""
     metadata = {
-        "name": result.name, "type": result.type, "errors": _errors(result), "execution_time": result.latency_s,
-        "scores": result.details, "sampled_model_name": None, "token_usage": None,
-    }  # fmt: skip
+        "name": result.name,
+        "type": result.type,
+        "errors": _errors(result),
+        "execution_time": result.latency_s,
+        "scores": result.details,
+        "sampled_model_name": None,
+        "token_usage": None,
+    }
     body = GraderRunResponse.model_validate(
-        {"reward": result.reward, "sub_rewards": result.sub_rewards, "metadata": metadata,
-         "model_grader_token_usage_per_model": {}}
-    )  # fmt: skip
-    return body.model_dump(mode="json", by_alias=True) | {"metadata": body.metadata.model_dump(mode="json", by_alias=True) | {"error_details": result.error_details}}  # fmt: skip
+        {
+            "reward": result.reward,
+            "sub_rewards": result.sub_rewards,
+            "metadata": metadata,
+            "model_grader_token_usage_per_model": {},
+        }
+    )
+    answer = body.model_dump(mode="json", by_alias=True)
+    answer["metadata"]["error_details"] = result.error_details
+    return answer
 
 
 def graders_router() -> APIRouter:
+    """The two routes, mounted by ``flywheel.server.app``. A malformed grader raises ``GraderSpecError`` (a
+    ``ValueError``), which the app answers as a 400 ``invalid_request_error`` naming where it is wrong."""
     router = APIRouter()
 
     @router.post("/v1/fine_tuning/alpha/graders/validate")
-    async def validate(body: GraderValidate):
-        parse_grader(body.grader, "grader")  # a GraderSpecError (a ValueError) is the 400 naming where
-        return {"grader": body.grader}  # as given (the SDK's type takes a multi grader's map as one grader)
+    async def validate(body: GraderValidate) -> dict[str, Any]:
+        parse_grader(body.grader, "grader")
+        # The grader as given: the SDK's GraderValidateResponse types a multi grader's `graders` as one grader, not
+        # OpenAI's {name: grader} map, so it is not built from that type.
+        return {"grader": body.grader}
 
     @router.post("/v1/fine_tuning/alpha/graders/run")
-    async def run(body: GraderRun):
+    async def run(body: GraderRun) -> dict[str, Any]:
         grader = parse_grader(body.grader, "grader")
         return run_response(await grade(grader, Sample.from_text(body.model_sample), body.item))
 
