@@ -36,20 +36,9 @@ def mount(app: FastAPI, service: FineTuning) -> None:
         return error_response(404, str(exc), "invalid_request_error", param=exc.param, code="not_found")
 
 
-def _more(rows: list, limit: int) -> bool:
-    return len(rows) > limit
-
-
 def _router(service: FineTuning) -> APIRouter:
     router = APIRouter()
     files, jobs, store = service.files, service.jobs, service.store
-
-    def read(fn, *args, **kwargs):
-        def unit():
-            with store.session() as s:
-                return fn(s, *args, **kwargs)
-
-        return asyncio.to_thread(unit)
 
     # ---- files ------------------------------------------------------------------------------------------------
 
@@ -66,15 +55,15 @@ def _router(service: FineTuning) -> APIRouter:
         order: Literal["asc", "desc"] = "desc",
         after: str | None = None,
     ):
-        def unit(s):
+        def unit(s):  # the objects are built inside the unit of work, while their rows are loaded
             rows = records.list_files(s, purpose=purpose, after=after, limit=limit + 1, order=order)
-            return wire.page([wire.file_object(r) for r in rows], limit, _more(rows, limit))
+            return wire.page(rows, limit, wire.file_object)
 
-        return await read(unit)
+        return await store.run(unit)
 
     @router.get("/v1/files/{file_id}")
     async def retrieve_file(file_id: str):
-        return await read(lambda s: wire.file_object(records.get_file(s, file_id)))
+        return await store.run(lambda s: wire.file_object(records.get_file(s, file_id)))
 
     @router.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str):
@@ -96,15 +85,11 @@ def _router(service: FineTuning) -> APIRouter:
     async def list_jobs(request: Request, after: str | None = None, limit: Limit = 20):
         meta = {k[len("metadata[") : -1]: v for k, v in request.query_params.items() if k.startswith("metadata[") and k.endswith("]")}  # fmt: skip
 
-        def unit(s):
-            rows = records.list_jobs(s, after=after, limit=limit + 1, meta=meta)
-            return wire.page([wire.job_object(r) for r in rows], limit, _more(rows, limit))
-
-        return await read(unit)
+        return await store.run(lambda s: wire.page(records.list_jobs(s, after=after, limit=limit + 1, meta=meta), limit, wire.job_object))  # fmt: skip
 
     @router.get("/v1/fine_tuning/jobs/{job_id}")
     async def retrieve_job(job_id: str):
-        return await read(lambda s: wire.job_object(records.get_job(s, job_id)))
+        return await store.run(lambda s: wire.job_object(records.get_job(s, job_id)))
 
     @router.post("/v1/fine_tuning/jobs/{job_id}/cancel")
     async def cancel_job(job_id: str):
@@ -120,18 +105,10 @@ def _router(service: FineTuning) -> APIRouter:
 
     @router.get("/v1/fine_tuning/jobs/{job_id}/events")
     async def list_events(job_id: str, after: str | None = None, limit: Limit = 20):
-        def unit(s):
-            rows = records.list_events(s, job_id, after=after, limit=limit + 1)
-            return wire.page([wire.event_object(r) for r in rows], limit, _more(rows, limit))
-
-        return await read(unit)
+        return await store.run(lambda s: wire.page(records.list_events(s, job_id, after=after, limit=limit + 1), limit, wire.event_object))  # fmt: skip
 
     @router.get("/v1/fine_tuning/jobs/{job_id}/checkpoints")
     async def list_checkpoints(job_id: str, after: str | None = None, limit: Limit = 10):
-        def unit(s):
-            rows = records.list_checkpoints(s, job_id, after=after, limit=limit + 1)
-            return wire.page([wire.checkpoint_object(r) for r in rows], limit, _more(rows, limit))
-
-        return await read(unit)
+        return await store.run(lambda s: wire.page(records.list_checkpoints(s, job_id, after=after, limit=limit + 1), limit, wire.checkpoint_object))  # fmt: skip
 
     return router

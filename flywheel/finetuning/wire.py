@@ -3,6 +3,7 @@ which are the openai SDK's own types built from the store's rows, so that the SD
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Literal
 
@@ -136,6 +137,7 @@ def checkpoint_object(row: FineTuningCheckpoint) -> dict[str, Any]:
     ).model_dump(mode="json", exclude_none=True)  # fmt: skip
 
 
-def page(data: list[dict[str, Any]], limit: int, more: bool) -> dict[str, Any]:
-    """OpenAI's list object (the SDK pages on with the last item's id as ``after`` while ``has_more``)."""
-    return {"object": "list", "data": data[:limit], "has_more": more}
+def page(rows: list[Any], limit: int, to_object: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI's list object from ``rows`` read with one more than ``limit`` (so that ``has_more`` is known); the SDK
+    pages on with the last item's id as ``after`` while ``has_more``."""
+    return {"object": "list", "data": [to_object(r) for r in rows[:limit]], "has_more": len(rows) > limit}
