@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -40,6 +41,19 @@ def run(args: list[str], home: Path, timeout: float) -> subprocess.CompletedProc
     return subprocess.run([FLYWHEEL, *args], capture_output=True, text=True, timeout=timeout, env=env(home))
 
 
+def wait_until_healthy(proc: subprocess.Popen, base: str, output: Callable[[], object]) -> None:
+    """Until ``proc``'s server at ``base`` answers /health (at most 5 minutes); ``output``: what to show if it died."""
+    deadline = time.monotonic() + 300
+    while True:
+        assert proc.poll() is None, output()
+        assert time.monotonic() < deadline, "the server did not come up in 5 minutes"
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.5)
+
+
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_serve_answers_a_real_request_then_stops_cleanly_on_a_signal(tmp_path, stop):
     port = free_port()
@@ -52,15 +66,7 @@ def test_serve_answers_a_real_request_then_stops_cleanly_on_a_signal(tmp_path, s
     )
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the server did not come up in 5 minutes"
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
+        wait_until_healthy(proc, base, proc.communicate)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         assert EMBEDDED_MODEL in [m.id for m in client.models.list().data]
         r = client.chat.completions.create(

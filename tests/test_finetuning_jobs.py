@@ -16,14 +16,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from typer.testing import CliRunner
 
 from flywheel.cli import app
 from flywheel.inference.loading import EMBEDDED_MODEL
-from tests.test_cli_commands import FLYWHEEL, env, free_port
+from tests.test_cli_commands import FLYWHEEL, env, free_port, wait_until_healthy
 
 ALIAS = "gpt-4.1-mini-2025-04-14"
 
@@ -49,15 +48,7 @@ class Server:
             stdout=subprocess.PIPE, stderr=(home / "server.err").open("a"), text=True, env=env(home),
         )  # fmt: skip
         base = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 300
-        while True:
-            assert self.proc.poll() is None, (home / "server.err").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the server did not come up in 5 minutes"
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
+        wait_until_healthy(self.proc, base, lambda: (home / "server.err").read_text()[-3000:])
         self.client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
 
     def stop(self, sig: int = signal.SIGINT) -> None:
