@@ -265,7 +265,13 @@ def question(a: int, b: int) -> dict:
     return {"messages": example(a, b)["messages"][:2], "answer": str(a + b)}
 
 
-def test_a_reinforcement_job_grades_its_answers_trains_and_serves_its_model(server: Server):
+# a gate that passes whatever the 135M model learns in two steps: 2 rows are enough, any lift above -1, no safety
+# sub-grader needed, any cost (the default policy holds: 20 rows, a lift above +0.02, a safety grader)
+LENIENT = {"min_items": 2, "min_lift": -1.0, "require_safety": False,
+           "max_increase": {"tokens": 100.0, "tool_calls": 100.0, "latency_ms": 100.0}}  # fmt: skip
+
+
+def test_a_reinforcement_job_grades_its_answers_trains_and_ends_through_the_gate(server: Server, home: Path):
     client = server.client
     training = upload(client, [question(a, 2) for a in range(1, 5)], "rft-train.jsonl")
     validation = upload(client, [question(6, 1), question(3, 5)], "rft-valid.jsonl")
@@ -274,6 +280,7 @@ def test_a_reinforcement_job_grades_its_answers_trains_and_serves_its_model(serv
     job = client.fine_tuning.jobs.create(
         model=ALIAS, training_file=training, validation_file=validation, suffix="rft",
         method={"type": "reinforcement", "reinforcement": {"grader": GRADER, "hyperparameters": hyper}},
+        metadata={"flywheel_gate": "production", "flywheel_gate_policy": json.dumps(LENIENT)},
     )  # fmt: skip
     assert job.method.type == "reinforcement" and job.method.reinforcement.grader.type == "multi"
     done = wait(client, job.id, lambda j: j.status in ("succeeded", "failed", "cancelled"))
@@ -288,6 +295,19 @@ def test_a_reinforcement_job_grades_its_answers_trains_and_serves_its_model(serv
         model=done.fine_tuned_model, messages=question(2, 2)["messages"], max_tokens=8
     )
     assert reply.model == done.fine_tuned_model
+    # the best checkpoint went through the gate against the base model and, passing, is what @production serves
+    gated = [e for e in said if "gate_event" in (e.data or {})]
+    assert len(gated) == 1 and gated[0].data["promote"], [e.message for e in said]
+    best = max(checkpoints, key=lambda c: (c.metrics.valid_reward_mean, c.step_number))
+    assert f"The gate passed {best.fine_tuned_model_checkpoint}: lift" in gated[0].message
+    production = f"{done.fine_tuned_model}@production"
+    assert gated[0].data["deployment"] == production
+    reply = client.chat.completions.create(model=production, messages=question(2, 2)["messages"], max_tokens=8)
+    assert reply.model == production and reply.choices[0].message.content
+    shown = CliRunner().invoke(
+        app, ["audit", "--subject", production], env={"FLYWHEEL_HOME": str(home), "COLUMNS": "300"}
+    )
+    assert shown.exit_code == 0 and "deploy" in shown.output and "passed the gate" in shown.output, shown.output
 
 
 def test_a_reinforcement_job_with_a_bad_grader_or_data_it_cannot_grade_is_refused(server: Server):
@@ -303,6 +323,15 @@ def test_a_reinforcement_job_with_a_bad_grader_or_data_it_cannot_grade_is_refuse
     with pytest.raises(openai.BadRequestError, match=re.escape("line 1 has no 'answer', which the grader reads ({{item.answer}})")) as caught:  # fmt: skip
         jobs.create(model=ALIAS, training_file=training, validation_file=no_answer, method=good)
     assert caught.value.body["param"] == "validation_file"
+    with pytest.raises(openai.BadRequestError, match="a reinforcement job with a validation_file") as caught:
+        jobs.create(model=ALIAS, training_file=training, method=good, metadata={"flywheel_gate": "production"})
+    assert caught.value.body["param"] == "metadata"
+    with pytest.raises(openai.BadRequestError, match="min_items: Input should be greater than or equal to 2"):
+        jobs.create(model=ALIAS, training_file=training, validation_file=training, method=good,
+                    metadata={"flywheel_gate": "production", "flywheel_gate_policy": '{"min_items": 1}'})  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="'Production' is not a stage"):
+        jobs.create(model=ALIAS, training_file=training, validation_file=training, method=good,
+                    metadata={"flywheel_gate": "Production"})  # fmt: skip
 
 
 def test_flywheel_jobs_drives_the_api_from_the_command_line(server: Server, tmp_path):

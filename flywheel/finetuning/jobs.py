@@ -10,6 +10,7 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from flywheel.finetuning import gate
 from flywheel.finetuning.files import FileError, Files
 from flywheel.finetuning.wire import Hyperparameters, JobCreate, SupervisedMethod
 from flywheel.graders.spec import GraderSpecError, parse_grader
@@ -121,6 +122,12 @@ class Jobs:
         for rows, param in ((training, "training_file"), (validation, "validation_file")):
             if problem := _examples_problem(rows, kind, fields):
                 raise FileError(f"Invalid {param} ({getattr(body, param)}): {problem}.", param, f"invalid_{param}")
+        try:
+            if gate.requested(body.metadata) is not None and (kind != "reinforcement" or not validation):
+                raise ValueError(f"metadata.{gate.GATE_KEY}: the gate grades answers to the validation file: a "
+                                 "reinforcement job with a validation_file can end through it")  # fmt: skip
+        except ValueError as exc:
+            raise JobError(str(exc), "metadata", "invalid_metadata") from None
         hyper = method[kind]["hyperparameters"]
         method[kind]["hyperparameters"] = _resolved(kind, hyper, len(training), len(validation))
         seed = body.seed if body.seed is not None else random.SystemRandom().randrange(2**31)

@@ -25,6 +25,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from flywheel.finetuning import gate
 from flywheel.finetuning.files import Files
 from flywheel.finetuning.wire import ORGANIZATION
 from flywheel.graders.data import RFTRow
@@ -282,7 +283,8 @@ class JobWorker:
         """RFT: each step, ``batch_size`` training rows, each answered ``group_size`` times (4 x compute_multiplier)
         and graded; a GRPO step on the groups (one whose answers all score alike has nothing to teach); every
         ``eval_interval`` steps the validation rows (``eval_samples`` answers each) are graded and a checkpoint
-        recorded. The position is the step count of its metrics events: a restarted job goes on after the last."""
+        recorded. The position is the step count of its metrics events: a restarted job goes on after the last. A job
+        whose metadata asks for the gate ends by sending its best checkpoint through it (``gate.py``)."""
         assert self.backend is not None
         spec = job.method["reinforcement"]
         hyper, grader = spec["hyperparameters"], parse_grader(spec["grader"], "method.reinforcement.grader")
@@ -324,6 +326,9 @@ class JobWorker:
                     metrics["valid_reward_mean"] = await self._rft_eval(model, valid, grader, hyper["eval_samples"])
                     metrics["full_valid_reward_mean"] = metrics["valid_reward_mean"]
                 await self._checkpoint(job, model, epoch + 1, metrics, [], step)
+        if gate.requested(job.meta) is not None and not gate.decided(self.store, job.id):
+            await gate.send_through_gate(job, self.store, model, self.backend, grader, valid,
+                                         samples=hyper["eval_samples"], max_tokens=self.max_tokens)  # fmt: skip
         self._succeed(job, model.name)
 
     def _rft_rows(self, file_id: str, param: str) -> list[RFTRow]:

@@ -11,8 +11,8 @@ from flywheel.types import Trajectory
 
 async def rft_rollout(model: Model, row: RFTRow, **sampling: Any) -> Trajectory:
     """One answer to ``row.messages`` as a trajectory (``metadata["rft_row"]`` = the row's index, which
-    ``rewards.after_each`` uses to find the row's item). ``sampling``: chat completion parameters
-    (``temperature``, ``max_tokens``, ``seed``...)."""
+    ``rewards.after_each`` uses to find the row's item; ``metrics["completion_tokens"]``, the answer's length when
+    the server says it). ``sampling``: chat completion parameters (``temperature``, ``max_tokens``, ``seed``...)."""
     client = model.openai_client()
     extra = {"tools": row.tools} if row.tools else {}
     completion = await client.chat.completions.create(
@@ -21,6 +21,10 @@ async def rft_rollout(model: Model, row: RFTRow, **sampling: Any) -> Trajectory:
         **extra,
         **sampling,  # type: ignore[arg-type]
     )
+    metrics = {"completion_tokens": float(completion.usage.completion_tokens)} if completion.usage else {}
     return Trajectory(
-        messages_and_choices=[*row.messages, completion.choices[0]], tools=row.tools, metadata={"rft_row": row.index}
+        messages_and_choices=[*row.messages, completion.choices[0]],
+        tools=row.tools,
+        metadata={"rft_row": row.index},
+        metrics=metrics,
     )
