@@ -16,8 +16,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import hypothesis
 import openai
 import pytest
+import schemathesis
 from typer.testing import CliRunner
 
 from flywheel.cli import app
@@ -383,3 +385,31 @@ def test_the_openai_rft_example_runs_unchanged_against_the_server(server: Server
     for model in made:
         reply = server.client.chat.completions.create(model=model, messages=question(1, 1)["messages"], max_tokens=4)
         assert reply.model == model and reply.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize("mode", list(schemathesis.GenerationMode), ids=lambda m: m.value)
+def test_the_fine_tuning_api_answers_whatever_it_is_sent_without_a_server_error(server: Server, mode):
+    """Schemathesis sends each files, fine-tuning and graders route what the server's own OpenAPI schema allows
+    (positive) and what it does not (negative): the answer is never a 5xx, and a 4xx is OpenAI's error shape."""
+    base = str(server.client.base_url).removesuffix("/v1/")
+    schema = schemathesis.openapi.from_url(f"{base}/openapi.json").include(path_regex=r"^/v1/(files|fine_tuning)")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) >= 14  # files (5), jobs (8), graders (2)
+    called: dict[str, int] = {}
+
+    def call(case) -> None:
+        response = case.call(base_url=base, timeout=60)
+        route = f"{case.method} {case.operation.path}"
+        called[route] = called.get(route, 0) + 1
+        assert response.status_code < 500, (route, case.formatted_path, response.status_code, response.text[:500])
+        if response.status_code >= 400:
+            assert response.json()["error"]["message"], (route, case.formatted_path, response.text[:500])
+
+    for operation in operations:
+        settings = hypothesis.settings(max_examples=12, deadline=None, database=None, suppress_health_check=list(hypothesis.HealthCheck))  # fmt: skip
+        try:
+            settings(hypothesis.given(case=operation.as_strategy(mode))(call))()
+        except hypothesis.errors.Unsatisfiable:  # a route with nothing its schema forbids to send (no negative case)
+            assert mode == schemathesis.GenerationMode.NEGATIVE, operation.label
+    # every route was reached; negative cases exist only where a schema forbids something (a body, a query)
+    assert len(called) >= (len(operations) if mode == schemathesis.GenerationMode.POSITIVE else 6), sorted(called)

@@ -32,6 +32,7 @@ from openai.types.completion_usage import CompletionUsage
 from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flywheel.finetuning.graders import graders_router
 from flywheel.gateway.api import episode_router
@@ -244,6 +245,19 @@ def create_app(
         where = ".".join(loc) or None
         message = f"Invalid request: {first.get('msg', 'malformed body')}" + (f" (at '{where}')" if where else "")
         return error_response(400, message, "invalid_request_error", param=where)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _refused(request: Request, exc: StarletteHTTPException):
+        """FastAPI's own refusals (no such route, a method the route has not, a body that is not JSON), in the
+        same shape as every other error."""
+        message = {
+            404: f"There is no route {request.method} {request.url.path} on this server.",
+            405: f"{request.url.path} does not take {request.method}.",
+            400: f"Invalid request: {exc.detail} (a JSON body is expected)",
+        }.get(exc.status_code, str(exc.detail))
+        response = error_response(exc.status_code, message, "invalid_request_error" if exc.status_code < 500 else "server_error")  # fmt: skip
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(UnknownModelError)
     async def _unknown(_: Request, exc: UnknownModelError):
