@@ -126,13 +126,17 @@ class Files:
             records.get_file(s, file_id)
         return self.path(file_id).read_bytes()
 
-    def rows(self, file_id: str, param: str) -> list[dict[str, Any]]:
-        """A file's examples (a FileError if it does not exist: ``param`` names the request's field)."""
+    def examples(self, file_id: str, param: str) -> int:
+        """How many examples a file has (a FileError if it does not exist: ``param`` names the request's field)."""
         with self.store.session() as s:
             try:
-                records.get_file(s, file_id, param)
+                return records.get_file(s, file_id, param).lines
             except records.UnknownObjectError:
                 raise FileError(f"The file '{file_id}' ({param}) does not exist.", param, "invalid_file_id") from None
+
+    def rows(self, file_id: str, param: str) -> list[dict[str, Any]]:
+        """A file's examples (a FileError if it does not exist)."""
+        self.examples(file_id, param)
         text = self.path(file_id).read_text("utf-8")
         return [json.loads(line) for line in text.splitlines() if line.strip()]
 

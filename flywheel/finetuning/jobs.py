@@ -1,17 +1,20 @@
 """Fine-tuning jobs as the API creates and changes them (``Jobs``): the model (or an alias), the files, the method
 and its hyperparameters checked, with a 400 naming what is wrong; "auto" hyperparameters resolved; a job recorded
-``queued`` (its events as OpenAI's: validating, validated) for the worker (``flywheel.finetuning.worker``) to run;
-cancel, pause and resume."""
+``validating_files`` while its files' examples are checked off the request, then ``queued`` (its events as OpenAI's:
+validating, validated) for the worker (``flywheel.finetuning.worker``) to run, or ``failed`` naming the line at
+fault; cancel, pause and resume."""
 
 from __future__ import annotations
 
+import logging
 import math
 import random
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from flywheel.finetuning import gate
-from flywheel.finetuning.files import FileError, Files
+from flywheel.finetuning.files import Files
 from flywheel.finetuning.wire import Hyperparameters, JobCreate, SupervisedMethod
 from flywheel.graders.spec import GraderSpecError, parse_grader
 from flywheel.graders.templates import variables
@@ -24,6 +27,7 @@ if TYPE_CHECKING:
     from flywheel.finetuning.worker import JobWorker
 
 AUTO_EPOCHS = 3
+log = logging.getLogger(__name__)
 
 
 class JobError(ValueError):
@@ -111,17 +115,18 @@ class Jobs:
 
     def __init__(self, store: Store, files: Files, models: BaseModels, worker: JobWorker):
         self.store, self.files, self.models, self.worker = store, files, models, worker
+        # files are read and checked one job at a time, beside the worker (never behind a job that trains)
+        self._validator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fine-tuning-validation")
 
     def create(self, body: JobCreate) -> JobRow:
+        """Check what can be checked at once (the model, the method, its grader and hyperparameters, that the files
+        exist, the gate's metadata: a 400 naming the field) and record the job ``validating_files``; its files'
+        examples are checked next, off the request (``validate``)."""
         base = self.models.resolve(body.model)
         method = self._method(body)
         kind = method["type"]
-        training = self.files.rows(body.training_file, "training_file")
-        validation = self.files.rows(body.validation_file, "validation_file") if body.validation_file else []
-        fields = item_fields(method[kind].get("grader"))
-        for rows, param in ((training, "training_file"), (validation, "validation_file")):
-            if problem := _examples_problem(rows, kind, fields):
-                raise FileError(f"Invalid {param} ({getattr(body, param)}): {problem}.", param, f"invalid_{param}")
+        examples = self.files.examples(body.training_file, "training_file")
+        validation = self.files.examples(body.validation_file, "validation_file") if body.validation_file else 0
         try:
             if gate.requested(body.metadata) is not None and (kind != "reinforcement" or not validation):
                 raise ValueError(f"metadata.{gate.GATE_KEY}: the gate grades answers to the validation file: a "
@@ -129,7 +134,7 @@ class Jobs:
         except ValueError as exc:
             raise JobError(str(exc), "metadata", "invalid_metadata") from None
         hyper = method[kind]["hyperparameters"]
-        method[kind]["hyperparameters"] = _resolved(kind, hyper, len(training), len(validation))
+        method[kind]["hyperparameters"] = _resolved(kind, hyper, examples, validation)
         seed = body.seed if body.seed is not None else random.SystemRandom().randrange(2**31)
         with self.store.session() as s:
             job = records.add_job(
@@ -148,12 +153,65 @@ class Jobs:
             if body.integrations:
                 records.add_event(s, job.id, "Integrations (wandb) are not run by this server: set WANDB_API_KEY "
                                   "where it runs to log its models' steps to W&B.", level="warn")  # fmt: skip
-            records.add_event(s, job.id, "Files validated, moving job to queued state")
-            records.set_status(s, job, JobStatus.queued)
             s.flush()  # its changes are written before it leaves the session
             s.expunge(job)
-        self.worker.wake()
+        self._validator.submit(self.validate, job.id)
         return job
+
+    def validate(self, job_id: str) -> None:
+        """Check a ``validating_files`` job's examples against its method (something to train on; for RFT, every
+        field its grader reads): queued for the worker, or ``failed`` with OpenAI's ``invalid_training_file`` or
+        ``invalid_validation_file`` error naming the line. A job cancelled meanwhile is left as it is; one whose
+        check itself failed is ``failed`` with the reason (a store that is down: validated again at the next start)."""
+        try:
+            self._validate(job_id)
+        except Exception as exc:
+            log.exception("validating fine-tuning job %s", job_id)
+            with self.store.session() as s:
+                job = records.get_job(s, job_id)
+                if job.status == JobStatus.validating_files:
+                    message = f"The files could not be validated: {type(exc).__name__}: {exc}"
+                    records.set_status(s, job, JobStatus.failed, error={"code": "server_error", "message": message, "param": None})  # fmt: skip
+                    records.add_event(s, job.id, f"The job failed: {message}", level="error")
+
+    def _validate(self, job_id: str) -> None:
+        with self.store.session() as s:
+            job = records.get_job(s, job_id)
+            if job.status != JobStatus.validating_files:
+                return
+            s.expunge(job)
+        kind = job.method["type"]
+        fields = item_fields(job.method[kind].get("grader"))
+        error = None
+        for param, file_id in (("training_file", job.training_file), ("validation_file", job.validation_file)):
+            try:
+                problem = file_id and _examples_problem(self.files.rows(file_id, param), kind, fields)
+            except (OSError, ValueError) as exc:  # deleted (a FileError) or unreadable since it was checked
+                problem = str(exc)
+            if problem:
+                error = {"code": f"invalid_{param}", "param": param, "message": f"Invalid {param} ({file_id}): {problem}."}  # fmt: skip
+                break
+        with self.store.session() as s:
+            job = records.get_job(s, job_id)
+            if job.status != JobStatus.validating_files:
+                return
+            if error is not None:
+                records.set_status(s, job, JobStatus.failed, error=error)
+                records.add_event(s, job.id, f"The job failed: {error['message']}", level="error")
+                return
+            records.add_event(s, job.id, "Files validated, moving job to queued state")
+            records.set_status(s, job, JobStatus.queued)
+        self.worker.wake()
+
+    def validate_left(self) -> None:
+        """Validate again the jobs a stopped server left ``validating_files`` (none is lost)."""
+        with self.store.session() as s:
+            left = [job.id for job in records.jobs_in(s, JobStatus.validating_files)]
+        for job_id in left:
+            self._validator.submit(self.validate, job_id)
+
+    def close(self) -> None:
+        self._validator.shutdown(wait=True, cancel_futures=True)
 
     def _method(self, body: JobCreate) -> dict[str, Any]:
         """The job's method, as stored: ``{"type": kind, kind: {"hyperparameters": {...}, ...}}``."""

@@ -35,11 +35,14 @@ class FineTuning:
         self.jobs = Jobs(store, self.files, BaseModels(base_models, aliases or {}), self.worker)
 
     def start(self) -> FineTuning:
-        """Start the worker (a job the last server left running is resumed); returns once it is ready."""
+        """Start the worker (a job the last server left running is resumed, one left validating is validated);
+        returns once it is ready."""
         self.worker.start()
+        self.jobs.validate_left()
         return self
 
     def stop(self) -> None:
+        self.jobs.close()
         self.worker.stop()
 
     def serve(self, name: str) -> ServedModel | None:

@@ -151,7 +151,7 @@ class JobWorker:
             # its own loopback server: RFT samples the job's model as an agent would (rft_rollout)
             self.backend = LocalBackend(path=self.home, **self.backend_options)
             with self.store.session() as s:
-                for job in records.running_jobs(s):  # the server stopped while it ran
+                for job in records.jobs_in(s, JobStatus.running):  # the server stopped while it ran
                     records.add_event(s, job.id, "The server restarted: the job resumes from its last checkpoint")
                     job.status = JobStatus.queued
         except BaseException as exc:

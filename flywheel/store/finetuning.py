@@ -131,8 +131,10 @@ def next_queued(s: Session) -> FineTuningJob | None:
     return s.scalars(query.order_by(FineTuningJob.seq).limit(1)).first()
 
 
-def running_jobs(s: Session) -> list[FineTuningJob]:
-    return list(s.scalars(select(FineTuningJob).where(FineTuningJob.status == JobStatus.running)))
+def jobs_in(s: Session, status: JobStatus) -> list[FineTuningJob]:
+    """The jobs in ``status``, oldest first."""
+    query = select(FineTuningJob).where(FineTuningJob.status == status)
+    return list(s.scalars(query.order_by(FineTuningJob.seq)))
 
 
 def set_status(s: Session, job: FineTuningJob, status: JobStatus, *, error: dict | None = None) -> None:
