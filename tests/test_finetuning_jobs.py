@@ -6,6 +6,8 @@ the bad input OpenAI refuses, refused in OpenAI's error shape."""
 
 from __future__ import annotations
 
+import base64
+import csv
 import io
 import json
 import re
@@ -199,6 +201,14 @@ def test_a_supervised_job_runs_to_a_served_model_behind_a_job_cancelled_while_it
     assert done.status == "succeeded", (done.error, [e.message for e in events(client, job.id)])
     assert done.fine_tuned_model.startswith(f"ft:{ALIAS}:flywheel:sums:") and done.finished_at >= done.created_at
     assert done.trained_tokens > 0 and done.error is None
+    [results] = done.result_files  # the step metrics, as OpenAI keeps them: step_metrics.csv, base64-encoded
+    kept = client.files.retrieve(results)
+    assert kept.filename == "step_metrics.csv" and kept.purpose == "fine-tune-results"
+    table = list(csv.DictReader(io.StringIO(base64.b64decode(client.files.content(results).content).decode())))
+    assert [int(r["step"]) for r in table] == [1, 2, 3, 4] and all(float(r["train_loss"]) > 0 for r in table)
+    assert [bool(r["valid_loss"]) for r in table] == [False, True, False, True]  # each epoch's end
+    with pytest.raises(openai.BadRequestError, match="fine-tune-results file, not examples"):
+        client.fine_tuning.jobs.create(model=ALIAS, training_file=results)
     cancelled = client.fine_tuning.jobs.retrieve(long.id)
     assert cancelled.status == "cancelled" and cancelled.fine_tuned_model is None
     assert "Job cancelled" in [e.message.split(" (")[0] for e in events(client, long.id)]

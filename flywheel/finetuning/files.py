@@ -8,7 +8,10 @@ is refused at upload with the line and the field that are wrong, as OpenAI's che
 
 from __future__ import annotations
 
+import base64
+import csv
 import hashlib
+import io
 import json
 import os
 from pathlib import Path
@@ -19,7 +22,8 @@ from flywheel.store import Store
 from flywheel.store import finetuning as records
 from flywheel.store.schema import FineTuningFile
 
-PURPOSES = ("fine-tune",)
+PURPOSES = ("fine-tune",)  # what may be uploaded
+RESULTS = "fine-tune-results"  # a job's step metrics (``Files.create_results``)
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
@@ -97,6 +101,7 @@ class Files:
         return self.root / f"{file_id}.jsonl"
 
     def create(self, filename: str, purpose: str, data: bytes) -> FineTuningFile:
+        """An upload, checked (``check_jsonl``) and kept."""
         if purpose not in PURPOSES:
             raise FileError(
                 f"Invalid purpose {purpose!r}: this server keeps files for fine-tuning only ({', '.join(PURPOSES)}).",
@@ -104,7 +109,19 @@ class Files:
             )  # fmt: skip
         if len(data) > UPLOAD_MAX_BYTES:
             raise FileError(f"The file is {len(data)} bytes: at most {UPLOAD_MAX_BYTES} are allowed.", "file", "file_too_large")  # fmt: skip
-        lines = check_jsonl(data)
+        return self._keep(filename, purpose, data, check_jsonl(data))
+
+    def create_results(self, rows: list[dict[str, float]]) -> FineTuningFile:
+        """A job's step metrics as OpenAI gives them (``step_metrics.csv``, purpose ``fine-tune-results``, the CSV
+        base64-encoded), one row per step, a column per metric (empty where a step has none)."""
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=columns, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        return self._keep("step_metrics.csv", RESULTS, base64.b64encode(text.getvalue().encode()), len(rows))
+
+    def _keep(self, filename: str, purpose: str, data: bytes, lines: int) -> FineTuningFile:
         file_id = records.new_id("file")
         self.root.mkdir(parents=True, exist_ok=True)
         partial = self.path(file_id).with_suffix(".partial")
@@ -130,9 +147,12 @@ class Files:
         """How many examples a file has (a FileError if it does not exist: ``param`` names the request's field)."""
         with self.store.session() as s:
             try:
-                return records.get_file(s, file_id, param).lines
+                row = records.get_file(s, file_id, param)
             except records.UnknownObjectError:
                 raise FileError(f"The file '{file_id}' ({param}) does not exist.", param, "invalid_file_id") from None
+            if row.purpose not in PURPOSES:
+                raise FileError(f"The file '{file_id}' ({param}) is a job's {row.purpose} file, not examples.", param, "invalid_file_id")  # fmt: skip
+            return row.lines
 
     def rows(self, file_id: str, param: str) -> list[dict[str, Any]]:
         """A file's examples (a FileError if it does not exist)."""

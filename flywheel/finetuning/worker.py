@@ -272,8 +272,20 @@ class JobWorker:
             raise _Stop
 
     def _succeed(self, job: JobRow, name: str) -> None:
+        """The job's model created, its step metrics kept as its result file, the job succeeded."""
+        with self.store.session() as s:
+            steps: dict[int, dict[str, float]] = {}
+            for event in records.list_events(s, job.id, after=None, limit=1_000_000)[::-1]:  # oldest first
+                if event.type == "metrics" and event.data:
+                    data = {k: v for k, v in event.data.items() if k not in ("total_steps", "epoch", "tokens")}
+                    steps.setdefault(int(data["step"]), {}).update(data)
+            for checkpoint in records.checkpoints(s, job.id):  # validation metrics; a step's own train loss stays
+                row = steps.setdefault(checkpoint.step, {"step": checkpoint.step})
+                row |= {k: v for k, v in checkpoint.metrics.items() if k not in row}
+        results = self.files.create_results([steps[step] for step in sorted(steps)])
         with self.store.session() as s:
             row = records.get_job(s, job.id)
+            row.result_files = [results.id]
             row.fine_tuned_model = name
             records.add_event(s, job.id, f"New fine-tuned model created: {name}")
             records.set_status(s, row, JobStatus.succeeded)

@@ -283,6 +283,7 @@ class FineTuningJob(Base):
     fine_tuned_model: Mapped[str | None] = mapped_column(String(256))
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     trained_tokens: Mapped[int | None] = mapped_column(Integer)
+    result_files: Mapped[list[str] | None] = mapped_column(JSON)  # file ids: the step metrics, once it succeeded
     created_at: Mapped[datetime]
     finished_at: Mapped[datetime | None]
 
