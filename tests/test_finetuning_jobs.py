@@ -334,6 +334,32 @@ def test_a_reinforcement_job_grades_its_answers_trains_and_ends_through_the_gate
     assert shown.exit_code == 0 and "deploy" in shown.output and "passed the gate" in shown.output, shown.output
 
 
+def test_a_reinforcement_job_answers_in_its_response_format(server: Server):
+    """The job's response_format guides every answer (the 135M model never writes this JSON unguided): the grader,
+    which scores 1 only for an object with a short string ``answer``, gives every answer 1."""
+    client = server.client
+    training = upload(client, [question(1, 2), question(2, 3)], "rft-json.jsonl")
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 3}}, "required": ["answer"],
+              "additionalProperties": False}  # fmt: skip
+    is_json = {"type": "python", "name": "json", "source": "import json\ndef grade(sample, item):\n"
+               "    return float(isinstance(json.loads(sample['output_text'])['answer'], str))\n"}  # fmt: skip
+    job = client.fine_tuning.jobs.create(
+        model=ALIAS, training_file=training,
+        method={"type": "reinforcement", "reinforcement": {
+            "grader": is_json, "response_format": {"type": "json_schema", "json_schema": {"name": "sum", "schema": schema}},
+            "hyperparameters": {"batch_size": 2, "compute_multiplier": 0.5}}},
+    )  # fmt: skip
+    done = wait(client, job.id, lambda j: j.status in ("succeeded", "failed", "cancelled"))
+    said = events(client, job.id)
+    assert done.status == "succeeded", (done.error, [e.message for e in said])
+    assert [e.data["train_reward_mean"] for e in said if e.type == "metrics"] == [1.0]
+    assert not any("response_format" in e.message for e in said)  # applied, so no warning
+    with pytest.raises(openai.BadRequestError, match="response_format is not a chat response_format") as caught:
+        client.fine_tuning.jobs.create(model=ALIAS, training_file=training, method={"type": "reinforcement",
+            "reinforcement": {"grader": is_json, "response_format": {"type": "xml"}}})  # fmt: skip
+    assert caught.value.body["param"] == "method.reinforcement.response_format"
+
+
 def test_a_reinforcement_job_with_a_bad_grader_or_data_it_cannot_grade_is_refused(server: Server):
     client = server.client
     training = upload(client, [question(1, 2)])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -80,10 +81,10 @@ async def send_through_gate(
     rows: list[RFTRow],
     *,
     samples: int,
-    max_tokens: int,
+    sampling: dict[str, Any],
 ) -> GateDecision:
-    """Decide on the job's best checkpoint against its base model on ``rows`` (the validation file), audit the
-    decision, deploy a checkpoint that passes as ``<model>@<stage>`` and record an event on the job."""
+    """Decide on the job's best checkpoint against its base model on ``rows`` (the validation file), both answering
+    as in training (``sampling``: temperature, max_tokens, response_format), audit the decision, deploy a checkpoint that passes as ``<model>@<stage>`` and record an event on the job."""
     gate = requested(job.meta)
     assert gate is not None
     stage, policy = gate
@@ -100,7 +101,7 @@ async def send_through_gate(
 
     candidate, baseline = side(chosen.model), side(job.base_model)
     results = await asyncio.gather(
-        *(_item(m, grader, row, samples, max_tokens) for row in rows for m in (candidate, baseline))
+        *(_item(m, grader, row, samples, sampling) for row in rows for m in (candidate, baseline))
     )
     decision = decide(list(results[0::2]), list(results[1::2]), policy)
     alias = f"{model.name}@{stage}"
@@ -128,14 +129,14 @@ async def send_through_gate(
     return decision
 
 
-async def _item(model: Model, grader: Grader, row: RFTRow, samples: int, max_tokens: int) -> ItemResult:
+async def _item(model: Model, grader: Grader, row: RFTRow, samples: int, sampling: dict[str, Any]) -> ItemResult:
     """``model``'s ``samples`` answers to one row, graded: the gate's evidence for that row. An answer that fails
     (the request, or the grader's safety sub-grader erring) counts as unfinished: 0 and not safe."""
     scores, tasks, tokens, latencies, failures, safe, checked = [], [], [], [], 0, True, True
     for _ in range(samples):
         start = time.perf_counter()
         try:
-            answer = await rft_rollout(model, row, temperature=1.0, max_tokens=max_tokens)
+            answer = await rft_rollout(model, row, **sampling)
             result = await score_trajectory(grader, answer, row.item)
         except Exception:  # an attempt that did not finish is evidence against its side
             failures += 1

@@ -13,11 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from flywheel.finetuning import gate
 from flywheel.finetuning.files import Files
 from flywheel.finetuning.wire import Hyperparameters, JobCreate, SupervisedMethod
 from flywheel.graders.spec import GraderSpecError, parse_grader
 from flywheel.graders.templates import variables
+from flywheel.server.protocol import ResponseFormat
 from flywheel.store import Store
 from flywheel.store import finetuning as records
 from flywheel.store.finetuning import JobStatus
@@ -147,9 +150,6 @@ class Jobs:
             if kind == "reinforcement" and hyper.get("reasoning_effort", "default") != "default":
                 records.add_event(s, job.id, f"reasoning_effort '{hyper['reasoning_effort']}' is ignored: the "
                                   "model answers as it is asked.", level="warn")  # fmt: skip
-            if kind == "reinforcement" and method[kind].get("response_format"):
-                records.add_event(s, job.id, "response_format is not applied to the answers yet: the grader sees "
-                                  "them as the model writes them.", level="warn")  # fmt: skip
             if body.integrations:
                 records.add_event(s, job.id, "Integrations (wandb) are not run by this server: set WANDB_API_KEY "
                                   "where it runs to log its models' steps to W&B.", level="warn")  # fmt: skip
@@ -234,6 +234,12 @@ class Jobs:
             except GraderSpecError as exc:
                 raise JobError(str(exc), "method.reinforcement.grader", "invalid_grader") from None
             _check(given.hyperparameters, "method.reinforcement.hyperparameters")
+            if given.response_format is not None:
+                try:
+                    TypeAdapter(ResponseFormat).validate_python(given.response_format)
+                except ValidationError as exc:
+                    where = "method.reinforcement.response_format"
+                    raise JobError(f"{where} is not a chat response_format: {exc.errors()[0]['msg']}", where) from None
             return {"type": "reinforcement", "reinforcement": given.model_dump(exclude_none=True)}
         raise JobError(
             f"method.type '{method.type}' is not run by this server: supervised and reinforcement are.",

@@ -316,13 +316,16 @@ class JobWorker:
         if position and (position % interval == 0 or position == total) and all(c.step != position for c in done):
             await self._checkpoint(job, model, (position - 1) // per_epoch + 1, {}, [], position)  # record lost
         config = TrainConfig(learning_rate=RL_LEARNING_RATE * hyper["learning_rate_multiplier"])
+        # every answer at temperature 1, in the job's response_format (guided: the grader gets what it parses)
+        sampling = {"temperature": 1.0, "max_tokens": self.max_tokens}
+        sampling |= {"response_format": spec["response_format"]} if spec.get("response_format") else {}
         for step in range(position + 1, total + 1):
             await self._stop_if_asked(job, model)
             epoch, index = divmod(step - 1, per_epoch)
             order = list(train)
             random.Random(job.seed * 1000 + epoch).shuffle(order)
             rows = order[index * batch : (index + 1) * batch]
-            groups = await asyncio.gather(*(self._rft_group(model, row, grader, group_size) for row in rows))
+            groups = await asyncio.gather(*(self._rft_group(model, row, grader, group_size, sampling) for row in rows))
             result = await self.backend.train(model, groups, config)
             rewards = [t.reward for g in groups for t in g.trajectories]
             mean = sum(rewards) / len(rewards)
@@ -335,12 +338,14 @@ class JobWorker:
             if step % interval == 0 or step == total:
                 metrics = {"train_reward_mean": mean}
                 if valid:
-                    metrics["valid_reward_mean"] = await self._rft_eval(model, valid, grader, hyper["eval_samples"])
+                    metrics["valid_reward_mean"] = await self._rft_eval(
+                        model, valid, grader, hyper["eval_samples"], sampling
+                    )
                     metrics["full_valid_reward_mean"] = metrics["valid_reward_mean"]
                 await self._checkpoint(job, model, epoch + 1, metrics, [], step)
         if gate.requested(job.meta) is not None and not gate.decided(self.store, job.id):
             await gate.send_through_gate(job, self.store, model, self.backend, grader, valid,
-                                         samples=hyper["eval_samples"], max_tokens=self.max_tokens)  # fmt: skip
+                                         samples=hyper["eval_samples"], sampling=sampling)  # fmt: skip
         self._succeed(job, model.name)
 
     def _rft_rows(self, file_id: str, param: str) -> list[RFTRow]:
@@ -351,12 +356,12 @@ class JobWorker:
             rows.append(RFTRow(index=i, messages=row["messages"], tools=row.get("tools"), item=item))
         return rows
 
-    async def _rft_group(self, model: TrainableModel, row: RFTRow, grader, size: int) -> TrajectoryGroup:
-        answers = await asyncio.gather(*(rft_rollout(model, row, temperature=1.0, max_tokens=self.max_tokens) for _ in range(size)))  # fmt: skip
+    async def _rft_group(self, model: TrainableModel, row: RFTRow, grader, size: int, sampling: dict[str, Any]) -> TrajectoryGroup:  # fmt: skip
+        answers = await asyncio.gather(*(rft_rollout(model, row, **sampling) for _ in range(size)))
         return await score_group(grader, TrajectoryGroup(answers), lambda _: row.item)
 
-    async def _rft_eval(self, model: TrainableModel, rows: list[RFTRow], grader, samples: int) -> float:
-        groups = await asyncio.gather(*(self._rft_group(model, row, grader, samples) for row in rows))
+    async def _rft_eval(self, model: TrainableModel, rows: list[RFTRow], grader, samples: int, sampling: dict[str, Any]) -> float:  # fmt: skip
+        groups = await asyncio.gather(*(self._rft_group(model, row, grader, samples, sampling) for row in rows))
         rewards = [t.reward for g in groups for t in g.trajectories]
         return sum(rewards) / len(rewards)
 
