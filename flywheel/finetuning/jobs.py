@@ -258,7 +258,7 @@ class Jobs:
             elif action == "pause":
                 if status not in (JobStatus.running, JobStatus.queued):
                     raise JobError(f"Job {job_id} is {status}: only a running or queued job can be paused.", "fine_tuning_job_id", "invalid_job_state")  # fmt: skip
-                job.status = JobStatus.paused
+                job.status, job.estimated_finish = JobStatus.paused, None
                 records.add_event(s, job.id, "Job paused" + (" (its training stops at the next step)" if status == JobStatus.running else ""))  # fmt: skip
             else:  # resume
                 if status != JobStatus.paused:

@@ -115,7 +115,7 @@ def job_object(row: JobRow) -> dict[str, Any]:
             "validation_file": row.validation_file, "fine_tuned_model": row.fine_tuned_model,
             "finished_at": _ts(row.finished_at), "error": row.error, "hyperparameters": hyper, "seed": row.seed,
             "result_files": row.result_files or [], "trained_tokens": row.trained_tokens, "metadata": row.meta or None,
-            "estimated_finish": None, "integrations": None,
+            "estimated_finish": _ts(row.estimated_finish), "integrations": None,
         }
     ).model_dump(mode="json") | {"status": str(row.status), "method": row.method}  # fmt: skip
 

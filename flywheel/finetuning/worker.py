@@ -21,7 +21,9 @@ import logging
 import math
 import random
 import threading
+import time
 from collections import OrderedDict
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,19 @@ SFT_LEARNING_RATE = 2e-4  # learning_rate_multiplier 1 (LoRA's usual rate)
 RL_LEARNING_RATE = 5e-6  # learning_rate_multiplier 1 in RFT (ART's default)
 MAX_MODELS = 2  # jobs' models registered at once on the worker's backend (each holds an engine)
 RFT_MAX_TOKENS = 512  # an RFT answer's most tokens, by default
+
+
+class _Pace:
+    """When a running job should finish, at the pace of its steps since it started (or restarted) running."""
+
+    def __init__(self, first: int, total: int):
+        self.start, self.first, self.total = time.monotonic(), first, total
+
+    def finish(self, step: int) -> datetime | None:
+        if step <= self.first:
+            return None
+        per_step = (time.monotonic() - self.start) / (step - self.first)
+        return records.now() + timedelta(seconds=per_step * (self.total - step))
 
 
 class _Stop(Exception):
@@ -212,6 +227,7 @@ class JobWorker:
             done.append(await self._checkpoint(job, model, len(done) + 1, {}, valid))
         config = SFTConfig(learning_rate=SFT_LEARNING_RATE * hyper["learning_rate_multiplier"], batch_size=batch)
         total = steps_per_epoch * epochs
+        pace = _Pace(await model.get_step(), total)
         for epoch in range(len(done) + 1, epochs + 1):
             order = list(train)
             random.Random(job.seed * 1000 + epoch).shuffle(order)
@@ -225,12 +241,11 @@ class JobWorker:
                     raise _Stop
                 seen.append(metrics)
                 taken = first + len(seen)
-                with self.store.session() as s:
-                    records.add_event(
-                        s, job.id, f"Step {taken}/{total}: training loss={metrics['loss']:.4f}", type_="metrics",
-                        data={"step": taken, "train_loss": metrics["loss"], "total_steps": total, "epoch": epoch,
-                              "tokens": metrics["tokens_trained"]},
-                    )  # fmt: skip
+                self._step_event(
+                    job.id, f"Step {taken}/{total}: training loss={metrics['loss']:.4f}", pace,
+                    {"step": taken, "train_loss": metrics["loss"], "total_steps": total, "epoch": epoch,
+                     "tokens": metrics["tokens_trained"]},
+                )  # fmt: skip
 
             try:
                 history = await self.backend.train_sft(model, order, config, progress)
@@ -270,6 +285,12 @@ class JobWorker:
         if self._should_stop(job):
             await self._unload(model)
             raise _Stop
+
+    def _step_event(self, job_id: str, message: str, pace: _Pace, data: dict[str, Any]) -> None:
+        """A step's metrics event, and the job's estimated finish at the pace of its steps so far."""
+        with self.store.session() as s:
+            records.add_event(s, job_id, message, type_="metrics", data=data)
+            records.get_job(s, job_id).estimated_finish = pace.finish(data["step"])
 
     def _succeed(self, job: JobRow, name: str) -> None:
         """The job's model created, its step metrics kept as its result file, the job succeeded."""
@@ -319,6 +340,7 @@ class JobWorker:
         # every answer at temperature 1, in the job's response_format (guided: the grader gets what it parses)
         sampling = {"temperature": 1.0, "max_tokens": self.max_tokens}
         sampling |= {"response_format": spec["response_format"]} if spec.get("response_format") else {}
+        pace = _Pace(position, total)
         for step in range(position + 1, total + 1):
             await self._stop_if_asked(job, model)
             epoch, index = divmod(step - 1, per_epoch)
@@ -329,12 +351,11 @@ class JobWorker:
             result = await self.backend.train(model, groups, config)
             rewards = [t.reward for g in groups for t in g.trajectories]
             mean = sum(rewards) / len(rewards)
-            with self.store.session() as s:
-                trained = "" if not result.metrics.get("skipped") else " (no step: every group's answers scored alike)"
-                records.add_event(
-                    s, job.id, f"Step {step}/{total}: train reward={mean:.4f}{trained}", type_="metrics",
-                    data={"step": step, "total_steps": total, "train_reward_mean": mean, "epoch": epoch + 1},
-                )  # fmt: skip
+            trained = "" if not result.metrics.get("skipped") else " (no step: every group's answers scored alike)"
+            self._step_event(
+                job.id, f"Step {step}/{total}: train reward={mean:.4f}{trained}", pace,
+                {"step": step, "total_steps": total, "train_reward_mean": mean, "epoch": epoch + 1},
+            )  # fmt: skip
             if step % interval == 0 or step == total:
                 metrics = {"train_reward_mean": mean}
                 if valid:

@@ -140,7 +140,7 @@ def jobs_in(s: Session, status: JobStatus) -> list[FineTuningJob]:
 def set_status(s: Session, job: FineTuningJob, status: JobStatus, *, error: dict | None = None) -> None:
     job.status = status
     if status in FINAL:
-        job.finished_at = now()
+        job.finished_at, job.estimated_finish = now(), None
         job.error = error
 
 

@@ -284,6 +284,7 @@ class FineTuningJob(Base):
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     trained_tokens: Mapped[int | None] = mapped_column(Integer)
     result_files: Mapped[list[str] | None] = mapped_column(JSON)  # file ids: the step metrics, once it succeeded
+    estimated_finish: Mapped[datetime | None]  # while it runs: at the pace of its steps so far
     created_at: Mapped[datetime]
     finished_at: Mapped[datetime | None]
 

@@ -1,4 +1,4 @@
-"""A fine-tuning job's result files (its step metrics as OpenAI's step_metrics.csv)
+"""A fine-tuning job's result files (its step metrics as OpenAI's step_metrics.csv) and estimated finish
 
 Revision ID: 0013
 Revises: 0012
@@ -19,8 +19,10 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     with op.batch_alter_table("ft_jobs") as batch:
         batch.add_column(sa.Column("result_files", sa.JSON(), nullable=True))
+        batch.add_column(sa.Column("estimated_finish", sa.DateTime(timezone=True), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("ft_jobs") as batch:
+        batch.drop_column("estimated_finish")
         batch.drop_column("result_files")
