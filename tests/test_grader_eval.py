@@ -59,7 +59,8 @@ def test_eval_base_model(files):
         banana, graded = row["graders"]
         assert banana["reward"] == float("banana" in row["output"].lower())
         assert graded["sub_rewards"]["has"] == float(answer.lower() in row["output"].lower())
-        assert graded["sub_rewards"]["short"] == 1.0 and graded["metadata"]["errors"] == {}
+        assert graded["sub_rewards"]["short"] == 1.0 and graded["metadata"]["error_counts"] == {}
+        assert not any(graded["metadata"]["errors"].values())  # OpenAI's flags, as graders/run answers
     summary = report["summaries"][1]
     assert summary["score"]["mean"] == pytest.approx(sum(r["graders"][1]["reward"] for r in report["rows"]) / 3)
     assert summary["sub_scores"]["has"]["method"] == "wilson"

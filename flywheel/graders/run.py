@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from flywheel.graders import embedding, similarity
-from flywheel.graders.errors import FORMULA_EVAL, OTHER, GraderError
+from flywheel.graders.errors import FORMULA_EVAL, OTHER, GraderError, openai_flags
 from flywheel.graders.formula import parse_formula
 from flywheel.graders.model_graders import JudgeSettings, label_model, score_model
 from flywheel.graders.sample import Sample
@@ -48,18 +48,24 @@ class GradeResult(BaseModel):
     latency_s: float = 0.0
 
     def to_openai(self) -> dict[str, Any]:
-        """The shape of OpenAI's ``graders/run`` answer (with error counts instead of flags, and details)."""
+        """OpenAI's ``graders/run`` answer: ``metadata.errors`` holds its flags (``errors.openai_flags``); Flywheel
+        adds ``metadata.error_counts`` (failures by Flywheel's finer kinds, sub-graders included) and
+        ``metadata.error_details`` (the first message of each kind)."""
         return {
             "reward": self.reward,
             "sub_rewards": self.sub_rewards,
             "metadata": {
                 "name": self.name,
                 "type": self.type,
-                "errors": self.errors,
-                "error_details": self.error_details,
+                "errors": openai_flags(self.errors, self.error_details),
                 "execution_time": self.latency_s,
                 "scores": self.details,
+                "sampled_model_name": None,
+                "token_usage": None,
+                "error_counts": self.errors,
+                "error_details": self.error_details,
             },
+            "model_grader_token_usage_per_model": {},
         }
 
 
