@@ -1,4 +1,6 @@
-"""Interval estimates shared by evaluation reports (``flywheel eval``, the calculator job) and the promotion gate."""
+"""Interval estimates shared by evaluation reports (``flywheel eval``, the calculator job) and the promotion gate:
+``Interval``, the one shape of "a mean with its interval" (the gate's ``Lift`` and an evaluation's ``Score`` extend
+it), and the intervals themselves (Wilson's for proportions, bootstraps, Student's t for deep tails)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,17 @@ import statistics
 from collections.abc import Sequence
 
 import numpy as np
+from pydantic import BaseModel
 
 Z95 = statistics.NormalDist().inv_cdf(0.975)  # the normal quantile of a two-sided 95% interval
+
+
+class Interval(BaseModel):
+    """A mean with its interval: 95% two-sided unless the holder says otherwise."""
+
+    mean: float
+    low: float
+    high: float
 
 
 def wilson(successes: float, n: int, z: float = Z95) -> tuple[float, float]:

@@ -121,7 +121,7 @@ async def test_the_gate_event_says_safety_was_not_checked(backend: LocalBackend,
         gate = GatePolicy(min_lift=0.0, confirm=False, require_safety=require)
         loop = Loop(loop_config(tmp_path, name, gate=gate), backend, actor="test")
         candidate = run_of(f"{name}@2", side(20, checked=False))
-        decided = await loop.ladder.settle(2, EMBEDDED_MODEL, candidate, run_of(EMBEDDED_MODEL, side(20, score=0.0, checked=False)))  # fmt: skip
+        decided = await loop.ladder.decide(2, EMBEDDED_MODEL, candidate, run_of(EMBEDDED_MODEL, side(20, score=0.0, checked=False)))  # fmt: skip
         with store.session() as s:
             (event,) = audit.events(s, subject=f"{name}@2", actions=("gate.pass", "gate.hold"))
         assert event.action == action and decided.decision.promote is (not require)

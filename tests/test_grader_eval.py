@@ -11,10 +11,11 @@ import pytest_asyncio
 from typer.testing import CliRunner
 
 from flywheel.cli import app
-from flywheel.graders.evaluation import mean_interval, parse_model_spec, wilson
+from flywheel.graders.evaluation import parse_model_spec, score_interval
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.local.backend import LocalBackend
 from flywheel.model import TrainableModel
+from flywheel.stats import wilson
 from flywheel.train import SFTConfig, TrainedWeights
 from flywheel.types import Trajectory
 
@@ -126,11 +127,11 @@ def test_wilson_interval():
 def test_intervals_and_model_specs():
     low, high = wilson(0, 3)
     assert low == 0.0 and high == pytest.approx(0.5615, abs=1e-4)
-    assert mean_interval([1.0, 0.0, 1.0, 1.0]).method == "wilson"
-    continuous = mean_interval([0.2, 0.4, 0.9, 0.5])
+    assert score_interval([1.0, 0.0, 1.0, 1.0]).method == "wilson"
+    continuous = score_interval([0.2, 0.4, 0.9, 0.5])
     assert continuous.method == "bootstrap" and continuous.low <= continuous.mean <= continuous.high
-    assert continuous == mean_interval([0.2, 0.4, 0.9, 0.5])  # a fixed seed: the same report every time
-    assert mean_interval([0.3]).method == "none"
+    assert continuous == score_interval([0.2, 0.4, 0.9, 0.5])  # a fixed seed: the same report every time
+    assert score_interval([0.3]).method == "none"
     assert parse_model_spec("agent@12") == ("agent", 12) and parse_model_spec("agent") == ("agent", None)
     with pytest.raises(ValueError, match="NAME@STEP"):
         parse_model_spec("agent@latest")

@@ -10,7 +10,7 @@ from openai.types.chat import ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice
 
 from flywheel.graders import stack as stack_module
-from flywheel.graders.rewards import sample_of
+from flywheel.graders.scoring import sample_of
 from flywheel.graders.spec import GraderSpecError
 from flywheel.graders.stack import StackGradingError, load_stack, parse_stack, score
 from flywheel.types import History, Trajectory

@@ -29,7 +29,7 @@ from flywheel.graders import (
 )
 from flywheel.graders.formula import FormulaError, parse_formula
 from flywheel.graders.model_graders import _response_format, score_grid
-from flywheel.graders.rewards import after_each, sample_of
+from flywheel.graders.scoring import after_each, sample_of
 from flywheel.graders.similarity import meteor_uses_synonyms
 from flywheel.graders.templates import check_template, render
 from flywheel.inference.loading import EMBEDDED_MODEL

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from flywheel.cli import app
 from flywheel.gateway.export import episode_trajectory
 from flywheel.graders.regress import last_sample, regress
-from flywheel.graders.rewards import sample_of
+from flywheel.graders.scoring import sample_of
 from flywheel.graders.stack import parse_stack, score
 from flywheel.store import Store, audit
 from flywheel.store import episodes as db

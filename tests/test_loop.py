@@ -506,14 +506,14 @@ async def test_the_gate_counts_its_looks_since_production_changed_and_confirms_a
     assert loop.ladder.look() == 1
     better = heldout_run("looks-agent@2", 0.0, scores=[1.0] * 16 + [0.0] * 4)  # +0.8 over production's 20 zeros
     zeros = heldout_run(prod, 0.0, items=20)
-    pending = await loop.ladder.settle(2, prod, better, zeros)  # the screen passes: not without its confirmation
+    pending = await loop.ladder.decide(2, prod, better, zeros)  # the screen passes: not without its confirmation
     assert pending.decision.needs_confirmation and not pending.decision.promote and pending.deployed is None
     assert loop.ladder.look() == 2
     flat = heldout_run("looks-agent@3", 0.0, items=20)  # the fresh evaluation: no lift at all
-    refused = await loop.ladder.settle(3, prod, better, zeros, again=(flat, zeros))
+    refused = await loop.ladder.decide(3, prod, better, zeros, again=(flat, zeros))
     assert not refused.decision.promote and refused.decision.look == 2
     assert [c.name for c in refused.decision.failed] == ["confirmation"]
-    confirmed = await loop.ladder.settle(4, prod, better, zeros, again=(better, zeros))  # greedy: the same scores again
+    confirmed = await loop.ladder.decide(4, prod, better, zeros, again=(better, zeros))  # greedy: the same scores again
     assert confirmed.decision.promote and confirmed.deployed == "looks-agent@canary"
     assert confirmed.decision.lift.level == pytest.approx(levels(config.gate, 3)[0] * levels(config.gate, 3)[1])
     with store.session() as s:
@@ -531,7 +531,7 @@ async def test_a_newer_candidate_replaces_a_shadow_still_pairing_and_never_a_can
     """A candidate that passes the gate while an older one's shadow is pairing replaces it: a ``shadow.replace``
     event names both steps and the old shadow's pairs so far, in the gate decision's unit of work; the old shadow's
     answers (a late one included) never pair for the new one. While a canary is watched the newer candidate waits in
-    shadow (with a shadow stage) or, without one, is held: the canary is never touched. (``settle`` is what
+    shadow (with a shadow stage) or, without one, is held: the canary is never touched. (``decide`` is what
     ``consider`` does once both held-out runs are in: the gate decides on them for real.)"""
     path = write_config(tmp_path)
     (tmp_path / "stack.json").write_text(json.dumps(WATCH_STACK))
@@ -544,7 +544,7 @@ async def test_a_newer_candidate_replaces_a_shadow_still_pairing_and_never_a_can
 
     async def candidate(step: int):
         fresh = (heldout_run(f"replace-agent@{step}", 1.0), heldout_run(prod, 0.0))  # its confirmation, the same
-        return await loop.ladder.settle(step, prod, heldout_run(f"replace-agent@{step}", 1.0), heldout_run(prod, 0.0),
+        return await loop.ladder.decide(step, prod, heldout_run(f"replace-agent@{step}", 1.0), heldout_run(prod, 0.0),
                                  again=fresh)  # fmt: skip
 
     assert (await candidate(2)).deployed == shadow

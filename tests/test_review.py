@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flywheel.cli import app
-from flywheel.graders.agreement import cohen_kappa, pearson, wilson
+from flywheel.graders.agreement import cohen_kappa, pearson, proportion
 from flywheel.store import Store, audit, reviews
 from flywheel.store import episodes as db
 from flywheel.store import grades as gdb
@@ -179,7 +179,7 @@ def test_agreement_statistics_match_hand_computed_values():
     grader = [True, True, True, False, False, False, True, False]
     human = [True, True, False, False, False, True, True, False]
     assert cohen_kappa(list(zip(grader, human, strict=True))) == pytest.approx(0.5)  # 0.75 observed, 0.5 by chance
-    interval = wilson(8, 10)  # the textbook example: 0.8 of 10 -> [0.490, 0.943]
+    interval = proportion(8, 10)  # the textbook example: 0.8 of 10 -> [0.490, 0.943]
     assert (round(interval.low, 3), round(interval.high, 3)) == (0.49, 0.943)
     r = pearson([1.0, 2.0, 3.0, 4.0, 5.0], [2.0, 4.0, 5.0, 4.0, 5.0])
     assert r.value == pytest.approx(0.7745967) and r.low < r.value < r.high

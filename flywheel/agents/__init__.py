@@ -5,7 +5,7 @@ with the trainer (``flywheel.train.credit``; ``TrainConfig(credit="turn")``)."""
 from flywheel.agents.air import AIRConfig, air_rewards, apply_air
 from flywheel.agents.cache import ToolCache
 from flywheel.agents.curriculum import CurriculumConfig, ScenarioPool
-from flywheel.agents.loop import final_answer, run_agent
+from flywheel.agents.tool_loop import final_answer, run_agent
 from flywheel.agents.tools import ArgumentsError, Tool, ToolError, mcp_tools, tool
 from flywheel.agents.transitions import (
     Transition,

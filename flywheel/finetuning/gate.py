@@ -17,8 +17,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from flywheel.graders.data import RFTRow
-from flywheel.graders.rewards import score_trajectory
 from flywheel.graders.rollout import rft_rollout
+from flywheel.graders.scoring import score_trajectory
 from flywheel.graders.spec import Grader
 from flywheel.local.backend import LocalBackend
 from flywheel.loop.gate import GateDecision, GatePolicy, ItemResult, decide

@@ -31,8 +31,8 @@ from flywheel.finetuning import gate
 from flywheel.finetuning.files import Files
 from flywheel.finetuning.wire import ORGANIZATION
 from flywheel.graders.data import RFTRow
-from flywheel.graders.rewards import score_group
 from flywheel.graders.rollout import rft_rollout
+from flywheel.graders.scoring import score_group
 from flywheel.graders.spec import parse_grader
 from flywheel.inference.registry import ServedModel, UnknownModelError
 from flywheel.local.backend import LocalBackend

@@ -10,10 +10,10 @@ Bring the grader JSON (or YAML) and the RFT JSONL data unchanged::
 
 from flywheel.graders.data import RFTRow, load_rft_jsonl
 from flywheel.graders.model_graders import JudgeSettings
-from flywheel.graders.rewards import grader_metrics, score_group, score_trajectory
 from flywheel.graders.run import GradeResult, grade
 from flywheel.graders.sample import Sample
 from flywheel.graders.sandbox import PythonSandbox, SandboxLimits
+from flywheel.graders.scoring import grader_metrics, score_group, score_trajectory
 from flywheel.graders.spec import Grader, GraderSpecError, load_grader, parse_grader
 
 __all__ = [

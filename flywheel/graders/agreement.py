@@ -49,7 +49,7 @@ class GraderAgreement(BaseModel):
     mean_abs_diff: float
 
 
-def wilson(successes: int, n: int) -> Estimate:
+def proportion(successes: int, n: int) -> Estimate:
     """A proportion with its Wilson score 95% interval (fit for small n and proportions near 0 or 1)."""
     if n == 0:
         return Estimate(value=None)
@@ -107,8 +107,8 @@ def agreement(grades: list[LabelledGrade], *, threshold: float = 0.5, seed: int 
             GraderAgreement(
                 stack=stack, version=version, component=component, grader=grader, pass_mark=mark, n=len(rows),
                 human_passes=human_passes, grader_passes=grader_passes,
-                agreement=wilson(sum(a == b for a, b in pairs), len(pairs)),
-                precision=wilson(both, grader_passes), recall=wilson(both, human_passes),
+                agreement=proportion(sum(a == b for a, b in pairs), len(pairs)),
+                precision=proportion(both, grader_passes), recall=proportion(both, human_passes),
                 kappa=kappa_estimate(pairs, seed), correlation=pearson([g.score for g in rows], [g.label for g in rows]),
                 mean_abs_diff=sum(abs(g.score - g.label) for g in rows) / len(rows),
             )

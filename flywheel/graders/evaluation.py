@@ -18,40 +18,39 @@ from flywheel.checkpoints.run import RunStore
 from flywheel.gather import gather_trajectories
 from flywheel.graders.data import RFTRow, load_rft_jsonl
 from flywheel.graders.model_graders import JudgeSettings
-from flywheel.graders.rewards import sample_of, score_trajectory
 from flywheel.graders.rollout import rft_rollout
 from flywheel.graders.run import GradeResult
 from flywheel.graders.sandbox import PythonSandbox, SandboxLimits
+from flywheel.graders.scoring import sample_of, score_trajectory
 from flywheel.graders.spec import Grader, MultiGrader, load_grader
 from flywheel.home import default_home
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.local.backend import LocalBackend
 from flywheel.model import Model, TrainableModel
-from flywheel.stats import bootstrap_mean, wilson
+from flywheel.stats import Interval, bootstrap_mean, wilson
 from flywheel.train.config import TrainedWeights
 from flywheel.types import Trajectory
 
 ROLLOUT_ERROR = "rollout_error"
 
 
-class Interval(BaseModel):
-    mean: float
-    low: float
-    high: float
+class Score(Interval):
+    """A grader's mean score over the rows, with its 95% interval and how it was found."""
+
     method: str  # "wilson" | "bootstrap" | "none" (fewer than 2 values)
 
 
-def mean_interval(values: list[float], resamples: int = 4000, seed: int = 0) -> Interval:
+def score_interval(values: list[float], resamples: int = 4000, seed: int = 0) -> Score:
     """The mean and its 95% interval (Wilson for 0/1 scores, else percentile bootstrap)."""
     n = len(values)
     mean = sum(values) / n if n else 0.0
     if n < 2:
-        return Interval(mean=mean, low=mean, high=mean, method="none")
+        return Score(mean=mean, low=mean, high=mean, method="none")
     if all(v in (0.0, 1.0) for v in values):
         low, high = wilson(sum(values), n)
-        return Interval(mean=mean, low=low, high=high, method="wilson")
+        return Score(mean=mean, low=low, high=high, method="wilson")
     low, high = bootstrap_mean(values, resamples, seed)
-    return Interval(mean=mean, low=low, high=high, method="bootstrap")
+    return Score(mean=mean, low=low, high=high, method="bootstrap")
 
 
 def parse_model_spec(spec: str) -> tuple[str, int | None]:
@@ -82,8 +81,8 @@ class EvalConfig(BaseModel):
 class GraderSummary(BaseModel):
     name: str
     n: int
-    score: Interval
-    sub_scores: dict[str, Interval] = {}
+    score: Score
+    sub_scores: dict[str, Score] = {}
     errors: dict[str, int] = {}
 
 
@@ -141,12 +140,12 @@ def _summaries(graders: list[Grader], results: list[list[GradeResult]], rollout_
                 errors[kind] = errors.get(kind, 0) + count
         sub_scores = {}
         if isinstance(grader, MultiGrader):
-            sub_scores = {key: mean_interval([r.sub_rewards.get(key, 0.0) for r in per_row]) for key in grader.graders}
+            sub_scores = {key: score_interval([r.sub_rewards.get(key, 0.0) for r in per_row]) for key in grader.graders}
         summaries.append(
             GraderSummary(
                 name=grader.name,
                 n=len(per_row),
-                score=mean_interval([r.reward for r in per_row]),
+                score=score_interval([r.reward for r in per_row]),
                 sub_scores=sub_scores,
                 errors=errors,
             )

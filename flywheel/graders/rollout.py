@@ -11,7 +11,7 @@ from flywheel.types import Trajectory
 
 async def rft_rollout(model: Model, row: RFTRow, **sampling: Any) -> Trajectory:
     """One answer to ``row.messages`` as a trajectory (``metadata["rft_row"]`` = the row's index, which
-    ``rewards.after_each`` uses to find the row's item; ``metrics["completion_tokens"]``, the answer's length when
+    ``scoring.after_each`` uses to find the row's item; ``metrics["completion_tokens"]``, the answer's length when
     the server says it). ``sampling``: chat completion parameters (``temperature``, ``max_tokens``, ``seed``...)."""
     client = model.openai_client()
     extra = {"tools": row.tools} if row.tools else {}

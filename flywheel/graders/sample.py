@@ -61,7 +61,7 @@ class Sample(BaseModel):
 class EpisodeSample(Sample):
     """An episode as a grader stack grades it (``stack.score``): its final answer (this sample's own fields, what
     every grader but the safety gate reads) and ``turns``, every assistant turn the model produced, in order, the
-    final answer included (what the safety gate grades, one by one). ``rewards.sample_of`` makes one of a
+    final answer included (what the safety gate grades, one by one). ``scoring.sample_of`` makes one of a
     trajectory, ``regress.last_sample`` of an episode's stored calls."""
 
     turns: list[Sample] = []

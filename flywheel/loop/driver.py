@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from flywheel.agents.dynamic_sampling import DynamicSampler, DynamicSamplingConfig, MixedGroups, NoMixedGroupsError
 from flywheel.gateway.client import QueueClient, TaskSpec
 from flywheel.gateway.runner import Runner, load_agent
-from flywheel.graders.rewards import sample_of
+from flywheel.graders.scoring import sample_of
 from flywheel.graders.stack import GraderStack, load_stack, score
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.local.backend import LocalBackend

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pydantic import BaseModel
 
 from flywheel.gateway.client import QueueClient, TaskSpec
-from flywheel.graders.rewards import sample_of
+from flywheel.graders.scoring import sample_of
 from flywheel.graders.stack import GraderStack, StackScore, score
 from flywheel.loop.gate import HeldOutSet, ItemResult
 from flywheel.store import Store

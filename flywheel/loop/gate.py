@@ -31,7 +31,7 @@ import numpy as np
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from flywheel.loop.looks import look_budget
-from flywheel.stats import mean_interval
+from flywheel.stats import Interval, mean_interval
 
 EFFICIENCY = {"tokens", "tool_calls", "latency_ms"}  # metrics that must not grow past a limit
 
@@ -121,13 +121,10 @@ class Check(BaseModel):
     detail: str
 
 
-class Lift(BaseModel):
-    """The candidate's primary metric minus production's, per item, averaged; with its bootstrap interval, ``level``
-    in each tail (0.025: a 95% interval)."""
+class Lift(Interval):
+    """The candidate's primary metric minus production's, per item, averaged (``mean``); with its bootstrap
+    interval, ``level`` in each tail (0.025: a 95% interval)."""
 
-    mean: float
-    low: float
-    high: float
     candidate: float  # each side's mean, for the record
     production: float
     level: float = 0.025

@@ -158,7 +158,7 @@ class PromotionLadder:
         return await self.consider(queue, step)
 
     async def consider(self, queue: QueueClient, step: int) -> Candidate:
-        """Evaluate checkpoint ``step`` against production on the held-out set; the gate decides (``settle``). A
+        """Evaluate checkpoint ``step`` against production on the held-out set; the gate decides (``decide``). A
         candidate that passes the look's screen is evaluated again, both sides afresh (``gate.decide_look``)."""
         production, look = await self.production_name(), self.look()
         name = self.model.get_inference_name(step)
@@ -175,9 +175,9 @@ class PromotionLadder:
         greedy = first[0].greedy and first[1].greedy  # a repeat gives nothing new: decided without one
         screen = decide_look(self.config.gate, look, (first[0].results, first[1].results), deterministic=greedy)
         again = await both() if screen.needs_confirmation else None
-        return await self.settle(step, production, *first, again=again, look=look)
+        return await self.decide(step, production, *first, again=again, look=look)
 
-    async def settle(
+    async def decide(
         self,
         step: int,
         production: str,

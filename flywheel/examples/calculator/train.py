@@ -25,11 +25,10 @@ from flywheel.examples.calculator.agent import rollout
 from flywheel.examples.calculator.task import CALCULATOR_TOOL, Problem, demonstration, generate_problems
 from flywheel.examples.sft_arm import sft_best_epoch
 from flywheel.gather import gather_trajectory_groups
-from flywheel.graders.evaluation import wilson
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.local.backend import LocalBackend
 from flywheel.model import TrainableModel
-from flywheel.stats import bootstrap_mean
+from flywheel.stats import bootstrap_mean, wilson
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 from flywheel.types import Trajectory, TrajectoryGroup
 

@@ -22,7 +22,7 @@ from openai.types.chat.chat_completion import Choice
 from openai.types.chat.chat_completion_message_tool_call import Function
 
 from flywheel.agents.air import AIRConfig
-from flywheel.agents.loop import run_agent
+from flywheel.agents.tool_loop import run_agent
 from flywheel.examples.support.db import HOLD_FLAGS
 from flywheel.examples.support.grading import episode_metrics, grade_episode
 from flywheel.examples.support.tickets import Ticket
