@@ -8,7 +8,7 @@ import contextlib
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NoReturn
 
@@ -25,7 +25,7 @@ from flywheel.home import default_home
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.loading import load_model
 from flywheel.inference.registry import ModelRegistry, ServedModel
-from flywheel.local.wandb_log import WandbLog
+from flywheel.local.loggers import MetricLoggers
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
 from flywheel.store import Store
@@ -73,13 +73,16 @@ class LocalBackend:
         api_keys: ApiKeys | None = None,
         insecure_no_auth: bool = False,
         in_process: bool = True,
+        loggers: Sequence[str] | None = None,
     ):
         """``compile``: engines decode with a compiled step (``InferenceEngine(compile=True)``: faster sampling at
         few concurrent rows, minutes to compile per engine, needs a C++ compiler). ``api_keys``: the HTTP server
         wants a key of each route's role (``flywheel.gateway.auth``; give registered models an agent key as their
         ``inference_api_key``); without any it is open, so a ``host`` other than loopback also needs
         ``insecure_no_auth=True``. ``in_process``: ART's choice of where its engine runs; here it always runs in
-        this process (False is accepted, with a warning)."""
+        this process (False is accepted, with a warning). ``loggers``: the trackers every metric row also goes to
+        (``wandb``, ``mlflow``, ``tensorboard``; default: ``$FLYWHEEL_LOGGERS``, else those whose variables are
+        set: ``flywheel.local.loggers``)."""
         if serve_http and not api_keys and not insecure_no_auth and not is_loopback(host):
             raise ValueError(
                 f"LocalBackend(host={host!r}) would serve every route to anyone who can reach it: give api_keys, "
@@ -103,7 +106,8 @@ class LocalBackend:
         self._host, self._port, self._serve_http, self._api_keys = host, port, serve_http, api_keys
         self._server: BackgroundServer | None = None
         self.gateway: Gateway | None = None  # with the HTTP server: agents anywhere record episodes through it
-        self.wandb = WandbLog()  # every history row also goes to W&B when WANDB_API_KEY is set (as in ART)
+        # every history row also goes to the trackers that are on (W&B when WANDB_API_KEY is set, as in ART)
+        self.loggers = MetricLoggers(self.path, loggers)
         self._lock = asyncio.Lock()
 
     @property
@@ -427,7 +431,7 @@ class LocalBackend:
             self._extras[(model.project, model.name)] = extra or {}
         else:
             await asyncio.to_thread(run.append, rows)
-        await asyncio.to_thread(self.wandb.log, model.project, model.name, rows)
+        await asyncio.to_thread(self.loggers.log, model.project, model.name, rows)
         self._publish(model)
 
     def history(self, model: TrainableModel) -> list[dict]:
@@ -459,7 +463,7 @@ class LocalBackend:
             run.save_trajectories(split, step, trajectories)  # first: the row commits them
             row = {"time": time.time(), "step": step, "split": split, **metrics}
             await asyncio.to_thread(run.append, [row])
-            await asyncio.to_thread(self.wandb.log, model.project, model.name, [row])
+            await asyncio.to_thread(self.loggers.log, model.project, model.name, [row])
         return metrics
 
     async def delete_checkpoints(
@@ -540,7 +544,7 @@ class LocalBackend:
         )
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.wandb.finish)
+        await asyncio.to_thread(self.loggers.finish)
         if self._server is not None:
             self._server.stop()
             self._server = None
