@@ -99,6 +99,7 @@ class JobWorker:
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._models: OrderedDict[str, TrainableModel] = OrderedDict()  # registered, least recently used first
+        self._models_lock = threading.Lock()  # ``serve`` reads and reorders it from the server's threads
         self._training: str | None = None  # the running job's model, never let go of while it trains
 
     def start(self) -> None:
@@ -124,6 +125,11 @@ class JobWorker:
         if self.backend is None or self.loop is None:
             return None
         model_name = name.rpartition("@")[0] if "@" in name else name
+        with self._models_lock:  # registered already (and that checkpoint loaded): no store, no hop to the worker
+            if model_name in self._models:
+                self._models.move_to_end(model_name)
+                with contextlib.suppress(UnknownModelError):
+                    return self.backend.registry.get(name)
         with self.store.session() as s:
             job = records.find_job_by_model(s, model_name)
             base = None if job is None else job.base_model
@@ -146,18 +152,23 @@ class JobWorker:
         the least recently used others beyond ``MAX_MODELS`` (each holds an engine): a request for one of those
         registers it again."""
         assert self.backend is not None
-        if model.name in self._models:
-            self._models.move_to_end(model.name)
-            return self._models[model.name]
-        for name in [n for n in self._models if n != self._training][: max(0, len(self._models) + 1 - MAX_MODELS)]:
-            await self.backend.unregister(self._models.pop(name))
+        with self._models_lock:
+            if model.name in self._models:
+                self._models.move_to_end(model.name)
+                return self._models[model.name]
+            evicted = [n for n in self._models if n != self._training][: max(0, len(self._models) + 1 - MAX_MODELS)]
+            gone = [self._models.pop(name) for name in evicted]
+        for old in gone:
+            await self.backend.unregister(old)
         await model.register(self.backend)
-        self._models[model.name] = model
+        with self._models_lock:
+            self._models[model.name] = model
         return model
 
     async def _unload(self, model: TrainableModel) -> None:
         assert self.backend is not None
-        self._models.pop(model.name, None)
+        with self._models_lock:
+            self._models.pop(model.name, None)
         await self.backend.unregister(model)
 
     async def _main(self) -> None:
