@@ -30,6 +30,27 @@ def prompts(tokenizer, questions=QUESTIONS) -> list[list[int]]:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
 
 
+async def test_the_embedded_engine_is_a_sampling_engine_and_serves_through_the_seam(engine: InferenceEngine, tokenizer):
+    """What the server and gateway use of an engine (``SamplingEngine``) is all an engine must have: the embedded
+    one has it, and sampling through the protocol's members alone gives tokens with log-probs."""
+    import inspect
+
+    from flywheel.inference.protocol import SamplingEngine
+
+    assert isinstance(engine, SamplingEngine)
+    for name in ("check_fits", "stream", "generate", "close"):  # the same signatures, not only the same names
+        assert inspect.signature(getattr(engine, name)) == inspect.signature(getattr(SamplingEngine, name).__get__(engine)), name  # fmt: skip
+    seam: SamplingEngine = engine
+    prompt = seam.tokenizer.encode("Hello")
+    seam.check_fits(len(prompt), 4)
+    with pytest.raises(ContextOverflowError):
+        seam.check_fits(len(prompt), seam.context_length)
+    [completion] = await seam.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0, logprobs=True))
+    assert completion.token_ids and len(completion.logprobs) == len(completion.token_ids)
+    events = [event async for event in seam.stream(prompt, SamplingParams(max_tokens=4, temperature=0.0))]
+    assert [t for e in events for t in e.token_ids] == completion.token_ids and events[-1].finish_reason
+
+
 async def test_concurrent_requests_match_sequential_at_temperature_zero(fp32_engine: InferenceEngine, tokenizer):
     engine = fp32_engine
     ps = prompts(tokenizer)

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from flywheel.inference.engine import InferenceEngine
+from flywheel.inference.protocol import SamplingEngine
 
 
 class UnknownModelError(KeyError):
@@ -23,7 +23,7 @@ class UnknownModelError(KeyError):
 @dataclass
 class ServedModel:
     name: str
-    engine: InferenceEngine
+    engine: SamplingEngine  # the embedded InferenceEngine, or any other engine that samples
     owned_by: str = "flywheel"
     created: int = field(default_factory=lambda: int(time.time()))
     step: int | Callable[[], int] | None = None  # the checkpoint step it answers with (a callable: live weights)
@@ -46,7 +46,7 @@ class ModelRegistry:
     def add(
         self,
         name: str,
-        engine: InferenceEngine,
+        engine: SamplingEngine,
         owned_by: str = "flywheel",
         step: int | Callable[[], int] | None = None,
     ) -> None:
