@@ -26,6 +26,9 @@ from typer.testing import CliRunner
 
 from flywheel.cli import app
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.store import Store
+from flywheel.store import finetuning as records
+from flywheel.store.db import default_url
 from tests.test_cli_commands import FLYWHEEL, env, free_port, wait_until_healthy
 
 ALIAS = "gpt-4.1-mini-2025-04-14"
@@ -260,10 +263,24 @@ def test_a_job_paused_and_resumed_and_one_whose_server_was_killed_go_on_to_succe
         with pytest.raises(openai.BadRequestError, match="only a paused job"):
             client.fine_tuning.jobs.resume(job.id)
         wait(client, job.id, lambda j: len(list(client.fine_tuning.jobs.checkpoints.list(j.id))) >= 1)
+        no_assistant = upload(client, [{"messages": [{"role": "user", "content": "hi"}]}])
         server.stop(signal.SIGKILL)  # mid-job: no shutdown at all
+        # and a job it had recorded but not yet validated (what a kill between the two leaves in the store)
+        store = Store(default_url(tmp_path))
+        with store.session() as s:
+            left = records.add_job(
+                s, model=ALIAS, base_model=EMBEDDED_MODEL, method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0}}},
+                training_file=no_assistant, validation_file=None, suffix=None, seed=1, meta={},
+            ).id  # fmt: skip
+        store.close()
         server = Server(tmp_path)
         done = wait(server.client, job.id, lambda j: j.status in ("succeeded", "failed", "cancelled"))
         assert done.status == "succeeded", done.error
+        validated = failed_in_validation(server.client, left)  # validated by the restarted server, not lost
+        assert (
+            validated.error.code == "invalid_training_file"
+            and "line 1 has no assistant message" in validated.error.message
+        )
         messages = [e.message for e in events(server.client, job.id)]
         assert "Job paused (its training stops at the next step)" in messages and "Job resumed: queued" in messages
         assert "The server restarted: the job resumes from its last checkpoint" in messages
