@@ -11,7 +11,7 @@ import pytest_asyncio
 from typer.testing import CliRunner
 
 from flywheel.cli import app
-from flywheel.graders.evaluation import parse_model_spec, score_interval
+from flywheel.evaluation import parse_model_spec, score_interval
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.local.backend import LocalBackend
 from flywheel.model import TrainableModel

@@ -112,7 +112,7 @@ def eval_command(
 ) -> None:
     """Run a model on RFT data and report each grader's mean score with a 95% interval."""
     from flywheel.checkpoints.run import ModelInUseError
-    from flywheel.graders.evaluation import EvalConfig, evaluate
+    from flywheel.evaluation import EvalConfig, evaluate
     from flywheel.graders.sandbox import SandboxLimits
 
     config = EvalConfig(

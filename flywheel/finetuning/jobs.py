@@ -20,7 +20,7 @@ from flywheel.finetuning.files import Files
 from flywheel.finetuning.wire import Hyperparameters, JobCreate, SupervisedMethod
 from flywheel.graders.spec import GraderSpecError, parse_grader
 from flywheel.graders.templates import variables
-from flywheel.server.protocol import ResponseFormat
+from flywheel.openai_api import ResponseFormat
 from flywheel.store import Store
 from flywheel.store import finetuning as records
 from flywheel.store.finetuning import JobStatus

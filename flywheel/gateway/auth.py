@@ -91,6 +91,9 @@ RULES: tuple[Rule, ...] = (
     _rule("POST", "/attempts/{attempt_id}/heartbeat", Role.runner),
     _rule("POST", "/attempts/{attempt_id}/complete", Role.runner),
     _rule("POST", "/attempts/{attempt_id}/fail", Role.runner),
+    _rule("GET", "/ui/api/{rest:path}", Role.admin),  # the dashboard's data (flywheel.dashboard)
+    *(_rule("GET", page, None) for page in ("/ui", "/ui/", "/ui/{rest:path}")),  # its page, script, styles: no
+    # data in them (the page asks for an admin key to read the data with)
 )  # anything else (listing and reading episodes, exports, groups, enqueuing and reading tasks, docs): admin
 
 

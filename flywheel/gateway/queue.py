@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flywheel.gateway.api import Outcome, episode_url, refuse_personal_id, root_url
 from flywheel.gateway.recorder import Gateway
-from flywheel.server.protocol import ErrorDetail, ErrorResponse
+from flywheel.openai_api import ErrorDetail, ErrorResponse
 from flywheel.store import tasks as queue
 from flywheel.store.tasks import (
     MAX_GROUP_SIZE,

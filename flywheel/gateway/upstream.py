@@ -46,7 +46,7 @@ from openai.types.chat.chat_completion import Choice
 
 from flywheel.gateway.recorder import Gateway, without_choice_fields
 from flywheel.gateway.splice import Splice
-from flywheel.server.protocol import ErrorDetail, ErrorResponse
+from flywheel.openai_api import ErrorDetail, ErrorResponse
 from flywheel.types import LOGPROBS_TEMPERATURE, set_sampled_tokens
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from flywheel.server.protocol import ChatMessage
+from flywheel.openai_api import ChatMessage
 from flywheel.types import Message
 
 _MAX_PROBLEMS = 20  # listed per file; more only repeat the same mistake

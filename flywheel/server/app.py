@@ -34,7 +34,6 @@ from sqlalchemy.exc import DBAPIError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from flywheel.finetuning.graders import graders_router
 from flywheel.gateway.api import episode_router
 from flywheel.gateway.auth import ApiKeyAuth, ApiKeys, Role, TokenBudgetError, TokenBudgets, request_role
 from flywheel.gateway.export import NotTrainableError
@@ -54,9 +53,10 @@ from flywheel.inference.guided import (
 )
 from flywheel.inference.registry import ModelRegistry, ServedModel, UnknownModelError
 from flywheel.inference.sampling import SamplingParams
+from flywheel.openai_api import ChatCompletionRequest, JsonSchemaFormat, TextFormat
 from flywheel.server.errors import error_response
+from flywheel.server.graders import graders_router
 from flywheel.server.limits import MAX_BODY_BYTES, BodyLimit
-from flywheel.server.protocol import ChatCompletionRequest, JsonSchemaFormat, TextFormat
 from flywheel.store import EpisodeConflictError, UnknownEpisodeError, deployments
 from flywheel.store.arms import is_shadow_episode_id
 from flywheel.store.deployments import UnknownDeploymentError, list_deployments

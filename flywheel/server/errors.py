@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from flywheel.server.protocol import ErrorDetail, ErrorResponse
+from flywheel.openai_api import ErrorDetail, ErrorResponse
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> JSONResponse:  # fmt: skip

@@ -1,4 +1,5 @@
-"""Request and error shapes of the OpenAI-compatible API (responses reuse the openai SDK's own types)."""
+"""Request and error shapes of the OpenAI-compatible API (responses reuse the openai SDK's own types): pydantic only,
+so that the server, the gateway, the graders and the fine-tuning API share them without importing each other."""
 
 from __future__ import annotations
 
