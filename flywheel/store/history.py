@@ -153,3 +153,74 @@ def adopt(s: Session, key: RunKey) -> None:
     before = key._replace(run=BEFORE_IDS)
     for table in (RunHistoryRow, RunTrajectory):
         s.execute(update(table).where(*_run(table, before)).values(run=key.run))
+
+
+class RunSummary(NamedTuple):
+    """A run's live line at a glance: how many rows, its last step, the first and last rows' times."""
+
+    key: RunKey
+    rows: int
+    last_step: int
+    first_time: float | None
+    last_time: float | None
+
+
+def runs(s: Session) -> list[RunSummary]:
+    """Every run with rows on its live line, the one written to last first."""
+    query = (
+        select(
+            RunHistoryRow.project,
+            RunHistoryRow.model,
+            RunHistoryRow.run,
+            func.count(),
+            func.max(RunHistoryRow.step),
+            func.min(RunHistoryRow.time),
+            func.max(RunHistoryRow.time),
+        )
+        .where(RunHistoryRow.branch.is_(None))
+        .group_by(RunHistoryRow.project, RunHistoryRow.model, RunHistoryRow.run)
+        .order_by(func.max(RunHistoryRow.id).desc())
+    )
+    return [RunSummary(RunKey(p, m, r), n, last, first, latest) for p, m, r, n, last, first, latest in s.execute(query)]
+
+
+def split_rows(s: Session, split: str) -> list[tuple[RunKey, Row]]:
+    """The live rows of ``split`` of every run, each with its run, in order."""
+    query = select(RunHistoryRow.project, RunHistoryRow.model, RunHistoryRow.run, RunHistoryRow.row).where(
+        RunHistoryRow.branch.is_(None), RunHistoryRow.split == split
+    )
+    return [(RunKey(p, m, r), json.loads(text)) for p, m, r, text in s.execute(query.order_by(RunHistoryRow.id))]
+
+
+def trajectory_counts(s: Session, key: RunKey) -> list[tuple[str, int, int]]:
+    """``(split, step, how many)`` of the trajectories of the run's live line, by split and step."""
+    query = (
+        select(RunTrajectory.split, RunTrajectory.step, func.count())
+        .where(*_line(RunTrajectory, key))
+        .group_by(RunTrajectory.split, RunTrajectory.step)
+        .order_by(RunTrajectory.split, RunTrajectory.step)
+    )
+    return [(split, step, n) for split, step, n in s.execute(query)]
+
+
+def trajectory_page(
+    s: Session, key: RunKey, split: str, step: int | None, *, limit: int | None = None, offset: int = 0
+) -> list[tuple[int, int, str]]:
+    """``(id, step, JSON text)`` of the live line's trajectories of ``split`` (of one ``step``) after the first
+    ``offset`` (at most ``limit``), in the order saved; the id names one in ``trajectory``."""
+    query = select(RunTrajectory.id, RunTrajectory.step, RunTrajectory.trajectory).where(
+        *_line(RunTrajectory, key), RunTrajectory.split == split
+    )
+    if step is not None:
+        query = query.where(RunTrajectory.step == step)
+    query = query.order_by(RunTrajectory.id).limit(limit).offset(offset)
+    return [(i, k, text) for i, k, text in s.execute(query)]
+
+
+def trajectory(s: Session, trajectory_id: int) -> tuple[RunKey, str, int, str | None, str] | None:
+    """One saved trajectory by id: its run, split, step, branch (None on the live line) and JSON text; None if no
+    trajectory has that id."""
+    row = s.get(RunTrajectory, trajectory_id)
+    if row is None:
+        return None
+    return RunKey(row.project, row.model, row.run), row.split, row.step, row.branch, row.trajectory

@@ -1,0 +1,433 @@
+// Flywheel's dashboard: a single page over /ui/api (flywheel/dashboard/api.py), routed by the URL's hash:
+//   #/runs                                      the runs
+//   #/run/<project>/<name>                      a run: its curves and checkpoints
+//   #/run/<project>/<name>/rollouts             its saved trajectories by split and step
+//   #/run/<project>/<name>/groups?split=&step=  a step's groups, each ranked by reward
+//   #/run/<project>/<name>/group?split=&step=&index=  one group side by side
+//   #/trajectory/<id>                           one trajectory as a chat
+// Every view is polled while the page is visible and redrawn only when its data changed. Text from the API is
+// always set as text (never parsed as HTML).
+
+const POLL_MS = 4000;
+const KEY = "flywheel-api-key"; // an admin key, when the server has keys (kept for this tab only)
+const FIRST = ["reward_mean", "val/reward", "loss", "kl", "entropy", "clip_fraction"]; // the curves shown first
+
+const view = document.getElementById("view");
+const live = document.getElementById("live");
+let shown = ""; // the data of the view on screen (JSON), to redraw only on a change
+let charts = [];
+
+// ---- helpers -----------------------------------------------------------------------------------------------------
+
+function h(tag, attrs = {}, ...children) {
+  const el = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (v === null || v === undefined || v === false) continue;
+    if (k === "class") el.className = v;
+    else if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
+    else el.setAttribute(k, v === true ? "" : v);
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined || child === false) continue;
+    el.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return el;
+}
+
+const enc = encodeURIComponent;
+const runPath = (project, name) => `${enc(project)}/${enc(name)}`;
+const num = (v, digits = 3) => (v === null || v === undefined ? "–" : Number(v).toFixed(digits).replace(/\.?0+$/, "") || "0");
+
+function duration(seconds) {
+  if (seconds === null || seconds === undefined) return "–";
+  const s = Math.round(seconds);
+  if (s < 60) return `${s}s`;
+  if (s < 3600) return `${Math.floor(s / 60)}m ${s % 60}s`;
+  return `${Math.floor(s / 3600)}h ${Math.floor((s % 3600) / 60)}m`;
+}
+
+function ago(time) {
+  return time === null || time === undefined ? "–" : `${duration(Date.now() / 1000 - time)} ago`;
+}
+
+function table(caption, headers, rows) {
+  return h(
+    "div",
+    { class: "table-wrap" },
+    h(
+      "table",
+      {},
+      h("caption", {}, caption),
+      h("thead", {}, h("tr", {}, headers.map((title) => h("th", { scope: "col" }, title)))),
+      h("tbody", {}, rows),
+    ),
+  );
+}
+
+class HttpError extends Error {
+  constructor(status, message) {
+    super(message);
+    this.status = status;
+  }
+}
+
+async function api(path) {
+  const key = sessionStorage.getItem(KEY);
+  const response = await fetch(`api${path}`, { headers: key ? { "X-API-Key": key } : {} });
+  const body = await response.json().catch(() => ({}));
+  if (!response.ok) {
+    const message = body.error?.message ?? JSON.stringify(body.detail ?? body);
+    throw new HttpError(response.status, message);
+  }
+  return body;
+}
+
+// ---- views -------------------------------------------------------------------------------------------------------
+
+async function runsView() {
+  const runs = await api("/runs");
+  return {
+    data: runs,
+    draw: () => [
+      h("h1", {}, "Runs"),
+      runs.length === 0
+        ? h("p", { class: "muted" }, "No runs in this store yet: train a model (its history rows appear here).")
+        : table(
+            `${runs.length} run(s), the latest first`,
+            ["Model", "Project", "Status", "Step", "Best validation", "Wall time", "Rows", "Updated", "Run id"],
+            runs.map((r) =>
+              h(
+                "tr",
+                {},
+                h("td", {}, h("a", { href: `#/run/${runPath(r.project, r.name)}?run=${enc(r.run)}` }, r.name)),
+                h("td", {}, r.project),
+                h("td", {}, h("span", { class: `badge ${r.status}` }, r.status)),
+                h("td", {}, r.last_step),
+                h("td", {}, r.best_val_reward === null ? "–" : `${num(r.best_val_reward)} (step ${r.best_val_step})`),
+                h("td", {}, duration(r.wall_seconds)),
+                h("td", {}, r.rows),
+                h("td", {}, ago(r.updated)),
+                h("td", { class: "muted" }, r.run.slice(0, 8) || "(none)"),
+              ),
+            ),
+          ),
+    ],
+  };
+}
+
+function metricNames(rows) {
+  const names = new Set();
+  for (const row of rows) for (const [k, v] of Object.entries(row.metrics)) if (v !== null || names.has(k)) names.add(k);
+  const first = FIRST.filter((k) => names.has(k));
+  return [...first, ...[...names].filter((k) => !first.includes(k)).sort()];
+}
+
+function chartOf(name, rows) {
+  const points = rows.filter((r) => name in r.metrics);
+  const xs = points.map((r) => r.step);
+  const ys = points.map((r) => r.metrics[name]);
+  const finite = ys.filter((y) => y !== null).length;
+  const last = ys.filter((y) => y !== null).at(-1);
+  const box = h(
+    "figure",
+    { class: "chart", "data-metric": name, "data-points": finite, role: "img", "aria-label": `${name}: ${finite} points, last ${num(last, 4)}` },
+    h("h3", {}, name, " ", h("span", { class: "last" }, num(last, 4))),
+  );
+  charts.push({ box, xs, ys, name });
+  return box;
+}
+
+function drawCharts() {
+  const style = getComputedStyle(document.documentElement);
+  const fg = style.getPropertyValue("--muted").trim();
+  const grid = style.getPropertyValue("--line").trim();
+  const stroke = style.getPropertyValue("--accent").trim();
+  for (const c of charts) {
+    const width = Math.max(240, c.box.clientWidth - 16);
+    const axis = { stroke: fg, grid: { stroke: grid, width: 1 }, ticks: { stroke: grid, width: 1 } };
+    new uPlot(
+      {
+        width,
+        height: 170,
+        legend: { show: false },
+        cursor: { drag: { x: false, y: false } },
+        scales: { x: { time: false } },
+        axes: [{ ...axis, label: "step", labelSize: 18 }, { ...axis, size: 56 }],
+        series: [{}, { label: c.name, stroke, width: 2, spanGaps: false, points: { show: true, size: 5, fill: stroke } }],
+      },
+      [c.xs, c.ys],
+      c.box,
+    );
+  }
+}
+
+async function runView(project, name, params) {
+  const run = params.get("run");
+  const query = run ? `?run=${enc(run)}` : "";
+  const [history, checkpoints] = await Promise.all([
+    api(`/runs/${runPath(project, name)}/history${query}`),
+    api(`/runs/${runPath(project, name)}/checkpoints${query}`),
+  ]);
+  const r = history.run;
+  const rows = history.rows;
+  return {
+    data: { history, checkpoints },
+    draw: () => [
+      h("p", { class: "crumbs" }, h("a", { href: "#/runs" }, "Runs"), ` / ${project}`),
+      h("h1", {}, name),
+      h(
+        "ul",
+        { class: "facts" },
+        h("li", {}, "status ", h("span", { class: `badge ${r.status}` }, r.status)),
+        h("li", {}, "step ", h("strong", {}, r.last_step)),
+        h("li", {}, "best validation ", h("strong", {}, r.best_val_reward === null ? "–" : `${num(r.best_val_reward)} at step ${r.best_val_step}`)),
+        h("li", {}, "wall time ", h("strong", {}, duration(r.wall_seconds))),
+        h("li", {}, "rows ", h("strong", {}, r.rows)),
+        h("li", {}, h("a", { href: `#/run/${runPath(project, name)}/rollouts${query}` }, "Rollouts →")),
+      ),
+      h("h2", {}, "Curves"),
+      rows.length ? h("div", { class: "charts" }, metricNames(rows).map((m) => chartOf(m, rows))) : h("p", { class: "muted" }, "No rows yet."),
+      h("h2", {}, "Checkpoints"),
+      checkpoints.directory === null
+        ? h("p", { class: "muted" }, "This run's directory is not under this dashboard's home: its checkpoints are elsewhere.")
+        : table(
+            `${checkpoints.checkpoints.length} checkpoint(s) in ${checkpoints.directory}`,
+            ["Step", "Validation reward", "Best", "Deployed as"],
+            checkpoints.checkpoints.map((c) =>
+              h(
+                "tr",
+                {},
+                h("td", {}, c.step),
+                h("td", {}, num(c.val_reward)),
+                h("td", {}, c.best ? h("span", { class: "badge best" }, "best") : ""),
+                h("td", {}, c.deployed.map((d) => h("span", { class: "badge deployed" }, d))),
+              ),
+            ),
+          ),
+    ],
+  };
+}
+
+async function rolloutsView(project, name, params) {
+  const run = params.get("run");
+  const query = run ? `&run=${enc(run)}` : "";
+  const steps = await api(`/runs/${runPath(project, name)}/rollouts${run ? `?run=${enc(run)}` : ""}`);
+  return {
+    data: steps,
+    draw: () => [
+      h("p", { class: "crumbs" }, h("a", { href: "#/runs" }, "Runs"), " / ", h("a", { href: `#/run/${runPath(project, name)}${run ? `?run=${enc(run)}` : ""}` }, name)),
+      h("h1", {}, `Rollouts of ${name}`),
+      steps.length === 0
+        ? h("p", { class: "muted" }, "No trajectories saved yet.")
+        : table(
+            "Saved trajectories by split and step, the latest first",
+            ["Split", "Step", "Trajectories", ""],
+            [...steps].reverse().map((s) =>
+              h(
+                "tr",
+                {},
+                h("td", {}, s.split),
+                h("td", {}, s.step),
+                h("td", {}, s.trajectories),
+                h("td", {}, h("a", { href: `#/run/${runPath(project, name)}/groups?split=${enc(s.split)}&step=${s.step}${query}` }, "groups →")),
+              ),
+            ),
+          ),
+    ],
+  };
+}
+
+async function groupsView(project, name, params) {
+  const split = params.get("split") ?? "train";
+  const step = params.get("step") ?? "0";
+  const run = params.get("run");
+  const query = `split=${enc(split)}&step=${enc(step)}${run ? `&run=${enc(run)}` : ""}`;
+  const groups = await api(`/runs/${runPath(project, name)}/groups?${query}`);
+  return {
+    data: groups,
+    draw: () => [
+      h("p", { class: "crumbs" }, h("a", { href: "#/runs" }, "Runs"), " / ", h("a", { href: `#/run/${runPath(project, name)}${run ? `?run=${enc(run)}` : ""}` }, name), " / ", h("a", { href: `#/run/${runPath(project, name)}/rollouts${run ? `?run=${enc(run)}` : ""}` }, "rollouts")),
+      h("h1", {}, `Step ${step} · ${split} · ${groups.length} group(s)`),
+      h(
+        "div",
+        { class: "groups" },
+        groups.map((g) =>
+          h(
+            "section",
+            { class: "group", "data-group": g.index },
+            h("h3", {}, `Group ${g.index + 1}: `, h("span", { class: "muted" }, g.prompt)),
+            h("p", { class: "muted" }, `${g.members.length} trajectories · mean reward ${num(g.reward_mean)} · spread ${num(g.reward_spread)} · `, h("a", { href: `#/run/${runPath(project, name)}/group?${query}&index=${g.index}` }, "side by side →")),
+            h(
+              "ol",
+              { class: "ranking" },
+              g.members.map((m) => h("li", { "data-reward": m.reward }, h("a", { href: `#/trajectory/${m.id}` }, `reward ${num(m.reward)}`), " ", h("span", { class: "muted" }, m.tool_calls ? `${m.tool_calls} tool call(s) · ` : "", m.answer))),
+            ),
+          ),
+        ),
+      ),
+    ],
+  };
+}
+
+function chat(t) {
+  return h(
+    "div",
+    { class: "chat" },
+    t.messages.map((m) =>
+      h(
+        "article",
+        { class: `msg ${m.role}` },
+        h("div", { class: "role" }, m.role, m.sampled ? " · sampled" : "", m.reward !== null ? ` · turn reward ${num(m.reward)}` : "", m.tool_call_id ? ` · result of ${m.tool_call_id}` : ""),
+        m.content ? h("pre", {}, m.content) : null,
+        m.tool_calls.map((c) => h("div", { class: "call", "data-tool": c.name }, `→ ${c.name}(${c.arguments})`)),
+      ),
+    ),
+  );
+}
+
+function scores(t) {
+  return [
+    Object.keys(t.graders).length
+      ? table("Graders", ["Grader", "Score"], Object.entries(t.graders).map(([k, v]) => h("tr", {}, h("td", {}, k), h("td", {}, num(v)))))
+      : null,
+    t.judge.length ? h("div", { class: "judge" }, h("h3", {}, "Judge"), t.judge.map((line) => h("p", {}, line))) : null,
+  ];
+}
+
+async function groupView(project, name, params) {
+  const run = params.get("run");
+  const query = `split=${enc(params.get("split") ?? "train")}&step=${enc(params.get("step") ?? "0")}${run ? `&run=${enc(run)}` : ""}`;
+  const group = await api(`/runs/${runPath(project, name)}/groups/${enc(params.get("index") ?? "0")}?${query}`);
+  return {
+    data: group,
+    draw: () => [
+      h("p", { class: "crumbs" }, h("a", { href: "#/runs" }, "Runs"), " / ", h("a", { href: `#/run/${runPath(project, name)}${run ? `?run=${enc(run)}` : ""}` }, name), " / ", h("a", { href: `#/run/${runPath(project, name)}/groups?${query}` }, `step ${group.step}`)),
+      h("h1", {}, `Group ${group.index + 1} of step ${group.step} (${group.split}), ranked by reward`),
+      h(
+        "div",
+        { class: "side" },
+        group.members.map((t, i) =>
+          h("section", { "data-rank": i + 1 }, h("h3", {}, `#${i + 1} · reward ${num(t.reward)} · `, h("a", { href: `#/trajectory/${t.id}` }, "open")), scores(t), chat(t)),
+        ),
+      ),
+    ],
+  };
+}
+
+async function trajectoryView(id) {
+  const t = await api(`/trajectories/${enc(id)}`);
+  const runLink = `#/run/${runPath(t.project, t.name)}?run=${enc(t.run)}`;
+  return {
+    data: t,
+    draw: () => [
+      h("p", { class: "crumbs" }, h("a", { href: "#/runs" }, "Runs"), " / ", h("a", { href: runLink }, t.name), " / ", h("a", { href: `#/run/${runPath(t.project, t.name)}/groups?split=${enc(t.split)}&step=${t.step}&run=${enc(t.run)}` }, `step ${t.step}`)),
+      h("h1", {}, `Trajectory ${t.id}`),
+      h(
+        "ul",
+        { class: "facts" },
+        h("li", {}, "reward ", h("strong", { id: "reward" }, num(t.reward, 4))),
+        h("li", {}, "split ", h("strong", {}, t.split)),
+        h("li", {}, "step ", h("strong", {}, t.step)),
+        t.branch ? h("li", {}, "abandoned branch ", h("strong", {}, t.branch)) : null,
+        t.tools.length ? h("li", {}, "tools ", h("strong", {}, t.tools.join(", "))) : null,
+      ),
+      scores(t),
+      h("h2", {}, "Chat"),
+      chat(t),
+      Object.keys(t.metrics).length
+        ? [h("h2", {}, "Metrics"), table("", ["Metric", "Value"], Object.entries(t.metrics).map(([k, v]) => h("tr", {}, h("td", {}, k), h("td", {}, num(v, 4)))))]
+        : null,
+      Object.keys(t.metadata).length
+        ? [h("h2", {}, "Metadata"), table("", ["Key", "Value"], Object.entries(t.metadata).map(([k, v]) => h("tr", {}, h("td", {}, k), h("td", { class: "wrap" }, JSON.stringify(v)))))]
+        : null,
+      t.logs.length ? [h("h2", {}, "Logs"), h("pre", {}, t.logs.join("\n"))] : null,
+    ],
+  };
+}
+
+function keyForm(message) {
+  return [
+    h("h1", {}, "An admin key is needed"),
+    h("p", { class: "muted" }, message),
+    h(
+      "form",
+      {
+        onsubmit: (event) => {
+          event.preventDefault();
+          sessionStorage.setItem(KEY, event.target.elements.key.value);
+          refresh(true);
+        },
+      },
+      h("label", { for: "key" }, "API key (admin) "),
+      h("input", { id: "key", name: "key", type: "password", autocomplete: "off", required: true }),
+      " ",
+      h("button", { type: "submit" }, "Use it"),
+    ),
+  ];
+}
+
+// ---- routing -----------------------------------------------------------------------------------------------------
+
+function route() {
+  const [path, search] = (location.hash.slice(1) || "/runs").split("?");
+  const parts = path.split("/").filter(Boolean).map(decodeURIComponent);
+  const params = new URLSearchParams(search ?? "");
+  if (parts[0] === "run" && parts.length >= 3) {
+    const [, project, name, sub] = parts;
+    if (sub === "rollouts") return () => rolloutsView(project, name, params);
+    if (sub === "groups") return () => groupsView(project, name, params);
+    if (sub === "group") return () => groupView(project, name, params);
+    return () => runView(project, name, params);
+  }
+  if (parts[0] === "trajectory" && parts[1]) return () => trajectoryView(parts[1]);
+  return runsView;
+}
+
+let refreshing = false;
+let again = null; // a refresh asked for while one ran: { redraw, top }
+
+// Fetch the view's data and draw it if it changed (or if ``redraw``); ``top``: a new view, scrolled to its top.
+async function refresh(redraw = false, top = redraw) {
+  if (refreshing) {
+    again = { redraw: redraw || again?.redraw, top: top || again?.top };
+    return;
+  }
+  refreshing = true;
+  try {
+    const { data, draw } = await route()();
+    const text = JSON.stringify(data);
+    if (redraw || text !== shown) {
+      shown = text;
+      const scroll = top ? 0 : window.scrollY;
+      charts = [];
+      view.replaceChildren(...draw().flat(Infinity).filter(Boolean));
+      drawCharts();
+      window.scrollTo(0, scroll);
+      if (top) view.focus({ preventScroll: true });
+    }
+    live.textContent = `updated ${new Date().toLocaleTimeString()}`;
+  } catch (error) {
+    shown = "";
+    const denied = error instanceof HttpError && (error.status === 401 || error.status === 403);
+    const title = error instanceof HttpError && error.status === 404 ? "Not found" : "Could not load this view";
+    view.replaceChildren(...(denied ? keyForm(error.message) : [h("h1", {}, title), h("p", { class: "error" }, error.message)]));
+  } finally {
+    refreshing = false;
+    if (again) {
+      const next = again;
+      again = null;
+      refresh(next.redraw, next.top);
+    }
+  }
+}
+
+window.addEventListener("hashchange", () => refresh(true));
+setInterval(() => document.visibilityState === "visible" && refresh(), POLL_MS);
+let resized; // charts are drawn to their box's width and in the scheme's colours: again when either changes
+const redraw = () => {
+  clearTimeout(resized);
+  resized = setTimeout(() => refresh(true, false), 200);
+};
+window.addEventListener("resize", redraw);
+matchMedia("(prefers-color-scheme: dark)").addEventListener("change", redraw);
+refresh(true);
