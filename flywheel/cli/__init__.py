@@ -1,16 +1,16 @@
 """The ``flywheel`` command line: ``app``, the entry point, with one module per command group.
 
 ``serving`` (prepare, serve, runner), ``jobs`` (train, demo), ``deployments`` (deploy, promote, rollback,
-deployments, audit), ``review``, ``graders`` (graders, eval), ``judge``, ``loop`` and ``export``; ``common`` holds what
-they share. Heavy dependencies (torch, the engine, the backend, the trainer, the store) load inside the command that
-needs them, so that ``flywheel --help`` and ``flywheel GROUP --help`` load none of them.
+deployments, audit), ``review``, ``graders`` (graders, eval), ``judge``, ``loop``, ``export`` and ``dashboard``;
+``common`` holds what they share. Heavy dependencies (torch, the engine, the backend, the trainer, the store) load
+inside the command that needs them, so that ``flywheel --help`` and ``flywheel GROUP --help`` load none of them.
 """
 
 from __future__ import annotations
 
 import typer
 
-from flywheel.cli import deployments, finetuning, graders, jobs, loop, serving
+from flywheel.cli import dashboard, deployments, finetuning, graders, jobs, loop, serving
 from flywheel.cli.export import export_app
 from flywheel.cli.judge import judge_app
 from flywheel.cli.review import review_app
@@ -37,3 +37,4 @@ app.command()(jobs.demo)
 app.command()(jobs.train)
 app.command()(serving.runner)
 app.add_typer(finetuning.jobs_app, name="jobs")
+app.command()(dashboard.dashboard)

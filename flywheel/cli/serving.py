@@ -139,8 +139,8 @@ def serve(
     ] = 512,
 ):
     """Serve a model over an OpenAI-compatible API (/v1/models, /v1/chat/completions), the gateway: episodes
-    (POST /episodes) whose calls, through /episodes/<id>/v1, are recorded for training, and OpenAI's fine-tuning
-    API (/v1/files, /v1/fine_tuning/jobs)."""
+    (POST /episodes) whose calls, through /episodes/<id>/v1, are recorded for training, OpenAI's fine-tuning
+    API (/v1/files, /v1/fine_tuning/jobs) and the dashboard (/ui/; its data needs an admin key when keys are set)."""
     import uvicorn
 
     from flywheel.gateway.auth import ENV_VAR, ApiKeyError, ApiKeys, is_loopback
@@ -230,6 +230,11 @@ def serve(
 
         mount(app, service)
         console.print(f"Fine-tuning: http://{host}:{port}/v1/fine_tuning/jobs (files and models in {default_home()})")
+    from flywheel.dashboard.app import mount as mount_dashboard
+    from flywheel.home import default_home
+
+    mount_dashboard(app, store, default_home())
+    console.print(f"Dashboard: http://{host}:{port}/ui/" + (" (its data needs an admin key)" if keys else ""))
     try:
         uvicorn.run(app, host=host, port=port, log_level="info")
     finally:
