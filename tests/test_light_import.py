@@ -47,7 +47,7 @@ def help_of(*args):
 
 codes = {"flywheel": help_of()}
 print("-- end of flywheel --help")
-for group in ("export", "graders", "judge", "audit", "review", "eval", "loop", "serve", "train", "deploy"):
+for group in ("export", "graders", "judge", "audit", "review", "eval", "loop", "serve", "train", "deploy", "dashboard"):
     codes[group] = help_of(group)
 heavy = sorted(m for m in ("torch", "transformers", "peft", "flywheel.inference.loading", "flywheel.local",
                            "flywheel.checkpoints.run", "flywheel.loop.driver", "flywheel.train.trainer", "sqlalchemy",

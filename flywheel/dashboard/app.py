@@ -30,8 +30,9 @@ def mount(app: FastAPI, store: Store, home: Path) -> None:
 
 
 def create_dashboard_app(store: Store, home: Path) -> FastAPI:
-    """The dashboard alone (``flywheel dashboard``): ``/`` leads to the page at ``/ui/``."""
-    app = FastAPI(title="Flywheel dashboard")
+    """The dashboard alone (``flywheel dashboard``): ``/`` leads to the page at ``/ui/``; the API's schema is at
+    ``/openapi.json`` (FastAPI's /docs pages are off: they load their scripts from a CDN)."""
+    app = FastAPI(title="Flywheel dashboard", docs_url=None, redoc_url=None)
 
     @app.get("/", include_in_schema=False)
     async def _root() -> RedirectResponse:
