@@ -315,6 +315,15 @@ LENIENT = {"min_items": 2, "min_lift": -1.0, "require_safety": False,
            "max_increase": {"tokens": 100.0, "tool_calls": 100.0, "latency_ms": 100.0}}  # fmt: skip
 
 
+# GRADER with a length score beside it: rewards that vary within every group, so each step trains (with GRADER alone
+# the 135M model's answers may all score 0, no step trains and the gate has no trained checkpoint to judge)
+VARIED = GRADER | {
+    "calculate_output": "0.4 * exact + 0.4 * number + 0.2 * length",
+    "graders": GRADER["graders"] | {"length": {"type": "python", "name": "length", "source":
+        "def grade(sample, item):\n    return min(1.0, len(sample['output_text']) / 60)\n"}},
+}  # fmt: skip
+
+
 def test_a_reinforcement_job_grades_its_answers_trains_and_ends_through_the_gate(server: Server, home: Path):
     client = server.client
     training = upload(client, [question(a, 2) for a in range(1, 5)], "rft-train.jsonl")
@@ -323,7 +332,7 @@ def test_a_reinforcement_job_grades_its_answers_trains_and_ends_through_the_gate
              "reasoning_effort": "low"}  # fmt: skip
     job = client.fine_tuning.jobs.create(
         model=ALIAS, training_file=training, validation_file=validation, suffix="rft",
-        method={"type": "reinforcement", "reinforcement": {"grader": GRADER, "hyperparameters": hyper}},
+        method={"type": "reinforcement", "reinforcement": {"grader": VARIED, "hyperparameters": hyper}},
         metadata={"flywheel_gate": "production", "flywheel_gate_policy": json.dumps(LENIENT)},
     )  # fmt: skip
     assert job.method.type == "reinforcement" and job.method.reinforcement.grader.type == "multi"

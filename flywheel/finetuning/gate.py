@@ -56,8 +56,12 @@ def requested(meta: dict[str, str] | None) -> tuple[str, GatePolicy] | None:
     return stage, policy
 
 
-def best(checkpoints: list[FineTuningCheckpoint]) -> FineTuningCheckpoint:
-    """The checkpoint with the highest validation reward (training reward without one), the latest of equals."""
+def best(checkpoints: list[FineTuningCheckpoint]) -> FineTuningCheckpoint | None:
+    """The checkpoint with the highest validation reward (training reward without one), the latest of equals; only
+    those with trained weights (``<model>@0``: no step of the job changed them, and no weights were saved for it)."""
+    checkpoints = [c for c in checkpoints if _weights_step(c) > 0]
+    if not checkpoints:
+        return None
 
     def key(c: FineTuningCheckpoint) -> tuple[float, int]:
         metrics = c.metrics or {}
@@ -66,10 +70,15 @@ def best(checkpoints: list[FineTuningCheckpoint]) -> FineTuningCheckpoint:
     return max(checkpoints, key=key)
 
 
+def _weights_step(checkpoint: FineTuningCheckpoint) -> int:
+    """The model's step a checkpoint names (``<model>@<step>``): the job's step counts RFT steps that trained none."""
+    return int(checkpoint.model.rpartition("@")[2])
+
+
 def decided(store: Store, job_id: str) -> bool:
     """Whether the job's gate decision is recorded (a restarted job never decides twice)."""
     with store.session() as s:
-        return any((e.data or {}).get("gate_event") for e in records.list_events(s, job_id, after=None, limit=10_000))
+        return any("gate_event" in (e.data or {}) for e in records.list_events(s, job_id, after=None, limit=10_000))
 
 
 async def send_through_gate(
@@ -82,15 +91,21 @@ async def send_through_gate(
     *,
     samples: int,
     sampling: dict[str, Any],
-) -> GateDecision:
+) -> GateDecision | None:
     """Decide on the job's best checkpoint against its base model on ``rows`` (the validation file), both answering
-    as in training (``sampling``: temperature, max_tokens, response_format), audit the decision, deploy a checkpoint that passes as ``<model>@<stage>`` and record an event on the job."""
+    as in training (``sampling``: temperature, max_tokens, response_format), audit the decision, deploy a checkpoint
+    that passes as ``<model>@<stage>`` and record an event on the job (None: no step trained, nothing to decide)."""
     gate = requested(job.meta)
     assert gate is not None
     stage, policy = gate
     with store.session() as s:
         chosen = best(records.checkpoints(s, job.id))
-        step = int(chosen.model.rpartition("@")[2])  # the model's step: the job's counts RFT steps that took none
+        if chosen is None:  # every step's groups scored alike: the weights are the base model's
+            said = (f"The gate was not asked: no step of the job changed the weights (every group's answers scored "
+                    f"alike), so {model.name}@{stage} was not deployed")  # fmt: skip
+            records.add_event(s, job.id, said, level="warn", data={"gate_event": 0, "promote": False})
+            return None
+        step = _weights_step(chosen)
         records.add_event(s, job.id, f"Sending checkpoint {chosen.model} (job step {chosen.step}, the best by "
                           f"validation reward) through the gate against {job.base_model}")  # fmt: skip
     await backend.load(job.base_model)

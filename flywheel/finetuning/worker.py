@@ -376,8 +376,10 @@ class JobWorker:
                     metrics["full_valid_reward_mean"] = metrics["valid_reward_mean"]
                 await self._checkpoint(job, model, epoch + 1, metrics, [], step)
         if gate.requested(job.meta) is not None and not gate.decided(self.store, job.id):
+            await self._stop_if_asked(job, model)  # cancelled or paused as training ended: no decision for it
             await gate.send_through_gate(job, self.store, model, self.backend, grader, valid,
                                          samples=hyper["eval_samples"], sampling=sampling)  # fmt: skip
+        await self._stop_if_asked(job, model)  # cancelled while it was judged: cancelled, never succeeded
         self._succeed(job, model.name)
 
     def _rft_rows(self, file_id: str, param: str) -> list[RFTRow]:
