@@ -389,6 +389,28 @@ def test_a_reinforcement_job_answers_in_its_response_format(server: Server):
     assert caught.value.body["param"] == "method.reinforcement.response_format"
 
 
+def test_a_reinforcement_job_that_trained_no_step_serves_its_checkpoints_and_does_not_ask_the_gate(server: Server):
+    """A grader no answer can satisfy: every group ties, no step trains; its checkpoint (the base weights, ``@0``) is
+    served all the same, and the gate is not asked to judge weights no step changed."""
+    client = server.client
+    training = upload(client, [question(1, 2), question(2, 3)], "rft-never.jsonl")
+    never = {"type": "string_check", "name": "never", "input": "{{sample.output_text}}", "reference": "\u0000",
+             "operation": "eq"}  # fmt: skip
+    job = client.fine_tuning.jobs.create(
+        model=ALIAS, training_file=training, validation_file=training,
+        method={"type": "reinforcement", "reinforcement": {"grader": never, "hyperparameters": {"batch_size": 2, "compute_multiplier": 0.5, "eval_samples": 1}}},
+        metadata={"flywheel_gate": "production"},
+    )  # fmt: skip
+    done = wait(client, job.id, lambda j: j.status in ("succeeded", "failed", "cancelled"))
+    said = events(client, job.id)
+    assert done.status == "succeeded", (done.error, [e.message for e in said])
+    [checkpoint] = list(client.fine_tuning.jobs.checkpoints.list(job.id))
+    assert checkpoint.fine_tuned_model_checkpoint == f"{done.fine_tuned_model}@0"
+    reply = client.chat.completions.create(model=checkpoint.fine_tuned_model_checkpoint, messages=question(2, 2)["messages"], max_tokens=4)  # fmt: skip
+    assert reply.choices[0].message.content is not None
+    assert any(e.message.startswith("The gate was not asked: no step of the job changed the weights") for e in said)
+
+
 def test_a_reinforcement_job_with_a_bad_grader_or_data_it_cannot_grade_is_refused(server: Server):
     client = server.client
     training = upload(client, [question(1, 2)])

@@ -143,7 +143,12 @@ class JobWorker:
             try:
                 return await backend.registry.resolve(name)
             except UnknownModelError:
-                return None
+                if name != f"{model_name}@0":
+                    return None
+            # step 0, which no weights were saved for (an RFT job's first steps trained nothing): its LoRA adapter
+            # starts at zero, so its weights are the base model's
+            await backend.load(base)
+            return backend.registry.get(base)
 
         return asyncio.run_coroutine_threadsafe(served(), self.loop).result()
 
