@@ -104,7 +104,7 @@ def test_loggers_are_chosen_by_name_or_by_their_tools_variables(tmp_path: Path, 
 
 
 def test_a_logger_whose_package_is_missing_is_one_warning_never_an_error(tmp_path: Path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "mlflow.tracking", None)  # `import` raises ImportError, as when not installed
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # `import` raises ImportError, as when not installed
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     row = {"step": 1, "split": "train", "loss": 0.5}
     for logger, extra in ((MlflowLog(tmp_path), "mlflow"), (TensorBoardLog(tmp_path), "tensorboard")):

@@ -42,11 +42,11 @@ class MlflowLog:
         Non-finite values are left out: MLflow's stores do not all keep them."""
         if not rows:
             return
-        from mlflow.entities import Metric
-
         with self._lock:
             if (run := self._run(project, name)) is None:
                 return
+            from mlflow.entities import Metric  # installed: _run imported mlflow
+
             now = int(time.time() * 1000)
             metrics = [
                 Metric(key, value, now, int(row["step"]))
