@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import httpx
 from alembic import command
 from alembic.config import Config
 from openai.types.chat import ChatCompletionMessage
@@ -19,6 +22,8 @@ from sqlalchemy import text
 from flywheel.store.db import MIGRATIONS, _engine
 
 if TYPE_CHECKING:
+    from flywheel.local.backend import LocalBackend
+    from flywheel.model import TrainableModel
     from flywheel.train.trainer import Trainer
 
 
@@ -92,3 +97,35 @@ def at_revision(url: str, revision: str, inserts: list[tuple[str, list[dict]]]) 
                 connection.execute(text(statement), rows)
     finally:
         engine.dispose()
+
+
+async def train_a_step_and_log(backend: LocalBackend, model: TrainableModel) -> None:
+    """Register ``model``, train one RL step on two sampled answers (rewards 0 and 1) and ``model.log`` them as a
+    ``val`` split with ``accuracy`` 0.5: the rows a logger under test should receive (steps 1, train and val)."""
+    from flywheel.types import Trajectory, TrajectoryGroup
+
+    await model.register(backend)
+    client = model.openai_client()
+    prompt = [{"role": "user", "content": "Name a fruit."}]
+    trajectories = []
+    for reward in (0.0, 1.0):
+        r = await client.chat.completions.create(
+            model=model.get_inference_name(), messages=prompt, max_tokens=4, logprobs=True
+        )
+        trajectories.append(Trajectory(messages_and_choices=[*prompt, r.choices[0]], reward=reward))
+    result = await backend.train(model, [TrajectoryGroup(trajectories)], learning_rate=1e-4)
+    assert result.step == 1 and result.metrics["skipped"] == 0
+    await model.log(trajectories, split="val", metrics={"accuracy": 0.5})
+
+
+def wait_until_healthy(proc: subprocess.Popen, base: str, output: Callable[[], object]) -> None:
+    """Until ``proc``'s server at ``base`` answers /health (at most 5 minutes); ``output``: what to show if it died."""
+    deadline = time.monotonic() + 300
+    while True:
+        assert proc.poll() is None, output()
+        assert time.monotonic() < deadline, "the server did not come up in 5 minutes"
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.5)

@@ -12,8 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -23,6 +21,8 @@ import pytest
 from flywheel.checkpoints.layout import model_path
 from flywheel.checkpoints.run import RunStore
 from flywheel.inference.loading import EMBEDDED_MODEL, resolve_model
+
+from helpers import wait_until_healthy
 
 FLYWHEEL = str(Path(sys.executable).parent / "flywheel")  # the console script installed beside this Python
 
@@ -39,19 +39,6 @@ def env(home: Path) -> dict[str, str]:
 
 def run(args: list[str], home: Path, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([FLYWHEEL, *args], capture_output=True, text=True, timeout=timeout, env=env(home))
-
-
-def wait_until_healthy(proc: subprocess.Popen, base: str, output: Callable[[], object]) -> None:
-    """Until ``proc``'s server at ``base`` answers /health (at most 5 minutes); ``output``: what to show if it died."""
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, output()
-        assert time.monotonic() < deadline, "the server did not come up in 5 minutes"
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.5)
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

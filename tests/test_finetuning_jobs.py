@@ -29,7 +29,9 @@ from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.store import Store
 from flywheel.store import finetuning as records
 from flywheel.store.db import default_url
-from tests.test_cli_commands import FLYWHEEL, env, free_port, wait_until_healthy
+from tests.test_cli_commands import FLYWHEEL, env, free_port
+
+from helpers import wait_until_healthy
 
 ALIAS = "gpt-4.1-mini-2025-04-14"
 

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -31,6 +30,8 @@ from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
 from flywheel.store import Store, deployments
 from flywheel.store.schema import Base
+
+from helpers import wait_until_healthy
 
 FLYWHEEL = str(Path(sys.executable).parent / "flywheel")
 KEYS = {role: secrets.token_urlsafe(32) for role in Role}
@@ -310,15 +311,7 @@ def test_serve_with_keys_answers_by_role_and_never_logs_a_key(tmp_path):
     )
     try:
         root = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the server did not come up in 5 minutes"
-            try:
-                if httpx.get(f"{root}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
+        wait_until_healthy(proc, root, proc.communicate)
         agent = openai.OpenAI(base_url=f"{root}/v1", api_key=KEYS[Role.agent], max_retries=0)
         assert EMBEDDED_MODEL in [m.id for m in agent.models.list().data]
         assert httpx.get(f"{root}/v1/models", headers={"X-API-Key": WRONG_KEY}).status_code == 401

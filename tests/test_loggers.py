@@ -17,6 +17,8 @@ from flywheel.local.loggers import MetricLoggers, chosen
 from flywheel.local.mlflow_log import TAG, MlflowLog, tracking_uri
 from flywheel.local.tensorboard_log import TensorBoardLog, log_dir
 
+from helpers import train_a_step_and_log
+
 
 def tensorboard_scalars(where: Path) -> dict[str, dict[int, float]]:
     """Every scalar in a directory's event files, by tag and step, as TensorBoard reads them."""
@@ -52,18 +54,7 @@ async def test_a_training_step_and_model_log_reach_mlflow_and_tensorboard(tmp_pa
     model = art.TrainableModel(name="logged/agent", project="tests", base_model=EMBEDDED_MODEL)
     backend = art.LocalBackend(path=home, loggers=["mlflow", "tensorboard"])
     try:
-        await model.register(backend)
-        client = model.openai_client()
-        prompt = [{"role": "user", "content": "Name a fruit."}]
-        trajectories = []
-        for reward in (0.0, 1.0):
-            r = await client.chat.completions.create(
-                model=model.get_inference_name(), messages=prompt, max_tokens=4, logprobs=True
-            )
-            trajectories.append(art.Trajectory(messages_and_choices=[*prompt, r.choices[0]], reward=reward))
-        result = await backend.train(model, [art.TrajectoryGroup(trajectories)], learning_rate=1e-4)
-        assert result.step == 1 and result.metrics["skipped"] == 0
-        await model.log(trajectories, split="val", metrics={"accuracy": 0.5})
+        await train_a_step_and_log(backend, model)
     finally:
         await backend.close()
     rows = backend.run(model).history()
@@ -104,7 +95,8 @@ def test_loggers_are_chosen_by_name_or_by_their_tools_variables(tmp_path: Path, 
 
 
 def test_a_logger_whose_package_is_missing_is_one_warning_never_an_error(tmp_path: Path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "mlflow", None)  # `import` raises ImportError, as when not installed
+    for module in ["mlflow", *(m for m in sys.modules if m.startswith("mlflow."))]:  # all of it, loaded or not:
+        monkeypatch.setitem(sys.modules, module, None)  # `import` raises ImportError, as when not installed
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     row = {"step": 1, "split": "train", "loss": 0.5}
     for logger, extra in ((MlflowLog(tmp_path), "mlflow"), (TensorBoardLog(tmp_path), "tensorboard")):

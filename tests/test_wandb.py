@@ -16,6 +16,8 @@ import flywheel as art
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.local.wandb_log import WandbLog, run_id
 
+from helpers import train_a_step_and_log
+
 
 def require_wandb() -> None:
     try:
@@ -73,18 +75,7 @@ async def test_a_training_step_and_model_log_reach_an_offline_wandb_run_resumed_
     model = art.TrainableModel(name="wandb/agent", project="tests", base_model=EMBEDDED_MODEL)
     backend = art.LocalBackend(path=tmp_path / "home")
     try:
-        await model.register(backend)
-        client = model.openai_client()
-        prompt = [{"role": "user", "content": "Name a fruit."}]
-        trajectories = []
-        for reward in (0.0, 1.0):
-            r = await client.chat.completions.create(
-                model=model.get_inference_name(), messages=prompt, max_tokens=4, logprobs=True
-            )
-            trajectories.append(art.Trajectory(messages_and_choices=[*prompt, r.choices[0]], reward=reward))
-        result = await backend.train(model, [art.TrajectoryGroup(trajectories)], learning_rate=1e-4)
-        assert result.step == 1 and result.metrics["skipped"] == 0
-        await model.log(trajectories, split="val", metrics={"accuracy": 0.5})
+        await train_a_step_and_log(backend, model)
     finally:
         await backend.close()  # finishes the run
     rows = backend.run(model).history()  # our own files, as before
