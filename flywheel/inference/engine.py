@@ -103,6 +103,40 @@ class Completion:
 
 
 @dataclass
+class DecodedText:
+    """A choice's text as its tokens arrive, by the rules every engine shares: the tokens so far decoded whole (a
+    token may complete a character the last one began), cut before the first stop string, and handed out without
+    what may still become a stop string or a character (``delta``). End-of-sequence tokens never reach it."""
+
+    text: str = ""
+    emitted: int = 0  # characters of ``text`` already handed out
+
+    def update(self, tokenizer: PreTrainedTokenizerBase, output: list[int], stops: list[str]) -> bool:
+        """Decode ``output`` (all the choice's tokens); True when a stop string appeared, the text cut before it."""
+        text = tokenizer.decode(output, skip_special_tokens=False)
+        hit = False
+        if stops:
+            # only the tail can contain a stop string that was not there one token ago
+            window = len(self.text) - max(len(s) for s in stops)
+            hits = [i for s in stops if (i := text.find(s, max(window, 0))) >= 0]
+            if hits:
+                text, hit = text[: min(hits)], True
+        self.text = text
+        return hit
+
+    def delta(self, stops: list[str], finished: bool) -> str:
+        """The text not handed out yet, less (unless ``finished``) a tail that could begin a stop string or is half
+        a character; it counts as handed out."""
+        hold = 0 if finished else max((len(s) - 1 for s in stops), default=0)
+        visible = len(self.text) - hold
+        if not finished and self.text.endswith("\ufffd"):
+            visible = min(visible, len(self.text) - 1)
+        delta = self.text[self.emitted : max(visible, self.emitted)]
+        self.emitted += len(delta)
+        return delta
+
+
+@dataclass
 class _Sequence:
     index: int
     request: _Request
@@ -110,8 +144,7 @@ class _Sequence:
     row: int = -1
     length: int = 0  # tokens stored in the KV cache
     output: list[int] = field(default_factory=list)
-    text: str = ""  # decoded output so far, cut at a stop string
-    emitted: int = 0  # characters of ``text`` already handed out
+    decoded: DecodedText = field(default_factory=DecodedText)  # its text so far, cut at a stop string
     finish_reason: str | None = None
     generation: int = 0  # the weights generation its KV started in (see ``InferenceEngine.exclusive``)
     matcher: LLMatcher | None = None  # the parser state of a guided (response_format) request
@@ -527,17 +560,11 @@ class InferenceEngine:
             elif seq.matcher is not None and not seq.matcher.consume_token(token):
                 log.warning("grammar refused token %d: %s", token, seq.matcher.get_error())
                 seq.finish_reason = "stop"
-            else:
-                self._update_text(seq)
+            elif seq.decoded.update(self.tokenizer, seq.output, p.stop):
+                seq.finish_reason = "stop"
             if seq.finish_reason is None and len(seq.output) >= p.max_tokens:
                 seq.finish_reason = "length"
-            # hold back text that could be the start of a stop string or a half-decoded character
-            hold = 0 if seq.finish_reason else max((len(s) - 1 for s in p.stop), default=0)
-            visible = len(seq.text) - hold
-            if not seq.finish_reason and seq.text.endswith("\ufffd"):
-                visible = min(visible, len(seq.text) - 1)
-            delta = seq.text[seq.emitted : max(visible, seq.emitted)]
-            seq.emitted += len(delta)
+            delta = seq.decoded.delta(p.stop, finished=seq.finish_reason is not None)
             event = TokenEvent(
                 index=seq.index,
                 token_ids=[token],
@@ -553,18 +580,6 @@ class InferenceEngine:
             outbox.append((seq.request, event))
         self._deliver(outbox)
         self._retire()
-
-    def _update_text(self, seq: _Sequence) -> None:
-        text = self.tokenizer.decode(seq.output, skip_special_tokens=False)
-        stops = seq.request.params.stop
-        if stops:
-            # only the tail can contain a stop string that was not there one token ago
-            window = len(seq.text) - max(len(s) for s in stops)
-            hits = [i for s in stops if (i := text.find(s, max(window, 0))) >= 0]
-            if hits:
-                text = text[: min(hits)]
-                seq.finish_reason = "stop"
-        seq.text = text
 
     def _retire(self) -> None:
         """Drop finished or cancelled sequences; the highest rows move into the holes so rows stay 0..B-1."""

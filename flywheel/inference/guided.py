@@ -54,9 +54,11 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class Guide:
-    """One request's compiled grammar; ``matcher()`` gives each of its sequences a fresh parser state."""
+    """One request's compiled grammar; ``matcher()`` gives each of its sequences a fresh parser state. ``grammar``
+    is its llguidance source, which an engine that samples elsewhere sends instead (vLLM's guidance backend)."""
 
     template: llguidance.LLMatcher
+    grammar: str
 
     def matcher(self) -> llguidance.LLMatcher:
         return self.template.deep_copy()
@@ -74,8 +76,11 @@ def _ll_tokenizer(tokenizer: PreTrainedTokenizerBase, eos_ids: Sequence[int]) ->
 def compile_guide(tokenizer: PreTrainedTokenizerBase, eos_ids: Sequence[int], schema: dict[str, Any] | None) -> Guide:
     """Compile a JSON schema (None: any JSON object) for this tokenizer; GrammarError says what is wrong with it."""
     schema = _ANY_OBJECT if schema is None else schema
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
+    try:  # a Lark grammar of one JSON value, the options in the schema (x-guidance), as vLLM's "grammar" takes it
+        if isinstance(schema, dict):
+            schema = {**schema, "x-guidance": {**_JSON_OPTIONS, **schema.get("x-guidance", {})}}
+        body = json.dumps(schema, ensure_ascii=False)
+        grammar = llguidance.LLMatcher.grammar_from_lark(f"start: %json {body}")
     except (ValueError, TypeError) as exc:
         raise GrammarError(f"invalid JSON schema: {exc}") from exc
     try:
@@ -84,7 +89,7 @@ def compile_guide(tokenizer: PreTrainedTokenizerBase, eos_ids: Sequence[int], sc
         raise GrammarError(f"unsupported JSON schema: {exc}") from exc
     if template.is_error():
         raise GrammarError(f"unsupported JSON schema: {template.get_error()}")
-    return Guide(template)
+    return Guide(template, grammar)
 
 
 def _arguments_schema(parameters: Any, llt: llguidance.LLTokenizer, name: str) -> dict[str, Any]:
@@ -102,18 +107,20 @@ def _arguments_schema(parameters: Any, llt: llguidance.LLTokenizer, name: str) -
 
 
 def tool_call_grammar(tools: Sequence[dict[str, Any]], llt: llguidance.LLTokenizer) -> str:
-    """An llguidance grammar for exactly one call of one of ``tools`` (OpenAI tool dicts) in the default format:
-    the opening tag, ``{"name": "NAME", "arguments": ARGS}`` and the closing tag, ARGS after NAME's parameters.
-    Each tool's arguments are a grammar of their own, so a schema's ``$ref``s resolve against its own root."""
-    calls, schemas = [], []
+    """A Lark grammar (llguidance's dialect, which vLLM's guidance backend takes) for exactly one call of one of
+    ``tools`` (OpenAI tool dicts) in the default format: the opening tag, ``{"name": "NAME", "arguments": ARGS}``
+    and the closing tag, ARGS after NAME's parameters. Each tool's arguments are a ``%json`` grammar of their own,
+    so a schema's ``$ref``s resolve against its own root."""
+    rules = []
     for i, tool in enumerate(tools):
         fn = tool["function"]
         head = '{"name": ' + json.dumps(fn["name"], ensure_ascii=False) + ', "arguments": '
-        calls.append(f'call_{i}: {json.dumps(head, ensure_ascii=False)} @args_{i} "}}"')
-        schemas.append({"name": f"args_{i}", "json_schema": _arguments_schema(fn.get("parameters"), llt, fn["name"])})
+        rules.append(f'call_{i}: {json.dumps(head, ensure_ascii=False)} args_{i} "}}"')
+        schema = _arguments_schema(fn.get("parameters"), llt, fn["name"])
+        rules.append(f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
     alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
     start = f"start: {json.dumps(TOOL_CALL_OPEN)} ({alternatives}) {json.dumps(TOOL_CALL_CLOSE)}"
-    return json.dumps({"grammars": [{"lark_grammar": "\n".join([start, *calls])}, *schemas]}, ensure_ascii=False)
+    return "\n".join([start, *rules])
 
 
 def compile_tool_call_guide(
@@ -121,23 +128,32 @@ def compile_tool_call_guide(
 ) -> Guide:
     """A guide that makes the reply one call of one of ``tools`` (``tool_call_grammar``), then end-of-sequence."""
     llt = _ll_tokenizer(tokenizer, eos_ids)
-    template = llguidance.LLMatcher(llt, tool_call_grammar(tools, llt), log_level=0)
+    grammar = tool_call_grammar(tools, llt)
+    template = llguidance.LLMatcher(llt, grammar, log_level=0)
     if template.is_error():
         raise GrammarError(f"cannot guide a call of these tools: {template.get_error()}", param="tools")
-    return Guide(template)
+    return Guide(template, grammar)
+
+
+def compile_lark_guide(
+    tokenizer: PreTrainedTokenizerBase, eos_ids: Sequence[int], lark: str, what: str = "grammar", param: str = "grammar"
+) -> Guide:
+    """A guide of a Lark grammar in llguidance's dialect (what ``Guide.grammar`` holds, and vLLM's structured output
+    ``grammar`` takes); GrammarError, saying it cannot guide ``what``, where it does not compile."""
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        template = llguidance.LLMatcher(_ll_tokenizer(tokenizer, eos_ids), grammar, log_level=0)
+    except (ValueError, TypeError) as exc:  # e.g. a lone surrogate, which no UTF-8 text holds
+        raise GrammarError(f"cannot guide {what}: {exc}", param=param) from exc
+    if template.is_error():
+        raise GrammarError(f"cannot guide {what}: {template.get_error()}", param=param)
+    return Guide(template, grammar)
 
 
 def compile_choice_guide(tokenizer: PreTrainedTokenizerBase, eos_ids: Sequence[int], choices: Sequence[str]) -> Guide:
     """A guide that makes the reply exactly one of ``choices`` (any tokenization of it), then end-of-sequence."""
     start = "start: " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_lark(start)
-        template = llguidance.LLMatcher(_ll_tokenizer(tokenizer, eos_ids), grammar, log_level=0)
-    except (ValueError, TypeError) as exc:  # e.g. a lone surrogate, which no UTF-8 text holds
-        raise GrammarError(f"cannot guide a reply to these choices: {exc}", param="guided_choice") from exc
-    if template.is_error():
-        raise GrammarError(f"cannot guide a reply to these choices: {template.get_error()}", param="guided_choice")
-    return Guide(template)
+    return compile_lark_guide(tokenizer, eos_ids, start, "a reply to these choices", "guided_choice")
 
 
 def constrain(logits: torch.Tensor, matchers: Sequence[llguidance.LLMatcher | None]) -> None:

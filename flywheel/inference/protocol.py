@@ -1,7 +1,8 @@
 """What the server and the gateway need from an engine that samples (``SamplingEngine``): token ids in, token events
 with their log-probs out, the tokenizer the gateway splices turns with, and the context it must fit. The embedded
-``InferenceEngine`` is one; an engine over vLLM servers (issue #40) is to be another, so that the server, the
-gateway and the registry never know which one answers. Light: no torch (its types are named for checkers only)."""
+``InferenceEngine`` is one, ``VLLMEngine`` (vllm_engine.py, over vLLM servers) another, so that the server, the
+gateway and the registry never know which one answers. An engine that samples elsewhere reports the other side's
+faults as ``SamplerUnavailableError`` (a 502). Light: no torch (its types are named for checkers only)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,15 @@ if TYPE_CHECKING:
 
     from flywheel.inference.engine import Completion, TokenEvent
     from flywheel.inference.sampling import SamplingParams
+
+
+class SamplerUnavailableError(RuntimeError):
+    """A sampler this engine relies on failed: a server answering 5xx, a timeout, a dropped stream, a refused
+    connection. The message names the server; the API answers 502 (the fault is not the client's)."""
+
+    def __init__(self, url: str, problem: str):
+        self.url = url
+        super().__init__(f"The sampling server at {url} failed: {problem}")
 
 
 @runtime_checkable

@@ -1,0 +1,214 @@
+"""A stand-in for a vLLM server, for tests: a FastAPI app speaking the subset of vLLM 0.32's HTTP API that Flywheel's
+``VLLMPool`` and ``VLLMEngine`` use (``/v1/models``, ``/tokenize``, ``/inference/v1/generate``, ``/v1/completions``
+with token ids, ``/health``), backed by an embedded ``InferenceEngine``, so the ids and log-probs it returns are a real
+model's (at the sampling temperature, as vLLM's ``--logprobs-mode processed_logprobs`` gives them).
+
+It is also the fault injector (``ShimFaults``, changed by a test while the app serves): a status for every sampling
+request (a 5xx), a delay before answering (a timeout), a stream dropped after some chunks, T=1 log-probs (vLLM's
+default ``raw_logprobs``), a tokenizer that disagrees, no token-in route (vLLM without ``--enable-scale-out``).
+The contract test (tests/test_vllm_contract.py) checks the same behaviour against the real vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from flywheel.inference.engine import ContextOverflowError, InferenceEngine, TokenEvent
+from flywheel.inference.guided import GrammarError, compile_lark_guide
+from flywheel.inference.sampling import SamplingParams
+
+
+@dataclass
+class ShimFaults:
+    status: int | None = None  # every sampling request answered with this status
+    delay_s: float = 0.0  # before a sampling request is answered
+    drop_after_chunks: int | None = None  # the connection is cut after this many chunks of a stream
+    raw_logprobs: bool = False  # samples (and reports log-probs) at T=1, whatever the request asks
+    tokenize_shift: int = 0  # added to every id /tokenize returns
+    generate_route: bool = True  # False: /inference/v1/generate answers 403, as vLLM without --enable-scale-out
+
+
+class _Structured(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    grammar: str | None = None
+
+
+class _Sampling(BaseModel):
+    """vLLM's sampling parameters that the shim honours; stop_token_ids are the engine's own end-of-sequence ids."""
+
+    model_config = ConfigDict(extra="ignore")
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    structured_outputs: _Structured | None = None
+
+
+class _Generate(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    token_ids: list[int] = Field(min_length=1)
+    sampling_params: _Sampling
+    stream: bool = False
+
+
+class _Completions(_Sampling):
+    model: str | None = None
+    prompt: list[int] = Field(min_length=1)
+    stream: bool = False
+    return_token_ids: bool = False
+
+
+class _Tokenize(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    """vLLM's error shape."""
+    return JSONResponse({"error": {"message": message, "type": "BadRequestError", "code": status}}, status_code=status)
+
+
+def create_shim(engine: InferenceEngine, model: str, faults: ShimFaults | None = None) -> FastAPI:
+    """The shim app over ``engine``, serving it as ``model``; ``app.state.faults`` is the ``ShimFaults`` it obeys."""
+    app = FastAPI(title="Flywheel's vLLM stand-in")
+    app.state.faults = faults = faults or ShimFaults()
+
+    def params(sp: _Sampling) -> SamplingParams:
+        guide = None
+        if sp.structured_outputs is not None and sp.structured_outputs.grammar is not None:
+            guide = compile_lark_guide(engine.tokenizer, sorted(engine.eos_ids), sp.structured_outputs.grammar)
+        return SamplingParams(
+            temperature=1.0 if faults.raw_logprobs else sp.temperature,
+            top_p=sp.top_p,
+            max_tokens=sp.max_tokens,
+            stop=sp.stop,
+            seed=sp.seed,
+            logprobs=sp.logprobs is not None,
+            top_logprobs=sp.logprobs or 0,
+            n=sp.n,
+            ignore_eos=sp.ignore_eos,
+            guide=guide,
+        )
+
+    def ranked(event: TokenEvent, k: int | None) -> list[list[tuple[int, float, int | None]]]:
+        """Per token, vLLM's list: the sampled token first (with its rank, where it is among the top), then the
+        top ones by rank, cut to ``max(k, 1)`` entries."""
+        out = []
+        for i, token in enumerate(event.token_ids):
+            top = event.top_logprobs[i] if event.top_logprobs else []
+            rank = next((r + 1 for r, (t, _) in enumerate(top) if t == token), None)
+            entries = [(token, event.logprobs[i], rank)]
+            entries += [(t, v, r + 1) for r, (t, v) in enumerate(top) if t != token]
+            out.append(entries[: max(k or 0, 1)])
+        return out
+
+    def generate_choice(event: TokenEvent, k: int | None) -> dict[str, Any]:
+        content = None
+        if k is not None:
+            content = [
+                {"token_id": e[0][0], "logprob": e[0][1], "rank": e[0][2],
+                 "top_logprobs": [{"token_id": t, "logprob": v, "rank": r} for t, v, r in e]}
+                for e in ranked(event, k)
+            ]  # fmt: skip
+        return {
+            "index": event.index,
+            "token_ids": event.token_ids,
+            "logprobs": None if content is None else {"content": content},
+            "finish_reason": event.finish_reason,
+        }
+
+    def completion_choice(event: TokenEvent, k: int | None) -> dict[str, Any]:
+        logprobs = None
+        if k is not None:
+            logprobs = {
+                "tokens": [f"token_id:{t}" for t in event.token_ids],
+                "token_logprobs": event.logprobs,
+                "top_logprobs": [{f"token_id:{t}": v for t, v, _ in e} for e in ranked(event, k)],
+            }
+        return {
+            "index": event.index,
+            "text": event.text_delta,
+            "token_ids": event.token_ids,
+            "logprobs": logprobs,
+            "finish_reason": event.finish_reason,
+        }
+
+    async def answer(prompt: list[int], sp: _Sampling, stream: bool, choice) -> Any:
+        if faults.delay_s:
+            await asyncio.sleep(faults.delay_s)
+        if faults.status is not None:
+            return _error(faults.status, f"injected fault: HTTP {faults.status}")
+        try:
+            sampling = params(sp)
+            engine.check_fits(len(prompt), sampling.max_tokens)
+        except (GrammarError, ContextOverflowError) as exc:
+            return _error(400, str(exc))
+        request_id = uuid.uuid4().hex
+        if not stream:
+            merged: dict[int, TokenEvent] = {}
+            async for ev in engine.stream(prompt, sampling):
+                merged[ev.index] = merged[ev.index].extend(ev) if ev.index in merged else ev
+            return {"id": request_id, "choices": [choice(merged[i], sp.logprobs) for i in sorted(merged)]}
+
+        async def events() -> AsyncIterator[str]:
+            sent = 0
+            async for ev in engine.stream(prompt, sampling):
+                if faults.drop_after_chunks is not None and sent >= faults.drop_after_chunks:
+                    raise ConnectionResetError("injected fault: stream dropped")  # uvicorn cuts the connection
+                body = {"id": request_id, "choices": [choice(ev, sp.logprobs)]}
+                yield f"data: {JSONResponse(body).body.decode()}\n\n"
+                sent += 1
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": model,
+            "object": "model",
+            "owned_by": "vllm",
+            "root": model,
+            "max_model_len": engine.context_length,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: _Tokenize):
+        ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = [t + faults.tokenize_shift for t in ids]
+        return {"count": len(ids), "max_model_len": engine.context_length, "tokens": ids}
+
+    @app.post("/inference/v1/generate")
+    async def generate(body: _Generate):
+        if not faults.generate_route:
+            return _error(403, "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out.")
+        return await answer(body.token_ids, body.sampling_params, body.stream, generate_choice)
+
+    @app.post("/v1/completions")
+    async def completions(body: _Completions):
+        return await answer(body.prompt, body, body.stream, completion_choice)
+
+    @app.exception_handler(ValueError)
+    async def _bad(_: Request, exc: ValueError):
+        return _error(400, str(exc))
+
+    return app
