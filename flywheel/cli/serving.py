@@ -137,6 +137,21 @@ def serve(
     fine_tune_max_tokens: Annotated[
         int, typer.Option(min=1, help="The most tokens an answer may take when a reinforcement job samples its model.")
     ] = 512,
+    vllm: Annotated[
+        str | None,
+        typer.Option(
+            help="vLLM servers (URL[,URL]) that sample --model instead of the embedded engine, token ids in and out;"
+            " started with --enable-scale-out --logprobs-mode processed_logprobs (docs/user-guide.md). Needs"
+            " --vllm-model-dir."
+        ),
+    ] = None,
+    vllm_model_dir: Annotated[
+        Path | None,
+        typer.Option(help="The model directory the vLLM servers serve (its tokenizer splices the turns here)."),
+    ] = None,
+    vllm_api_key: Annotated[
+        str | None, typer.Option(envvar="FLYWHEEL_VLLM_API_KEY", show_default=False, help="The vLLM servers' key.")
+    ] = None,
 ):
     """Serve a model over an OpenAI-compatible API (/v1/models, /v1/chat/completions), the gateway: episodes
     (POST /episodes) whose calls, through /episodes/<id>/v1, are recorded for training, OpenAI's fine-tuning
@@ -179,14 +194,30 @@ def serve(
     from flywheel.gateway.recorder import REDACTED_SPLITS, Gateway
     from flywheel.gateway.redact import default_redactor
     from flywheel.inference.engine import InferenceEngine
-    from flywheel.inference.loading import ModelNotFoundError, load_model
+    from flywheel.inference.loading import ModelNotFoundError, ResolvedModel, load_model
     from flywheel.inference.registry import ModelRegistry
     from flywheel.server.app import create_app
 
-    try:
-        hf_model, tokenizer, resolved = load_model(model, dtype=_dtype(dtype))
-    except ModelNotFoundError as exc:
-        fail(str(exc))
+    if (vllm is None) != (vllm_model_dir is None):
+        fail("--vllm and --vllm-model-dir go together: the servers' URLs and the model directory they serve.")
+    sampler = None
+    if vllm is not None and vllm_model_dir is not None:
+        from flywheel.inference.vllm_engine import VLLMPool, VLLMRefusedError
+
+        try:  # the probes refuse a server that would record wrong data, before anything else starts
+            pool = asyncio.run(
+                VLLMPool([u for u in vllm.split(",") if u], vllm_model_dir, model=model, api_key=vllm_api_key).start()
+            )
+        except (VLLMRefusedError, OSError, ValueError) as exc:
+            fail(str(exc))
+        sampler = pool.engine()
+    if sampler is not None:  # vLLM holds the weights: nothing to load here
+        resolved, hf_model = ResolvedModel(name=model, path=Path(str(vllm_model_dir)).resolve()), None
+    else:
+        try:
+            hf_model, tokenizer, resolved = load_model(model, dtype=_dtype(dtype))
+        except ModelNotFoundError as exc:
+            fail(str(exc))
     aliases = {}
     for item in fine_tune_alias or []:
         name, sep, target = item.partition("=")
@@ -203,14 +234,16 @@ def serve(
             store, default_home(), [model], aliases, backend_options=options, max_tokens=fine_tune_max_tokens
         ).start()
     registry = ModelRegistry(loader=service.serve if service else None)
-    try:
-        engine = InferenceEngine(hf_model, tokenizer, max_batch=max_batch, compile=compile)
+    try:  # the base model sampled by vLLM (--vllm), else by the embedded engine; fine-tuning stays embedded
+        engine = sampler or InferenceEngine(hf_model, tokenizer, max_batch=max_batch, compile=compile)  # type: ignore[arg-type]
     except ValueError as exc:  # --compile where it cannot run
         fail(str(exc))
     registry.add(model, engine)
     if resolved.name != model:
         registry.add(resolved.name, engine)
-    console.print(f"Serving [bold]{model}[/] ({hf_model.dtype}) at http://{host}:{port}/v1")
+    console.print(f"Serving [bold]{model}[/] ({hf_model.dtype if hf_model else 'on vLLM'}) at http://{host}:{port}/v1")
+    if sampler is not None:
+        console.print(f"Sampled by vLLM at {vllm} (context {sampler.context_length} tokens)")
     if compile:
         console.print("Compiling the decode step first (~1-2 minutes on 2 cores): requests wait until it is done.")
     console.print(f"Episodes: http://{host}:{port}/episodes, stored in {shown_url(store.url)}")
