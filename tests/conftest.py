@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -137,3 +138,26 @@ def db_url(request: pytest.FixtureRequest, tmp_path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'flywheel.db'}"
     return request.getfixturevalue("pg_url")
+
+
+CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """A real headless Chromium driven through Selenium (Debian's chromium and chromium-driver: the dashboard's
+    tests); skipped without them, except in CI, which must have them (.ci/run installs them)."""
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must drive the dashboard in Chromium: {CHROMIUM} or {CHROMEDRIVER} is missing (.ci/run)")
+        pytest.skip(f"no Chromium here ({CHROMIUM}, {CHROMEDRIVER}: Debian's chromium and chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    yield driver
+    driver.quit()

@@ -19,11 +19,14 @@ from openai.types.chat.chat_completion_message_function_tool_call import (
 )
 from sqlalchemy import text
 
+from flywheel.store import episodes as db
 from flywheel.store.db import MIGRATIONS, _engine
 
 if TYPE_CHECKING:
     from flywheel.local.backend import LocalBackend
+    from flywheel.loop.evaluate import HeldOutRun
     from flywheel.model import TrainableModel
+    from flywheel.store import Store
     from flywheel.train.trainer import Trainer
 
 
@@ -118,6 +121,17 @@ async def train_a_step_and_log(backend: LocalBackend, model: TrainableModel) -> 
     await model.log(trajectories, split="val", metrics={"accuracy": 0.5})
 
 
+def emulate(browser: Any, width: int, height: int, dark: bool = False) -> None:
+    """Have a Chromium driver (Selenium's) lay pages out as a screen ``width`` x ``height`` (a phone's below 600
+    pixels) in the light or ``dark`` colour scheme."""
+    browser.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": width < 600},
+    )
+    scheme = [{"name": "prefers-color-scheme", "value": "dark" if dark else "light"}]
+    browser.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": scheme})
+
+
 def wait_until_healthy(proc: subprocess.Popen, base: str, output: Callable[[], object]) -> None:
     """Until ``proc``'s server at ``base`` answers /health (at most 5 minutes); ``output``: what to show if it died."""
     deadline = time.monotonic() + 300
@@ -129,3 +143,48 @@ def wait_until_healthy(proc: subprocess.Popen, base: str, output: Callable[[], o
                 return
         except httpx.TransportError:
             time.sleep(0.5)
+
+
+# ---- the loop's ladder, driven without runners (tests/test_loop.py, tests/test_dashboard_loop.py) -------------------
+
+WATCH_STACK = {
+    "name": "support",
+    "reward": {"type": "string_check", "name": "refund", "input": "{{sample.output_text}}", "reference": "refund", "operation": "like"},
+    "safety": {"type": "multi", "name": "no-card", "calculate_output": "1 - card",
+               "graders": {"card": {"type": "string_check", "name": "card", "input": "{{sample.output_text}}", "reference": "card", "operation": "like"}}},
+}  # fmt: skip
+
+
+def record_call(s, episode: str, alias: str, step: int, answer: str, messages: list | None = None) -> None:
+    """A call of ``episode`` that ``alias`` (its checkpoint ``step``) answered with ``answer``, recorded as the gateway
+    records one: the call, and the episode's arm (``flywheel.store.arms.mark_arm``)."""
+    from flywheel.store.arms import mark_arm
+
+    response = {"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}]}  # fmt: skip
+    db.add_call(
+        s, episode, model=alias, step=step, request={"messages": messages or []}, response=response, prompt_tokens=1,
+        completion_tokens=1, latency_ms=1.0, prefix_call=None, prefix_choice=None, prefix_message=None,
+        retokenized_turns=0, reward=None, deployment=alias,
+    )  # fmt: skip
+    mark_arm(s, episode, alias)
+
+
+def answered(store: Store, alias: str, step: int, answer: str, *, finish: bool = True) -> str:
+    """A finished production episode whose one call ``alias`` (its checkpoint ``step``) answered with ``answer``."""
+    with store.session() as s:
+        e = db.create_episode(s, "ticket", split="production", meta={"item": {"id": "ticket"}})
+        record_call(s, e.id, alias, step, answer)
+        if finish:
+            db.set_outcome(s, e.id, reward=0.0, finish=True)
+    return e.id
+
+
+def heldout_run(model: str, score: float, items: int = 3, scores: list[float] | None = None) -> HeldOutRun:
+    """A held-out run as ``evaluate`` returns it (``items`` items, each scored ``score`` or as ``scores`` say, safe)."""
+    from flywheel.loop.evaluate import HeldOutRun
+    from flywheel.loop.gate import ItemResult
+
+    scores = scores or [score] * items
+    results = [ItemResult(item=f"q{i}", score=value, safe=True, tokens=5) for i, value in enumerate(scores)]
+    return HeldOutRun(id=f"run-{model}", model=model, heldout="colours@1", stack="s", results=results, episodes=[],
+                      failed_items=[])  # fmt: skip

@@ -32,7 +32,7 @@ from flywheel.train.checkpoint import Checkpoint, CheckpointState
 from flywheel.train.config import TrainedWeights
 from flywheel.types import Trajectory, set_intermediate_reward
 
-from helpers import sampled
+from helpers import emulate, sampled
 
 PROJECT, NAME = "dash", "calc-agent"
 STEPS = 3
@@ -153,11 +153,21 @@ def test_history_rows_with_nan_as_null(client: TestClient):
 def test_checkpoints_best_and_deployed(client: TestClient):
     body = client.get(f"{RUN}/checkpoints").json()
     assert body["directory"].endswith(f"{PROJECT}/models/{NAME}")
-    assert [(c["step"], c["val_reward"], c["best"], c["deployed"]) for c in body["checkpoints"]] == [
+    assert [
+        (c["step"], c["val_reward"], c["best"], [d["name"] for d in c["deployed"]]) for c in body["checkpoints"]
+    ] == [
         (1, 0.3, False, []),
         (2, 0.7, True, [f"{NAME}@production"]),
         (3, 0.5, False, []),
     ]
+    where = body["checkpoints"][1]["deployed"][0]  # deployed where: the alias, its stage and share, and since when
+    assert (where["stage"], where["share"], where["serves"], where["updated_by"]) == (
+        "production",
+        None,
+        f"{NAME}@2",
+        "test",
+    )
+    assert all(c["gate"] is None for c in body["checkpoints"])  # no gate asked here (tests/test_dashboard_loop.py)
     assert client.get("/ui/api/runs/other/far-away/checkpoints").json() == {"directory": None, "checkpoints": []}
 
 
@@ -236,26 +246,6 @@ def test_on_flywheel_serve_the_page_is_public_and_its_api_admin_only(store: Stor
 
 # ---- the page in a real browser ----------------------------------------------------------------------------------
 
-CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI must drive the dashboard in Chromium: {CHROMIUM} or {CHROMEDRIVER} is missing (.ci/run)")
-        pytest.skip(f"no Chromium here ({CHROMIUM}, {CHROMEDRIVER}: Debian's chromium and chromium-driver)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
-        options.add_argument(argument)
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
-    yield driver
-    driver.quit()
-
 
 @pytest.fixture(scope="module")
 def served(store: Store, home: Path):
@@ -283,12 +273,7 @@ def test_the_page_in_chromium(browser, served: str):
     wait = WebDriverWait(browser, 10)
 
     def size(width: int, height: int, dark: bool = False) -> None:
-        browser.execute_cdp_cmd(
-            "Emulation.setDeviceMetricsOverride",
-            {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": width < 600},
-        )
-        scheme = [{"name": "prefers-color-scheme", "value": "dark" if dark else "light"}]
-        browser.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": scheme})
+        emulate(browser, width, height, dark)
 
     def click(text: str) -> None:
         wait.until(seen.element_to_be_clickable((By.LINK_TEXT, text))).click()

@@ -26,8 +26,8 @@ from flywheel.local.backend import LocalBackend
 from flywheel.loop.alarm import AlarmPolicy, reward_hacking
 from flywheel.loop.canary import CanaryPolicy
 from flywheel.loop.driver import Loop, LoopConfig
-from flywheel.loop.evaluate import HeldOutRun, evaluate
-from flywheel.loop.gate import GatePolicy, HeldOutSet, ItemResult, decide, levels
+from flywheel.loop.evaluate import evaluate
+from flywheel.loop.gate import GatePolicy, HeldOutSet, decide, levels
 from flywheel.loop.ladder import REWIND
 from flywheel.loop.shadow import ShadowPolicy
 from flywheel.store import Store, audit, deployments
@@ -36,6 +36,8 @@ from flywheel.store import grades as gdb
 from flywheel.store.arms import shadow_episode
 from flywheel.train.checkpoint import Checkpoint, CheckpointState
 from flywheel.types import Trajectory, TrajectoryGroup
+
+from helpers import WATCH_STACK, answered, heldout_run, record_call
 
 HELDOUT = HeldOutSet(
     name="colours",
@@ -282,33 +284,6 @@ def test_flywheel_loop_runs_from_the_command_line(tmp_path):
         store.close()
 
 
-WATCH_STACK = {
-    "name": "support",
-    "reward": {"type": "string_check", "name": "refund", "input": "{{sample.output_text}}", "reference": "refund", "operation": "like"},
-    "safety": {"type": "multi", "name": "no-card", "calculate_output": "1 - card",
-               "graders": {"card": {"type": "string_check", "name": "card", "input": "{{sample.output_text}}", "reference": "card", "operation": "like"}}},
-}  # fmt: skip
-
-
-def record_call(s, episode: str, alias: str, step: int, answer: str, messages: list | None = None) -> None:
-    response = {"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}]}  # fmt: skip
-    db.add_call(
-        s, episode, model=alias, step=step, request={"messages": messages or []}, response=response, prompt_tokens=1,
-        completion_tokens=1, latency_ms=1.0, prefix_call=None, prefix_choice=None, prefix_message=None,
-        retokenized_turns=0, reward=None, deployment=alias,
-    )  # fmt: skip
-
-
-def answered(store, alias: str, step: int, answer: str, *, finish: bool = True) -> str:
-    """A finished production episode whose one call ``alias`` (its checkpoint ``step``) answered with ``answer``."""
-    with store.session() as s:
-        e = db.create_episode(s, "ticket", split="production", meta={"item": {"id": "ticket"}})
-        record_call(s, e.id, alias, step, answer)
-        if finish:
-            db.set_outcome(s, e.id, reward=0.0, finish=True)
-    return e.id
-
-
 def mirrored(store, origin: str, alias: str, step: int, answer: str, messages: list | None = None) -> str:
     """The shadow episode of production episode ``origin``, its call answered by ``alias`` as the gateway's mirror
     records it (tests/test_canary.py has the gateway's own)."""
@@ -478,14 +453,6 @@ async def test_a_shadow_pairs_only_with_production_originals(backend: LocalBacke
     assert (await loop.ladder.watch_shadow()).pairs == 0
     mirrored(store, answered(store, prod, 1, good), shadow, 2, good)
     assert (await loop.ladder.watch_shadow()).pairs == 1
-
-
-def heldout_run(model: str, score: float, items: int = 3, scores: list[float] | None = None) -> HeldOutRun:
-    """A held-out run as ``evaluate`` returns it (``items`` items, each scored ``score`` or as ``scores`` say, safe)."""
-    scores = scores or [score] * items
-    results = [ItemResult(item=f"q{i}", score=value, safe=True, tokens=5) for i, value in enumerate(scores)]
-    return HeldOutRun(id=f"run-{model}", model=model, heldout="colours@1", stack="s", results=results, episodes=[],
-                      failed_items=[])  # fmt: skip
 
 
 async def test_the_gate_counts_its_looks_since_production_changed_and_confirms_a_screened_candidate(

@@ -1,7 +1,8 @@
 """The dashboard's HTTP API, under ``/ui/api``: runs, a run's history rows and checkpoints, its rollouts by step and
 split (paged), a step's groups ranked by reward, one trajectory as a chat. Read-only, over the store (runs' history
-rows and trajectories: ``flywheel.store.history``; deployments) and the model directories under a home
-(``flywheel.checkpoints.layout``).
+rows and trajectories: ``flywheel.store.history``; deployments and gate decisions) and the model directories under a
+home (``flywheel.checkpoints.layout``). A checkpoint says where it is deployed and what the gate decided on it, in the
+loop API's shapes (``loop_api.py``, which serves the rest of the loop under ``/ui/api/loop``).
 
 Every answer is a pydantic model; NaN and infinities (a metric may be NaN) are sent as null. An unknown run or
 trajectory is a 404 with a message naming what exists; a query parameter out of range is FastAPI's 422 (400 on
@@ -17,7 +18,6 @@ messages before the first assistant turn), which is how a training step's groups
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -28,20 +28,18 @@ from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
 from flywheel.checkpoints import layout
+from flywheel.dashboard.common import MAX_PAGE, PAGE, PREFIX, Number, finite
+from flywheel.dashboard.loop_api import DeploymentOut, TimelineEventOut, deployment_out, gate_decisions
 from flywheel.store import Store, deployments
 from flywheel.store import history as history_db
 from flywheel.store.history import RunKey, RunSummary
 from flywheel.types import Trajectory, choice_to_message, intermediate_reward
 
-PREFIX = "/ui/api"
 VALIDATION = "val"  # the split of validation rows (``backend.log(..., split="val")``)
 VALIDATION_REWARD = "val/reward"  # their mean reward: what "best" means for a checkpoint
-PAGE = 50  # trajectories per page by default
-MAX_PAGE = 500
 PREVIEW = 200  # characters of an answer shown in a list
 JUDGE = "RULER ("  # how a trajectory's log line from RULER starts (flywheel.rewards.ruler): the judge's explanation
 
-Number = float | None
 Status = Literal["training", "stopped", "elsewhere"]
 # query parameters (module-level: the routes' annotations are resolved here)
 Run = Annotated[str | None, Query(max_length=64, description="One of the name's runs (default: see the module)")]
@@ -96,7 +94,8 @@ class CheckpointOut(BaseModel):
     step: int
     val_reward: Number  # the validation reward logged at its step, if any
     best: bool  # the highest validation reward of the checkpoints (a NaN never wins; ties: the later step)
-    deployed: list[str]  # the deployments pointing at it (calc@production, ...)
+    deployed: list[DeploymentOut]  # where it is deployed: the aliases pointing at it (calc@production, ...)
+    gate: TimelineEventOut | None  # the gate's decision on it (its lift's interval against production), if asked
 
 
 class CheckpointsOut(BaseModel):
@@ -204,14 +203,15 @@ def dashboard_router(store: Store, home: Path) -> APIRouter:
         with store.session() as s:
             key = _summary(s, home, project, name, run).key
             rows = history_db.rows(s, key)
-            deployed = deployments.list_deployments(s, name)
+            deployed = [deployment_out(d) for d in deployments.list_deployments(s, name)]
+            gates = gate_decisions(s, name)
         directory = layout.model_path(home, project, name)
         if _directory_run(directory) != key.run:
             return CheckpointsOut(directory=None, checkpoints=[])
         rewards: dict[int, float | None] = {}
         for r in rows:
             if r.get("split") == VALIDATION:
-                rewards[int(r.get("step", 0))] = _number(r.get(VALIDATION_REWARD))
+                rewards[int(r.get("step", 0))] = finite(r.get(VALIDATION_REWARD))
         steps = layout.steps(directory)
         scored = [(reward, step) for step in steps if (reward := rewards.get(step)) is not None]
         best = max(scored)[1] if scored else None
@@ -222,7 +222,8 @@ def dashboard_router(store: Store, home: Path) -> APIRouter:
                     step=step,
                     val_reward=rewards.get(step),
                     best=step == best,
-                    deployed=[d.name for d in deployed if d.step == step],
+                    deployed=[d for d in deployed if d.step == step],
+                    gate=gates.get(step),
                 )
                 for step in steps
             ],
@@ -351,7 +352,7 @@ def _best_validation(rows: list[tuple[RunKey, dict[str, Any]]]) -> dict[RunKey, 
     """Each run's best validation reward and its step (a NaN never wins; ties: the later step)."""
     best: dict[RunKey, tuple[float, int]] = {}
     for key, row in rows:
-        reward = _number(row.get(VALIDATION_REWARD))
+        reward = finite(row.get(VALIDATION_REWARD))
         if reward is not None and (key not in best or (reward, row.get("step", 0)) >= best[key]):
             best[key] = (reward, int(row.get("step", 0)))
     return best
@@ -375,24 +376,17 @@ def _run_out(home: Path, summary: RunSummary, best: tuple[float, int] | None) ->
 
 def _row_out(row: dict[str, Any]) -> HistoryRowOut:
     metrics = {
-        k: _number(v)
+        k: finite(v)
         for k, v in row.items()
         if k not in ("step", "split", "time", "checkpoint") and isinstance(v, int | float) and not isinstance(v, bool)
     }
     return HistoryRowOut(
         step=int(row.get("step", 0)),
         split=row.get("split"),
-        time=_number(row.get("time")),
+        time=finite(row.get("time")),
         checkpoint=bool(row.get("checkpoint")),
         metrics=metrics,
     )
-
-
-def _number(value: Any) -> float | None:
-    """A finite number as a float; NaN, an infinity or anything else as None (JSON has no NaN)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
 
 
 # ---- trajectories ----------------------------------------------------------------------------------------------
@@ -463,7 +457,7 @@ def _cut(text: str) -> str:
 
 
 def _finite(values: dict[str, Any]) -> dict[str, Number]:
-    return {k: _number(v) for k, v in values.items()}
+    return {k: finite(v) for k, v in values.items()}
 
 
 def _summary_out(trajectory_id: int, step: int, split: str, trajectory: Trajectory) -> TrajectorySummary:
@@ -498,7 +492,7 @@ def _message_out(item: Any) -> MessageOut:
         tool_calls=calls,
         tool_call_id=message.get("tool_call_id"),
         sampled=sampled,
-        reward=_number(intermediate_reward(item)) if sampled else None,
+        reward=finite(intermediate_reward(item)) if sampled else None,
     )
 
 
@@ -518,7 +512,7 @@ def _trajectory_out(
         metrics=metrics,
         graders={k: v for k, v in metrics.items() if k.startswith("grader/") or k == "ruler_score"},
         judge=[line for line in trajectory.logs if line.startswith(JUDGE)],
-        metadata={k: _number(v) if isinstance(v, float) else v for k, v in trajectory.metadata.items()},
+        metadata={k: finite(v) if isinstance(v, float) else v for k, v in trajectory.metadata.items()},
         messages=[_message_out(item) for item in trajectory.messages_and_choices],
         tools=[str((t.get("function") or {}).get("name", t.get("name", "?"))) for t in trajectory.tools or []],
         logs=trajectory.logs,

@@ -10,6 +10,7 @@ from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
 from flywheel.dashboard.api import UnknownRunError, UnknownTrajectoryError, dashboard_router
+from flywheel.dashboard.loop_api import UnknownLoopItemError, loop_router
 from flywheel.server.errors import error_response
 from flywheel.store import Store
 
@@ -18,10 +19,13 @@ ROOT = "/ui"
 
 
 def mount(app: FastAPI, store: Store, home: Path) -> None:
-    """Add the dashboard to ``app``: its API under ``/ui/api`` (with its 404s) and its page at ``/ui/``."""
+    """Add the dashboard to ``app``: its API under ``/ui/api`` (runs; the loop under ``/ui/api/loop``; with their
+    404s) and its page at ``/ui/``."""
     app.include_router(dashboard_router(store, home))
+    app.include_router(loop_router(store))
 
     @app.exception_handler(UnknownRunError)
+    @app.exception_handler(UnknownLoopItemError)
     @app.exception_handler(UnknownTrajectoryError)
     async def _unknown(_: Request, exc: LookupError):
         return error_response(404, str(exc.args[0]), "invalid_request_error", code="not_found")

@@ -5,10 +5,14 @@
 //   #/run/<project>/<name>/groups?split=&step=  a step's groups, each ranked by reward
 //   #/run/<project>/<name>/group?split=&step=&index=  one group side by side
 //   #/trajectory/<id>                           one trajectory as a chat
+//   #/loop?model=&timeline=&audit=&episodes=    the loop: deployments, promotion timeline, audit trail, production
+//                                               episodes, review agreement (the three lists' page offsets)
+//   #/event/<id>                                one audit event with its details
 // Every view is polled while the page is visible and redrawn only when its data changed. Text from the API is
 // always set as text (never parsed as HTML).
 
 const POLL_MS = 4000;
+const PAGE = 50; // the API's page size (flywheel/dashboard/common.py)
 const KEY = "flywheel-api-key"; // an admin key, when the server has keys (kept for this tab only)
 const FIRST = ["reward_mean", "val/reward", "loss", "kl", "entropy", "clip_fraction"]; // the curves shown first
 
@@ -27,7 +31,7 @@ function h(tag, attrs = {}, ...children) {
     else if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
     else el.setAttribute(k, v === true ? "" : v);
   }
-  for (const child of children.flat()) {
+  for (const child of children.flat(Infinity)) {
     if (child === null || child === undefined || child === false) continue;
     el.append(child instanceof Node ? child : document.createTextNode(String(child)));
   }
@@ -192,15 +196,16 @@ async function runView(project, name, params) {
         ? h("p", { class: "muted" }, "This run's directory is not under this dashboard's home: its checkpoints are elsewhere.")
         : table(
             `${checkpoints.checkpoints.length} checkpoint(s) in ${checkpoints.directory}`,
-            ["Step", "Validation reward", "Best", "Deployed as"],
+            ["Step", "Validation reward", "Best", "Gate (lift on held-out items)", "Deployed as"],
             checkpoints.checkpoints.map((c) =>
               h(
                 "tr",
-                {},
+                { "data-step": c.step },
                 h("td", {}, c.step),
                 h("td", {}, num(c.val_reward)),
                 h("td", {}, c.best ? h("span", { class: "badge best" }, "best") : ""),
-                h("td", {}, c.deployed.map((d) => h("span", { class: "badge deployed" }, d))),
+                h("td", {}, c.gate ? [gateBadge(c.gate), " ", interval(c.gate.evidence.interval)] : ""),
+                h("td", {}, c.deployed.map((d) => [deployedBadge(d), " "])),
               ),
             ),
           ),
@@ -345,6 +350,219 @@ async function trajectoryView(id) {
   };
 }
 
+// ---- the loop ----------------------------------------------------------------------------------------------------
+
+const signed = (v) => (v === null || v === undefined ? "–" : `${v >= 0 ? "+" : ""}${Number(v).toFixed(3)}`);
+const share = (v) => (v === null || v === undefined ? "all traffic" : `${num(v * 100, 1)}% of episodes`);
+const when = (iso) => new Date(iso).toLocaleString();
+
+function interval(i) {
+  if (!i) return "";
+  const level = i.level === null ? "" : ` at level ${num(i.level, 4)}`;
+  return h("span", { class: "interval" }, `${signed(i.mean)} [${signed(i.low)}, ${signed(i.high)}]${level}`);
+}
+
+function gateBadge(event) {
+  const passed = event.action === "gate.pass";
+  return h("a", { href: `#/event/${event.id}`, class: `badge ${passed ? "pass" : "hold"}`, title: event.reason ?? "" }, passed ? "passed" : "held");
+}
+
+function deployedBadge(d) {
+  return h("span", { class: "badge deployed", title: `since ${when(d.updated_at)} (${d.updated_by})` }, d.share === null ? d.name : `${d.name} · ${num(d.share * 100, 1)}%`);
+}
+
+function evidence(e) {
+  const ev = e.evidence;
+  const parts = [];
+  if (e.kind === "gate") parts.push(["lift ", interval(ev.interval)]);
+  if (e.kind === "canary") parts.push(["canary − production ", interval(ev.interval)]);
+  if (e.kind === "shadow" && ev.interval) parts.push(["shadow − production ", interval(ev.interval)]);
+  if (ev.confirmation) parts.push(["confirmed ", interval(ev.confirmation)]);
+  if (ev.look !== null && e.kind === "gate") parts.push(`look ${ev.look}`);
+  if (ev.canary_episodes !== null) parts.push(`${ev.canary_episodes} canary / ${ev.production_episodes} production episodes`);
+  if (ev.pairs !== null) parts.push(`${ev.pairs} pair(s)`);
+  if (ev.unsafe) parts.push(h("span", { class: "error" }, `${ev.unsafe} unsafe`));
+  if (ev.failed.length) parts.push(h("span", { class: "error" }, `failed: ${ev.failed.join(", ")}`));
+  if (e.kind === "deployment" || e.kind === "rewind") parts.push(`step ${ev.step ?? "–"}`);
+  if (e.kind === "deployment" && e.action !== "remove") parts.push(share(ev.share));
+  if (ev.events.length) parts.push(["after ", ev.events.map((i, n) => [n ? ", " : "", h("a", { href: `#/event/${i}` }, `event ${i}`)])]);
+  return parts.flatMap((p, n) => (n ? [" · ", p] : [p]));
+}
+
+function pager(params, key, page, label) {
+  const at = (offset) => {
+    const next = new URLSearchParams(params);
+    next.set(key, offset);
+    return `#/loop?${next}`;
+  };
+  return h(
+    "nav",
+    { class: "pager", "aria-label": `${label} pages` },
+    h("span", { class: "muted" }, page.total ? `${page.offset + 1}–${page.offset + page.items.length} of ${page.total}` : "none"),
+    page.offset > 0 ? h("a", { class: "button", href: at(Math.max(0, page.offset - PAGE)) }, "← Newer") : null,
+    page.next_offset !== null ? h("a", { class: "button", href: at(page.next_offset) }, "Older →") : null,
+  );
+}
+
+function estimate(e) {
+  if (e.value === null) return "–";
+  return e.low === null ? num(e.value) : `${num(e.value)} [${num(e.low)}, ${num(e.high)}]`;
+}
+
+async function loopView(params) {
+  const model = params.get("model");
+  const only = model ? `model=${enc(model)}&` : "";
+  const offset = (key) => Math.max(0, Number.parseInt(params.get(key) ?? "0", 10) || 0);
+  const [deployed, timeline, trail, episodes, review] = await Promise.all([
+    api(`/loop/deployments?${only}`),
+    api(`/loop/timeline?${only}offset=${offset("timeline")}`),
+    api(`/loop/audit?offset=${offset("audit")}`),
+    api(`/loop/episodes?offset=${offset("episodes")}`),
+    api("/loop/reviews"),
+  ]);
+  const verified = trail.verification;
+  return {
+    data: { deployed, timeline, trail, episodes, review },
+    draw: () => [
+      h("h1", {}, model ? `The loop of ${model}` : "The loop"),
+      timeline.models.length
+        ? h("p", { class: "crumbs" }, "Model: ", [null, ...timeline.models].map((m) => [h("a", { href: m ? `#/loop?model=${enc(m)}` : "#/loop", "aria-current": m === model ? "page" : null }, m ?? "all"), " "]))
+        : null,
+      h("h2", { id: "deployments" }, "Deployments"),
+      deployed.length === 0
+        ? h("p", { class: "muted" }, "Nothing is deployed yet: a candidate that passes the gate is (or `flywheel deploy`).")
+        : table(
+            "What each deployment serves",
+            ["Deployment", "Serves", "Stage", "Traffic", "Updated", "By", "Event"],
+            deployed.map((d) =>
+              h(
+                "tr",
+                { "data-deployment": d.name },
+                h("td", {}, h("strong", {}, d.name)),
+                h("td", {}, d.serves),
+                h("td", {}, h("span", { class: `badge stage-${d.stage}` }, d.stage)),
+                h("td", {}, share(d.share)),
+                h("td", { title: when(d.updated_at) }, ago(Date.parse(d.updated_at) / 1000)),
+                h("td", {}, d.updated_by),
+                h("td", {}, h("a", { href: `#/event/${d.event_id}` }, d.event_id)),
+              ),
+            ),
+          ),
+      h("h2", { id: "timeline" }, "Promotion timeline"),
+      timeline.items.length === 0
+        ? h("p", { class: "muted" }, "No gate decision, verdict or deployment recorded yet.")
+        : h(
+            "ol",
+            { class: "timeline", reversed: true },
+            timeline.items.map((e) =>
+              h(
+                "li",
+                { class: `kind-${e.kind}`, "data-action": e.action, "data-event": e.id },
+                h("div", { class: "what" }, h("span", { class: `badge ${e.action.replace(".", "-")}` }, e.action), " ", h("strong", {}, e.subject), " ", h("span", { class: "muted" }, `${when(e.at)} · ${e.actor} · `, h("a", { href: `#/event/${e.id}` }, `event ${e.id}`))),
+                h("div", { class: "evidence" }, evidence(e)),
+                e.reason ? h("p", { class: "reason" }, e.reason) : null,
+              ),
+            ),
+          ),
+      timeline.total ? pager(params, "timeline", timeline, "Timeline") : null,
+      h("h2", { id: "audit" }, "Audit trail"),
+      h(
+        "p",
+        { id: "audit-status", class: verified.ok ? "verified" : "error", "data-ok": String(verified.ok) },
+        h("span", { class: `badge ${verified.ok ? "pass" : "hold"}` }, verified.ok ? "verified" : "NOT verified"),
+        " ",
+        verified.message,
+      ),
+      table(
+        "Every event, the latest first",
+        ["Event", "When", "Actor", "Action", "Subject", "Signed", "Reason"],
+        trail.items.map((e) =>
+          h(
+            "tr",
+            { id: `event-${e.id}`, class: verified.bad_id === e.id ? "bad" : null },
+            h("td", {}, h("a", { href: `#/event/${e.id}` }, e.id)),
+            h("td", {}, when(e.at)),
+            h("td", {}, e.actor),
+            h("td", {}, e.action),
+            h("td", {}, e.subject),
+            h("td", {}, e.signed ? "MAC" : "–"),
+            h("td", { class: "wrap" }, e.reason ?? ""),
+          ),
+        ),
+      ),
+      pager(params, "audit", trail, "Audit trail"),
+      h("h2", { id: "episodes" }, "Production episodes"),
+      episodes.items.length === 0
+        ? h("p", { class: "muted" }, `No episodes of split '${episodes.split}' yet.`)
+        : table(
+            `Episodes of split '${episodes.split}' with their grades, the latest first`,
+            ["Episode", "Task", "Status", "Reward", "Answered by", "Grades", "Review label", "Created"],
+            episodes.items.map((e) =>
+              h(
+                "tr",
+                { "data-episode": e.id },
+                h("td", { title: e.id }, e.id.slice(0, 14)),
+                h("td", {}, e.task_id),
+                h("td", {}, e.status),
+                h("td", {}, num(e.reward)),
+                h("td", {}, e.arm ?? "–"),
+                h("td", {}, e.grades.map((g) => h("span", { class: "grade", title: `${g.grader} (${g.version})` }, `${g.component} ${num(g.score)} `))),
+                h("td", {}, num(e.label)),
+                h("td", {}, ago(Date.parse(e.created_at) / 1000)),
+              ),
+            ),
+          ),
+      episodes.total ? pager(params, "episodes", episodes, "Episodes") : null,
+      h("h2", { id: "reviews" }, "Human review: graders' agreement with the labels"),
+      h("p", { class: "muted" }, `${review.queued} episode(s) queued for review, ${review.labelled} labelled.`),
+      review.graders.length === 0
+        ? h("p", { class: "muted" }, "No labelled episode yet (`flywheel review sample`, then `flywheel review label`).")
+        : table(
+            "Per grader and stack version; intervals are 95%",
+            ["Grader", "Component", "Stack version", "Labels", "Agreement", "Precision", "Recall", "Kappa", "Correlation"],
+            review.graders.map((g) =>
+              h(
+                "tr",
+                { "data-grader": g.grader },
+                h("td", {}, g.grader),
+                h("td", {}, g.component),
+                h("td", { title: g.version }, `${g.stack} ${g.version.slice(0, 8)}`),
+                h("td", {}, g.n),
+                h("td", {}, estimate(g.agreement)),
+                h("td", {}, estimate(g.precision)),
+                h("td", {}, estimate(g.recall)),
+                h("td", {}, estimate(g.kappa)),
+                h("td", {}, estimate(g.correlation)),
+              ),
+            ),
+          ),
+    ],
+  };
+}
+
+async function eventView(id) {
+  const e = await api(`/loop/audit/${enc(id)}`);
+  return {
+    data: e,
+    draw: () => [
+      h("p", { class: "crumbs" }, h("a", { href: "#/loop" }, "The loop"), " / audit trail"),
+      h("h1", {}, `Audit event ${e.id}: ${e.action}`),
+      h(
+        "ul",
+        { class: "facts" },
+        h("li", {}, "subject ", h("strong", {}, e.subject)),
+        h("li", {}, "actor ", h("strong", {}, e.actor)),
+        h("li", {}, "when ", h("strong", {}, when(e.at))),
+        h("li", {}, e.signed ? "signed (MAC)" : "not signed"),
+      ),
+      e.reason ? h("p", { class: "reason" }, e.reason) : null,
+      h("h2", {}, "Details"),
+      h("pre", { class: "details" }, JSON.stringify(e.details, null, 2)),
+      h("p", { class: "muted" }, `hash ${e.hash}`),
+    ],
+  };
+}
+
 function keyForm(message) {
   return [
     h("h1", {}, "An admin key is needed"),
@@ -380,6 +598,8 @@ function route() {
     return () => runView(project, name, params);
   }
   if (parts[0] === "trajectory" && parts[1]) return () => trajectoryView(parts[1]);
+  if (parts[0] === "loop") return () => loopView(params);
+  if (parts[0] === "event" && parts[1]) return () => eventView(parts[1]);
   return runsView;
 }
 

@@ -1,0 +1,19 @@
+"""What the dashboard's two APIs share (``api.py``: runs; ``loop_api.py``: the loop): their prefix, their page sizes
+and how a number is sent (JSON has no NaN: a NaN or an infinity is null)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+PREFIX = "/ui/api"
+PAGE = 50  # items per page by default
+MAX_PAGE = 500
+Number = float | None
+
+
+def finite(value: Any) -> float | None:
+    """A finite number as a float; NaN, an infinity or anything else as None (JSON has no NaN)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
