@@ -3,7 +3,9 @@
 Each turn asks the model for a completion with the tools offered; every tool call it makes is executed (parallel
 calls concurrently) and answered with a ``tool`` message; the loop ends on a turn without tool calls (the final
 answer) or after ``max_turns`` turns. The sampled ``Choice`` objects are kept as they are, so training uses the
-exact token ids the engine sampled. Whatever goes wrong with a tool call (an unknown tool, arguments that do not
+exact token ids the engine sampled. A call of a tool declared ``high_impact`` runs only once the ``approve``r
+allowed it (a person in production, a policy in training and evaluation: ``flywheel.approvals``); a call it did not
+allow is answered with the decision (who denied it and why) and runs nothing. Whatever goes wrong with a tool call (an unknown tool, arguments that do not
 fit the schema, an exception, a timeout) becomes an ``Error: ...`` tool message the model can read and recover
 from, is counted in the trajectory's metrics, and is recorded per call in the Choice's ``tool_statuses``.
 The reward is the caller's to set.
@@ -23,6 +25,7 @@ from pydantic_core import to_json
 from flywheel.agents.air import AIRConfig, apply_air
 from flywheel.agents.cache import ToolCache, tool_call_key
 from flywheel.agents.tools import TOOL_STATUSES, ArgumentsError, Tool, ToolError, ToolStatus, as_tools
+from flywheel.approvals.policy import Approver, ToolCallRequest
 from flywheel.model import Model
 from flywheel.types import Message, Trajectory
 
@@ -31,14 +34,17 @@ _STATUS_METRICS: dict[ToolStatus, str] = {
     "timeout": "tool_timeouts",
     "unknown_tool": "unknown_tool",
     "bad_arguments": "bad_arguments",
+    "denied": "denied_calls",
 }
 
 
 class _Episode:
     """The tools, the cache and the counters of one run."""
 
-    def __init__(self, tools: dict[str, Tool], timeout: float | None, cache: ToolCache | None) -> None:
-        self.tools, self.timeout, self.cache = tools, timeout, cache
+    def __init__(
+        self, tools: dict[str, Tool], timeout: float | None, cache: ToolCache | None, approve: Approver | None
+    ) -> None:
+        self.tools, self.timeout, self.cache, self.approve = tools, timeout, cache, approve
         self.seen: set[str] = set()
         self.metrics: dict[str, int | bool] = {
             "turns": 0,
@@ -47,6 +53,8 @@ class _Episode:
             "tool_timeouts": 0,
             "unknown_tool": 0,
             "bad_arguments": 0,
+            "denied_calls": 0,
+            "approved_calls": 0,
             "repeated_calls": 0,
             "cache_hits": 0,
             "cache_misses": 0,
@@ -67,6 +75,13 @@ class _Episode:
             arguments = tool.parse_arguments(call.function.arguments or "")
         except ArgumentsError as exc:
             return f"Error: invalid arguments for {name}: {exc}", "bad_arguments"
+        if tool.high_impact:
+            assert self.approve is not None  # run_agent requires one for high-impact tools
+            request = ToolCallRequest(tool=name, arguments=call.function.arguments or "", call_id=call.id)
+            decision = await self.approve(request)
+            if not decision.allowed:
+                return f"Error: {decision.notice()}", "denied"
+            self.metrics["approved_calls"] += 1
 
         async def run() -> str:
             # a sync tool past its timeout cannot be stopped: its thread finishes and the result is dropped
@@ -128,15 +143,19 @@ async def run_agent(
     cache: ToolCache | None = None,
     air: AIRConfig | None = None,
     metadata: dict[str, str | int | float | bool | None] | None = None,
+    approve: Approver | None = None,
     **sampling: Any,
 ) -> Trajectory:
     """Run one episode. ``client`` None: ``model.openai_client()``. ``tools``: ``Tool``s or plain functions.
 
     ``tool_timeout`` (seconds, None: none) bounds each call; ``cache`` memoises cacheable tools' results; ``air``
-    computes automatic intermediate rewards at the end (``flywheel.agents.air``). Other keyword arguments
+    computes automatic intermediate rewards at the end (``flywheel.agents.air``). ``approve`` decides each call of
+    a ``high_impact`` tool before it runs (required when there is one: ``flywheel.approvals.deny``/``allow`` or a
+    ``GraderApprover`` for rollouts, ``HumanApprover`` in production). Other keyword arguments
     (``seed``, ``top_p``, ``stop``...) go to ``chat.completions.create``. Metrics: ``turns``, ``tool_calls``,
-    ``tool_errors``, ``tool_timeouts``, ``unknown_tool``, ``bad_arguments``, ``repeated_calls``, ``cache_hits``,
-    ``cache_misses``, ``truncated_turns`` (cut by ``max_tokens``), ``max_turns_reached``.
+    ``tool_errors``, ``tool_timeouts``, ``unknown_tool``, ``bad_arguments``, ``denied_calls``, ``approved_calls``,
+    ``repeated_calls``, ``cache_hits``, ``cache_misses``, ``truncated_turns`` (cut by ``max_tokens``),
+    ``max_turns_reached``.
     """
     if max_turns < 1:
         raise ValueError(f"max_turns must be at least 1, got {max_turns}")
@@ -146,9 +165,14 @@ async def run_agent(
         client = model.openai_client()
     name = model.get_inference_name() if isinstance(model, Model) else model
     by_name = as_tools(tools)
+    if approve is None and (high := [t.name for t in by_name.values() if t.high_impact]):
+        raise ValueError(
+            f"tool {high[0]!r} is high-impact: pass approve= (flywheel.approvals.deny or allow, or a GraderApprover, "
+            "for rollouts; a HumanApprover in production)"
+        )
     schemas = [t.schema for t in by_name.values()]
     traj = Trajectory(messages_and_choices=_check_messages(messages), tools=schemas or None, metadata=metadata or {})
-    episode = _Episode(by_name, tool_timeout, cache)
+    episode = _Episode(by_name, tool_timeout, cache, approve)
     request: dict[str, Any] = {"temperature": temperature, "max_tokens": max_tokens, "logprobs": True, **sampling}
     if schemas:
         request["tools"] = schemas

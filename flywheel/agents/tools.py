@@ -20,7 +20,7 @@ from pydantic_core import to_json
 
 Arguments = dict[str, Any]
 
-ToolStatus = Literal["ok", "error", "timeout", "unknown_tool", "bad_arguments"]
+ToolStatus = Literal["ok", "error", "timeout", "unknown_tool", "bad_arguments", "denied"]
 """What became of one tool call. ``run_agent`` records them, one per call, on the sampled ``Choice`` that made the
 calls, as the extra field ``tool_statuses`` (extra fields travel with the Choice through JSON)."""
 TOOL_STATUSES = "tool_statuses"
@@ -41,6 +41,8 @@ class Tool:
     ``check`` turns the parsed JSON arguments into the arguments ``call`` takes, raising ``ArgumentsError``;
     ``call`` may be sync or async and return anything (strings are sent as they are, the rest as JSON).
     ``cacheable=False`` keeps a tool whose answer changes (time, random, live data) out of the ``ToolCache``.
+    ``high_impact=True``: each call needs an approver's decision first (``run_agent(..., approve=...)``; a person
+    in production, a policy in training: ``flywheel.approvals``).
     """
 
     name: str
@@ -49,6 +51,7 @@ class Tool:
     call: Callable[[Arguments], Any]
     check: Callable[[Arguments], Arguments]
     cacheable: bool = True
+    high_impact: bool = False
 
     @property
     def schema(self) -> dict[str, Any]:
@@ -80,7 +83,13 @@ class Tool:
 
     @classmethod
     def from_function(
-        cls, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None, cacheable: bool = True
+        cls,
+        fn: Callable[..., Any],
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        cacheable: bool = True,
+        high_impact: bool = False,
     ) -> Tool:
         """Schema from the signature's type hints and the docstring (summary + per-argument descriptions)."""
         name = name or fn.__name__
@@ -117,7 +126,7 @@ class Tool:
             def call(arguments: Arguments) -> Any:
                 return fn(**arguments)
 
-        return cls(name, text, _schema(model), call, check, cacheable)
+        return cls(name, text, _schema(model), call, check, cacheable, high_impact)
 
 
 def _schema(model: type[BaseModel]) -> dict[str, Any]:
@@ -141,7 +150,7 @@ def _explain(exc: ValidationError) -> str:
 def tool(fn: Callable[..., Any], /) -> Tool: ...
 @overload
 def tool(
-    *, name: str | None = None, description: str | None = None, cacheable: bool = True
+    *, name: str | None = None, description: str | None = None, cacheable: bool = True, high_impact: bool = False
 ) -> Callable[[Callable[..., Any]], Tool]: ...
 def tool(
     fn: Callable[..., Any] | None = None,
@@ -150,11 +159,15 @@ def tool(
     name: str | None = None,
     description: str | None = None,
     cacheable: bool = True,
+    high_impact: bool = False,
 ) -> Tool | Callable[[Callable[..., Any]], Tool]:
-    """Decorator: ``@tool`` or ``@tool(cacheable=False)`` turns a function into a ``Tool``."""
+    """Decorator: ``@tool``, ``@tool(cacheable=False)`` or ``@tool(high_impact=True)`` turns a function into a
+    ``Tool``."""
     if fn is not None:
         return Tool.from_function(fn)
-    return lambda f: Tool.from_function(f, name=name, description=description, cacheable=cacheable)
+    return lambda f: Tool.from_function(
+        f, name=name, description=description, cacheable=cacheable, high_impact=high_impact
+    )
 
 
 def as_tools(tools: Iterable[Tool | Callable[..., Any]]) -> dict[str, Tool]:

@@ -91,6 +91,8 @@ RULES: tuple[Rule, ...] = (
     _rule("POST", "/attempts/{attempt_id}/heartbeat", Role.runner),
     _rule("POST", "/attempts/{attempt_id}/complete", Role.runner),
     _rule("POST", "/attempts/{attempt_id}/fail", Role.runner),
+    _rule("POST", "/approvals", Role.agent),  # an agent that runs its own tools asks a person (HumanApprover)
+    _rule("GET", "/approvals/{approval_id}/decision", Role.agent),  # and reads the decision (not the others')
     _rule("GET", "/ui/api/{rest:path}", Role.admin),  # the dashboard's data (flywheel.dashboard)
     *(_rule("GET", page, None) for page in ("/ui", "/ui/", "/ui/{rest:path}")),  # its page, script, styles: no
     # data in them (the page asks for an admin key to read the data with)

@@ -265,7 +265,8 @@ class Gateway:
         with self._lock:
             _remember(self._splits, episode.id, episode.split)
 
-    def _split_of(self, episode_id: str) -> str | None:
+    def split_of(self, episode_id: str) -> str | None:
+        """The split of an episode this process prepared a call of (None: not known here)."""
         with self._lock:
             return self._splits.get(episode_id)
 
@@ -481,7 +482,7 @@ class Gateway:
         )
         ticket = next(self._tickets)
         outputs = _outputs(-ticket, request, response, upstream, eos_ids)  # a body it cannot read: nothing queued
-        held = not self.redacts(_call_split(self._split_of(episode_id), deployment))  # stored as is
+        held = not self.redacts(_call_split(self.split_of(episode_id), deployment))  # stored as is
         pending = _Pending(episode_id, ticket, fields, eos_ids, held, Future())
         pending.done.set_running_or_notify_cancel()  # a waiter cancelled (its client gone) cannot cancel it for all
         with self._queued:
@@ -612,7 +613,7 @@ class Gateway:
     def _splits_of(self, batch: list[_Pending]) -> dict[str, str]:
         """The splits of a batch's episodes: as this process read them when it prepared their calls, else (an
         episode it forgot meanwhile) from the store; one it cannot read is left out (and its calls redacted)."""
-        splits = {p.episode_id: split for p in batch if (split := self._split_of(p.episode_id)) is not None}
+        splits = {p.episode_id: split for p in batch if (split := self.split_of(p.episode_id)) is not None}
         unknown = {p.episode_id for p in batch} - splits.keys()
         if unknown and self.redactor is not None:
             try:

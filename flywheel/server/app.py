@@ -34,6 +34,9 @@ from sqlalchemy.exc import DBAPIError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from flywheel.approvals.desk import ApprovalDesk, ToolNotInScopeError, refuse_out_of_scope
+from flywheel.approvals.policy import Decision
+from flywheel.approvals.routes import approvals_router
 from flywheel.gateway.api import episode_router
 from flywheel.gateway.auth import ApiKeyAuth, ApiKeys, Role, TokenBudgetError, TokenBudgets, request_role
 from flywheel.gateway.export import NotTrainableError
@@ -51,6 +54,7 @@ from flywheel.inference.guided import (
     compile_guide,
     compile_tool_call_guide,
 )
+from flywheel.inference.protocol import SamplerUnavailableError
 from flywheel.inference.registry import ModelRegistry, ServedModel, UnknownModelError
 from flywheel.inference.sampling import SamplingParams
 from flywheel.openai_api import ChatCompletionRequest, JsonSchemaFormat, TextFormat
@@ -63,6 +67,7 @@ from flywheel.store.deployments import UnknownDeploymentError, list_deployments
 from flywheel.types import set_sampled_tokens
 
 log = logging.getLogger(__name__)
+APPROVALS = "flywheel_approvals"  # a reply's field: the decisions taken on its tool calls (a deployment's policy)
 
 
 class ModelNotAllowedError(UnknownModelError):
@@ -234,6 +239,9 @@ def create_app(
     app = FastAPI(title="Flywheel OpenAI-compatible API", lifespan=lifespan)
     relay = Relay(upstream, gateway) if upstream is not None else None
     traffic = app.state.traffic = TrafficPolicy(gateway.store, shadow_in_flight) if gateway is not None else None
+    desk = app.state.approvals = (
+        ApprovalDesk(gateway.store, lambda text, split: gateway.redact(text, split)[0]) if gateway is not None else None
+    )
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     if auth:  # added last, so it runs first: a refused request's body is never read
         app.add_middleware(ApiKeyAuth, keys=auth)
@@ -287,6 +295,10 @@ def create_app(
     async def _closed(_: Request, exc: EngineClosedError):  # the backend closed (or shut down) while it ran
         return error_response(503, str(exc), "server_error", code="engine_closed")
 
+    @app.exception_handler(SamplerUnavailableError)
+    async def _sampler_down(_: Request, exc: SamplerUnavailableError):  # a vLLM server failed: not the client's fault
+        return error_response(502, str(exc), "server_error", code="sampler_unavailable")
+
     @app.exception_handler(ValueError)
     async def _bad_value(_: Request, exc: ValueError):
         return error_response(400, str(exc), "invalid_request_error")
@@ -312,6 +324,15 @@ def create_app(
     if gateway is not None:
         app.include_router(episode_router(gateway))
         app.include_router(queue_router(gateway))
+    if desk is not None:
+        router, handlers = approvals_router(desk)
+        app.include_router(router)
+        for error, handler in handlers.items():
+            app.add_exception_handler(error, handler)
+
+    @app.exception_handler(ToolNotInScopeError)
+    async def _out_of_scope(_: Request, exc: ToolNotInScopeError):
+        return error_response(403, str(exc), "invalid_request_error", param="tools", code="tool_not_allowed")
 
     @app.exception_handler(UnknownEpisodeError)
     async def _unknown_episode(_: Request, exc: UnknownEpisodeError):
@@ -437,12 +458,30 @@ def create_app(
         engine, step = served.engine, served.current_step()  # the weights it starts with
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools, forced = req.offered_tools, req.forced_tools is not None
+        # a deployment's tool policy (the alias asked for): its scope now, its high-impact calls once sampled
+        policy = await desk.policy(req.model) if desk is not None and route is not None else None
+        if policy is not None:
+            refuse_out_of_scope(policy, req.tools)
         eos = set(engine.eos_ids)
         if gateway is not None and episode_id is not None:
             splice = await gateway.prepare(episode_id, messages, tools, engine.tokenizer, eos)
             prompt = splice.prompt
         else:
             splice, prompt = None, render_prompt(engine.tokenizer, messages, tools)
+        split = gateway.split_of(episode_id) if gateway is not None and episode_id is not None else None
+        decisions: list[Decision] = []
+        waited = [0.0]  # seconds spent waiting for decisions: not the call's latency
+
+        async def screen(message: ChatCompletionMessage, finish: str) -> tuple[ChatCompletionMessage, str]:
+            """A reply as its agent may have it: its tool calls through the deployment's tool policy."""
+            if policy is None or desk is None or not message.tool_calls:
+                return message, finish
+            began = time.perf_counter()
+            message, finish, decided = await desk.screen(policy, message, finish, episode_id=episode_id, split=split)
+            waited[0] += time.perf_counter() - began
+            decisions.extend(decided)
+            return message, finish
+
         params = _sampling(req, engine, len(prompt), await _guide(req, engine), logprobs=splice is not None, cap=cap)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -455,6 +494,8 @@ def create_app(
         async def record(full: dict) -> None:
             assert gateway is not None and splice is not None and episode_id is not None
             request = req.model_dump(mode="json", exclude_none=True) | {"messages": messages, "tools": tools}
+            if decisions:  # the model's reply is recorded as sampled, with what became of its calls
+                full = full | {APPROVALS: [d.model_dump(mode="json") for d in decisions]}
             await gateway.record(
                 episode_id,
                 splice,
@@ -464,7 +505,7 @@ def create_app(
                 deployment=deployment,
                 request=request,
                 response=full,
-                latency_ms=(time.perf_counter() - start) * 1000,
+                latency_ms=(time.perf_counter() - start - waited[0]) * 1000,
             )
 
         if req.stream:
@@ -472,16 +513,32 @@ def create_app(
             on_done = (lambda results: record(body(results))) if splice is not None else None
             events = _stream(
                 engine, prompt, params, completion_id, created, req.model, bool(tools), forced, include_usage, req.logprobs,
-                on_done,
+                on_done, screen if policy is not None else None,
             )  # fmt: skip
             return StreamingResponse(events, media_type="text/event-stream", background=_after(req, episode_id, route))
         full = body(await engine.generate(prompt, params))
+        answer = await _screened(full, screen) if policy is not None else full
+        if decisions:
+            answer = answer | {APPROVALS: [d.model_dump(mode="json") for d in decisions]}
         if splice is not None:
             await record(full)  # queued for the writer (its episode's outcome and reads wait for it)
-        answer = full if req.logprobs else without_logprobs(full)  # else computed for the record only
+        answer = answer if req.logprobs else without_logprobs(answer)  # else computed for the record only
         return JSONResponse(answer, background=_after(req, episode_id, route))
 
     return app
+
+
+async def _screened(
+    full: dict, screen: Callable[[ChatCompletionMessage, str], Awaitable[tuple[ChatCompletionMessage, str]]]
+) -> dict:
+    """A chat.completion body with each choice's reply screened (its calls decided concurrently)."""
+
+    async def one(choice: dict) -> dict:
+        message = ChatCompletionMessage.model_validate(choice["message"])
+        message, finish = await screen(message, choice["finish_reason"])
+        return choice | {"message": message.model_dump(mode="json", exclude_none=True), "finish_reason": finish}
+
+    return full | {"choices": list(await asyncio.gather(*(one(c) for c in full["choices"])))}
 
 
 async def _stream(
@@ -496,10 +553,12 @@ async def _stream(
     include_usage: bool,
     show_logprobs: bool,
     on_done: Callable[[list[Completion]], Awaitable[None]] | None = None,
+    screen: Callable[[ChatCompletionMessage, str], Awaitable[tuple[ChatCompletionMessage, str]]] | None = None,
 ) -> AsyncIterator[str]:
     """Server-sent events. With tools, text is held until the end because a tool call is only known then.
     ``show_logprobs``: send the log-probs ``params`` computes; ``on_done``: given every choice once all ended
-    (the gateway records the call; its error is reported in-band)."""
+    (the gateway records the call; its error is reported in-band); ``screen``: what a reply with tool calls
+    becomes before it is sent (a deployment's tool policy)."""
 
     def chunk(choices: list[ChunkChoice], usage: CompletionUsage | None = None) -> str:
         body = ChatCompletionChunk(
@@ -531,6 +590,8 @@ async def _stream(
             finish = ev.finish_reason
             if tools:  # the held text and its tokens' logprobs, as one delta
                 message, finish = _message(c, True, forced)
+                if screen is not None:
+                    message, finish = await screen(message, finish)
                 calls = [
                     ChoiceDeltaToolCall(index=k, id=tc.id, type="function", function=tc.function.model_dump())
                     for k, tc in enumerate(message.tool_calls or [])

@@ -316,3 +316,43 @@ class FineTuningCheckpoint(Base):
     model: Mapped[str] = mapped_column(String(300))  # name@step
     metrics: Mapped[dict[str, Any]]
     created_at: Mapped[datetime]
+
+
+class ToolPolicy(Base):
+    """A deployment's tools: those it may call (its scope; None: any) and those that are high-impact (in production
+    a person approves each call; elsewhere ``otherwise`` decides, so rollouts never wait)."""
+
+    __tablename__ = "tool_policies"
+
+    deployment: Mapped[str] = mapped_column(String(300), primary_key=True)  # an alias, calc@production
+    allowed: Mapped[list[Any] | None] = mapped_column(JSON)  # tool names; None: any tool
+    high_impact: Mapped[list[Any]]  # tool names
+    timeout_s: Mapped[float] = mapped_column(Float)  # a person's time to decide; then the call is denied
+    otherwise: Mapped[str] = mapped_column(String(16))  # off production: deny | allow | grader
+    grader: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # the grader that decides when otherwise = grader
+    threshold: Mapped[float] = mapped_column(Float)  # its least reward that allows the call
+    updated_at: Mapped[datetime]
+    updated_by: Mapped[str] = mapped_column(String(256))
+    event_id: Mapped[int]  # the audit event that set it
+
+
+class Approval(Base):
+    """A high-impact tool call waiting for (or given) a decision: a person's, a policy's, or the timeout's."""
+
+    __tablename__ = "approvals"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    deployment: Mapped[str | None] = mapped_column(String(300))  # the alias the call was made to, if any
+    episode_id: Mapped[str | None] = mapped_column(String(64), index=True)
+    split: Mapped[str | None] = mapped_column(String(32))
+    tool: Mapped[str] = mapped_column(String(256))
+    arguments: Mapped[str] = mapped_column(Text)  # as the model wrote them (redacted as its split's calls are)
+    call_id: Mapped[str | None] = mapped_column(String(256))  # the tool call's id in the model's answer
+    status: Mapped[str] = mapped_column(String(16), index=True)  # pending | approved | denied | expired
+    requested_at: Mapped[datetime]
+    deadline: Mapped[datetime]
+    decided_at: Mapped[datetime | None]
+    decided_by: Mapped[str | None] = mapped_column(String(256))  # a person, "policy:<rule>" or "timeout"
+    reason: Mapped[str | None] = mapped_column(String(2000))
+    request_event: Mapped[int]  # the audit event of the request
+    decision_event: Mapped[int | None]  # the audit event of the decision

@@ -1,0 +1,353 @@
+"""Human approval for high-impact tool calls and per-deployment tool scopes (flywheel.approvals,
+flywheel.store.approvals): the store's rules on SQLite and PostgreSQL; the gateway holding a production call of a
+high-impact tool until a person decides over HTTP (approve, deny, no decision in time), a policy deciding off
+production, a tool outside the scope refused; ``run_agent`` asking an approver before a high-impact tool runs.
+
+The model is the session's real one; a forced tool call (``tool_choice`` naming the tool: guided decoding) makes
+it call the tool on every attempt, so each test knows which call it will see."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from flywheel.agents import run_agent, tool
+from flywheel.approvals import GraderApprover, HumanApprover, ToolCallRequest, allow, deny
+from flywheel.gateway.client import EpisodeClient
+from flywheel.graders import parse_grader
+from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.local.backend import LocalBackend
+from flywheel.store import Store, audit, deployments
+from flywheel.store import approvals as store_approvals
+from flywheel.store.approvals import ApprovalClosedError, NoToolPolicyError, UnknownApprovalError
+
+MODEL = "appr"
+ALIAS = f"{MODEL}@production"
+REFUND = {
+    "type": "function",
+    "function": {
+        "name": "issue_refund",
+        "description": "Refund an order.",
+        "parameters": {
+            "type": "object",
+            "properties": {"order_id": {"type": "integer"}, "amount": {"type": "number"}},
+            "required": ["order_id", "amount"],
+        },
+    },
+}
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup_order",
+        "description": "Read an order.",
+        "parameters": {"type": "object", "properties": {"order_id": {"type": "integer"}}, "required": ["order_id"]},
+    },
+}
+DELETE = {"type": "function", "function": {"name": "delete_account", "parameters": {"type": "object"}}}
+
+
+def forced(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
+ASK = {"messages": [{"role": "user", "content": "Refund order 7, 20 dollars."}], "max_tokens": 32, "temperature": 0}
+
+
+# ---- the store ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def store(db_url: str):
+    store = Store(db_url)
+    yield store
+    store.close()
+
+
+def test_a_policy_is_checked_before_anything_is_written(store):
+    with store.session() as s:
+        with pytest.raises(ValueError, match="'issue_refund' is not in the allowed tools"):
+            store_approvals.set_policy(s, ALIAS, high_impact=["issue_refund"], allowed=["lookup_order"], actor="ana")
+        with pytest.raises(ValueError, match="timeout_s was 0"):
+            store_approvals.set_policy(s, ALIAS, high_impact=[], timeout_s=0, actor="ana")
+        with pytest.raises(ValueError, match="otherwise was 'maybe'"):
+            store_approvals.set_policy(s, ALIAS, high_impact=[], otherwise="maybe", actor="ana")
+        with pytest.raises(ValueError, match="a grader is needed exactly when"):
+            store_approvals.set_policy(s, ALIAS, high_impact=[], otherwise="grader", actor="ana")
+        with pytest.raises(deployments.InvalidAliasError):
+            store_approvals.set_policy(s, "appr", high_impact=[], actor="ana")
+        with pytest.raises(NoToolPolicyError, match="'appr@canary' has no tool policy"):
+            store_approvals.get_policy(s, "appr@canary")
+        assert audit.events(s) == []
+        policy = store_approvals.set_policy(
+            s, ALIAS, high_impact=["issue_refund", "issue_refund"], allowed=["lookup_order", "issue_refund"],
+            actor="ana", reason="refunds move money",
+        )  # fmt: skip
+        assert (policy.high_impact, policy.allowed, policy.otherwise) == (
+            ["issue_refund"],
+            ["issue_refund", "lookup_order"],
+            "deny",
+        )
+        assert policy.in_scope("lookup_order") and not policy.in_scope("delete_account")
+        [event] = audit.events(s)
+        assert (event.action, event.subject, event.actor, event.reason) == (
+            "tools.policy",
+            ALIAS,
+            "ana",
+            "refunds move money",
+        )
+
+
+def test_an_approval_is_decided_once_and_every_step_is_in_the_audit_chain(store):
+    with store.session() as s:
+        first = store_approvals.request(s, tool="issue_refund", arguments='{"amount": 20}', timeout_s=60, actor="gw")
+        second = store_approvals.request(s, tool="issue_refund", arguments="{}", timeout_s=60, actor="gw")
+        assert first.status == "pending" and store_approvals.count_pending(s) == 2
+        assert [a.id for a in store_approvals.list_approvals(s, status=store_approvals.ApprovalStatus.pending)] == [
+            first.id,
+            second.id,
+        ]  # oldest first: the order to decide them in
+    with store.session() as s:
+        approved = store_approvals.decide(s, first.id, approve=True, actor="ana", reason="within policy")
+        assert (approved.status, approved.decided_by, approved.reason) == ("approved", "ana", "within policy")
+    with store.session() as s, pytest.raises(ApprovalClosedError, match=r"is approved by ana"):
+        store_approvals.decide(s, first.id, approve=False, actor="bo")
+    with (
+        store.session() as s,
+        pytest.raises(UnknownApprovalError, match=f"No approval 999 \\(the latest is {second.id}\\)"),
+    ):
+        store_approvals.get(s, 999)
+    with store.session() as s:
+        store_approvals.decide(s, second.id, approve=False, actor="bo", reason="over the cap")
+        events = audit.events(s)
+        assert [(e.action, e.subject, e.actor) for e in events] == [
+            ("approval.request", f"approval/{first.id}", "gw"),
+            ("approval.request", f"approval/{second.id}", "gw"),
+            ("approval.approve", f"approval/{first.id}", "ana"),
+            ("approval.deny", f"approval/{second.id}", "bo"),
+        ]
+        assert store_approvals.get(s, first.id).decision_event == events[2].id
+        assert audit.verify(s).ok
+
+
+def test_an_approval_past_its_deadline_is_expired_and_cannot_be_approved_any_more(store):
+    with store.session() as s:
+        late = store_approvals.request(s, tool="issue_refund", arguments="{}", timeout_s=0.05, actor="gw")
+    time.sleep(0.1)
+    with store.session() as s:
+        closed = store_approvals.decide(s, late.id, approve=True, actor="ana")
+        assert (closed.status, closed.decided_by) == ("expired", "timeout")  # too late: expired, not approved
+    with store.session() as s, pytest.raises(ApprovalClosedError, match="is expired by timeout"):
+        store_approvals.decide(s, late.id, approve=True, actor="ana")
+    with store.session() as s:
+        other = store_approvals.request(s, tool="issue_refund", arguments="{}", timeout_s=0.05, actor="gw")
+    time.sleep(0.1)
+    with store.session() as s:  # what a server stopped while it waited leaves: expired when listed
+        assert store_approvals.expire_due(s) == 1
+        assert store_approvals.get(s, other.id).status == "expired" and store_approvals.count_pending(s) == 0
+
+
+# ---- the gateway -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def served(backend: LocalBackend):
+    """``appr@1`` served (the session's engine under that name: no model loads), ``appr@production`` pointing at
+    it; the deployment's tool policy is each test's. Yields the server's root URL."""
+    backend.registry.add(f"{MODEL}@1", backend.engine(EMBEDDED_MODEL), step=1)
+    assert backend.gateway is not None
+    store = backend.gateway.store
+    with store.session() as s:
+        deployments.deploy(s, ALIAS, 1, actor="ana")
+    yield backend.base_url.removesuffix("/v1")
+    with store.session() as s:
+        deployments.remove(s, ALIAS, actor="ana")
+        if store_approvals.find_policy(s, ALIAS) is not None:
+            store_approvals.remove_policy(s, ALIAS, actor="ana")
+    backend.registry.remove(f"{MODEL}@1")
+
+
+def set_policy(backend: LocalBackend, **fields) -> None:
+    assert backend.gateway is not None
+    with backend.gateway.store.session() as s:
+        store_approvals.set_policy(s, ALIAS, actor="ana", **({"high_impact": ["issue_refund"]} | fields))
+
+
+async def pending(http: httpx.AsyncClient, count: int = 1) -> list[dict]:
+    """The pending approvals once there are ``count`` (bounded wait)."""
+    for _ in range(600):
+        found = (await http.get("/approvals", params={"status": "pending"})).json()["data"]
+        if len(found) >= count:
+            return found
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no {count} pending approval(s) after 30 s")
+
+
+async def test_a_production_call_of_a_high_impact_tool_waits_for_a_person_and_passes_once_approved(backend, served):
+    set_policy(backend, allowed=["issue_refund", "lookup_order"])
+    async with EpisodeClient(served) as episodes, httpx.AsyncClient(base_url=served, timeout=30) as http:
+        episode = await episodes.create("refund-7", split="production")
+        agent = openai.AsyncOpenAI(base_url=episode.base_url, api_key="unused", max_retries=0)
+        began = time.perf_counter()
+        call = asyncio.create_task(
+            agent.chat.completions.create(
+                model=ALIAS, tools=[REFUND, LOOKUP], tool_choice=forced("issue_refund"), **ASK
+            )
+        )
+        [waiting] = await pending(http)
+        assert (waiting["tool"], waiting["deployment"], waiting["episode_id"]) == ("issue_refund", ALIAS, episode.id)
+        assert "order_id" in json.loads(waiting["arguments"])  # what the model wrote, for the person to read
+        await asyncio.sleep(1.0)
+        assert not call.done()  # held while nobody decided
+        approved = await http.post(f"/approvals/{waiting['id']}/approve", json={"by": "ana", "reason": "within policy"})
+        assert approved.status_code == 200 and approved.json()["status"] == "approved"
+        reply = await asyncio.wait_for(call, 30)
+        total = time.perf_counter() - began
+        [made] = reply.choices[0].message.tool_calls or []
+        assert made.function.name == "issue_refund" and reply.choices[0].finish_reason == "tool_calls"
+        [decision] = (reply.model_extra or {})["flywheel_approvals"]
+        assert (decision["verdict"], decision["by"], decision["approval_id"]) == ("approved", "ana", waiting["id"])
+        again = await http.post(f"/approvals/{waiting['id']}/deny", json={"by": "bo"})
+        assert again.status_code == 409 and again.json()["error"]["code"] == "approval_closed"
+        [recorded] = await episodes.calls(episode.id)
+    assert recorded["response"]["flywheel_approvals"][0]["verdict"] == "approved"
+    assert recorded["latency_ms"] / 1000 < total - 0.9  # the person's time is not the model's latency
+    with backend.gateway.store.session() as s:
+        trail = [(e.action, e.actor) for e in audit.events(s, subject=f"approval/{waiting['id']}")]
+    assert trail == [("approval.request", "gateway"), ("approval.approve", "ana")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_denied_call_reaches_the_agent_as_a_notice_and_no_call(backend, served, stream):
+    set_policy(backend)
+    async with httpx.AsyncClient(base_url=served, timeout=30) as http:
+        agent = openai.AsyncOpenAI(base_url=f"{served}/v1", api_key="unused", max_retries=0)  # no episode: production
+        request = {"model": ALIAS, "tools": [REFUND], "tool_choice": forced("issue_refund"), "stream": stream, **ASK}
+        call = asyncio.create_task(agent.chat.completions.create(**request))
+        [waiting] = await pending(http)
+        denied = await http.post(f"/approvals/{waiting['id']}/deny", json={"by": "bo", "reason": "over the cap"})
+        assert denied.json()["status"] == "denied"
+        reply = await asyncio.wait_for(call, 30)
+    if stream:
+        chunks = [chunk async for chunk in reply]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+        finish = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+    else:
+        message = reply.choices[0].message
+        text, finish = message.content or "", reply.choices[0].finish_reason
+        assert message.tool_calls is None
+        assert (reply.model_extra or {})["flywheel_approvals"][0]["verdict"] == "denied"
+    assert "The call to issue_refund was denied by bo: over the cap. Nothing was done." in text
+    assert finish == "stop"
+
+
+async def test_a_call_nobody_decides_in_time_is_denied_and_expired(backend, served):
+    set_policy(backend, timeout_s=1.0)
+    async with httpx.AsyncClient(base_url=served, timeout=30) as http:
+        agent = openai.AsyncOpenAI(base_url=f"{served}/v1", api_key="unused", max_retries=0)
+        reply = await agent.chat.completions.create(
+            model=ALIAS, tools=[REFUND], tool_choice=forced("issue_refund"), **ASK
+        )
+        assert "The call to issue_refund got no decision in time. Nothing was done." in (
+            reply.choices[0].message.content or ""
+        )
+        [decision] = (reply.model_extra or {})["flywheel_approvals"]
+        expired = (await http.get(f"/approvals/{decision['approval_id']}")).json()
+        assert (expired["status"], expired["decided_by"]) == ("expired", "timeout")
+        late = await http.post(f"/approvals/{expired['id']}/approve", json={"by": "ana"})
+        assert late.status_code == 409 and "is expired by timeout" in late.json()["error"]["message"]
+
+
+async def test_off_production_the_policy_decides_at_once_and_a_tool_outside_the_scope_is_refused(backend, served):
+    set_policy(backend, allowed=["issue_refund", "lookup_order"], otherwise="allow")
+    async with EpisodeClient(served) as episodes, httpx.AsyncClient(base_url=served, timeout=30) as http:
+        episode = await episodes.create("refund-7", split="train")
+        agent = openai.AsyncOpenAI(base_url=episode.base_url, api_key="unused", max_retries=0)
+        reply = await agent.chat.completions.create(
+            model=ALIAS, tools=[REFUND], tool_choice=forced("issue_refund"), **ASK
+        )  # a training rollout never waits for a person
+        [decision] = (reply.model_extra or {})["flywheel_approvals"]
+        assert (decision["verdict"], decision["by"]) == ("approved", "policy:allow")
+        assert reply.choices[0].message.tool_calls
+        recorded = (await http.get(f"/approvals/{decision['approval_id']}")).json()
+        assert (recorded["status"], recorded["split"], recorded["episode_id"]) == ("approved", "train", episode.id)
+        with pytest.raises(openai.PermissionDeniedError) as refused:
+            await agent.chat.completions.create(model=ALIAS, tools=[REFUND, DELETE], **ASK)
+        error = refused.value.body
+        assert isinstance(error, dict) and (error["code"], error["param"]) == ("tool_not_allowed", "tools")
+        assert "may not call the tool 'delete_account'" in error["message"]
+        assert "issue_refund, lookup_order" in error["message"]
+        plain = await agent.chat.completions.create(model=f"{MODEL}@1", tools=[DELETE], **ASK)
+        assert plain.choices  # a checkpoint asked by its step is no deployment: no policy applies
+
+
+# ---- run_agent ---------------------------------------------------------------------------------------------------
+
+
+def refund_tool(done: list[dict]):
+    @tool(high_impact=True)
+    def issue_refund(order_id: int, amount: float) -> str:
+        """Refund an order.
+
+        Args:
+            order_id: The order.
+            amount: Dollars.
+        """
+        done.append({"order_id": order_id, "amount": amount})
+        return "refunded"
+
+    return issue_refund
+
+
+async def agent_run(backend: LocalBackend, done: list[dict], **kw):
+    client = openai.AsyncOpenAI(base_url=backend.base_url, api_key="unused", max_retries=0)
+    return await run_agent(
+        client, EMBEDDED_MODEL, ASK["messages"], [refund_tool(done)], max_turns=1, temperature=0, max_tokens=32,
+        tool_choice=forced("issue_refund"), **kw,
+    )  # fmt: skip
+
+
+def tool_reply(trajectory) -> str:
+    return next(m["content"] for m in trajectory.messages_and_choices if isinstance(m, dict) and m["role"] == "tool")
+
+
+async def test_run_agent_asks_before_a_high_impact_tool_runs(backend):
+    done: list[dict] = []
+    with pytest.raises(ValueError, match="tool 'issue_refund' is high-impact: pass approve="):
+        await agent_run(backend, done)
+    denied = await agent_run(backend, done, approve=deny)
+    assert done == [] and denied.metrics["denied_calls"] == 1
+    assert tool_reply(denied).startswith("Error: The call to issue_refund was denied by policy:deny")
+    allowed = await agent_run(backend, done, approve=allow)
+    assert len(done) == 1 and allowed.metrics["approved_calls"] == 1 and tool_reply(allowed) == "refunded"
+    small = parse_grader({"type": "python", "name": "small", "source": "def grade(sample, item):\n    return 1.0 if item['arguments']['amount'] <= 5 else 0.0\n"})  # fmt: skip
+    decision = await GraderApprover(small)(
+        ToolCallRequest(tool="issue_refund", arguments='{"order_id": 7, "amount": 20}')
+    )
+    assert (decision.verdict, decision.by, decision.reason) == ("denied", "policy:grader:small", "reward 0 < 0.5")
+    decision = await GraderApprover(small)(
+        ToolCallRequest(tool="issue_refund", arguments='{"order_id": 7, "amount": 2}')
+    )
+    assert decision.allowed
+
+
+async def test_run_agent_in_production_waits_for_a_person_through_the_server(backend, served):
+    done: list[dict] = []
+    approver = HumanApprover(served, timeout_s=60, deployment=ALIAS)
+    async with httpx.AsyncClient(base_url=served, timeout=30) as http:
+        run = asyncio.create_task(agent_run(backend, done, approve=approver))
+        [waiting] = await pending(http)
+        assert (waiting["tool"], waiting["split"], waiting["deployment"]) == ("issue_refund", "production", ALIAS)
+        assert done == [] and not run.done()
+        await http.post(f"/approvals/{waiting['id']}/approve", json={"by": "ana"})
+        trajectory = await asyncio.wait_for(run, 60)
+    assert len(done) == 1 and tool_reply(trajectory) == "refunded"
+    unreachable = await HumanApprover("http://127.0.0.1:9", timeout_s=5)(ToolCallRequest(tool="issue_refund"))
+    assert unreachable.verdict == "denied" and "the approval service at http://127.0.0.1:9 failed" in (
+        unreachable.reason or ""
+    )
