@@ -15,9 +15,11 @@ import time
 import httpx
 import openai
 import pytest
+from typer.testing import CliRunner
 
 from flywheel.agents import run_agent, tool
 from flywheel.approvals import GraderApprover, HumanApprover, ToolCallRequest, allow, deny
+from flywheel.cli import app
 from flywheel.gateway.client import EpisodeClient
 from flywheel.graders import parse_grader
 from flywheel.inference.loading import EMBEDDED_MODEL
@@ -351,3 +353,48 @@ async def test_run_agent_in_production_waits_for_a_person_through_the_server(bac
     assert unreachable.verdict == "denied" and "the approval service at http://127.0.0.1:9 failed" in (
         unreachable.reason or ""
     )
+
+
+# ---- the command line -----------------------------------------------------------------------------------------
+
+
+def test_the_command_line_sets_a_policy_lists_and_decides(tmp_path):
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    runner = CliRunner()
+
+    def flywheel(*args: str):
+        return runner.invoke(app, [*args, "--db", url], env={"COLUMNS": "200", "USER": "ana"})
+
+    grader = tmp_path / "small.json"
+    grader.write_text(json.dumps({"type": "string_check", "name": "yes", "input": "{{sample.output_text}}",
+                                  "reference": "yes", "operation": "eq"}))  # fmt: skip
+    out = flywheel("approvals", "policy", ALIAS, "--high-impact", "issue_refund", "--allow", "issue_refund,lookup_order",
+                   "--otherwise", "grader", "--grader", str(grader), "--why", "refunds move money")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert "may call issue_refund, lookup_order; issue_refund needs a person's approval" in out.output
+    bad = flywheel("approvals", "policy", ALIAS, "--high-impact", "delete_account", "--allow", "lookup_order")
+    assert bad.exit_code == 2 and "'delete_account' is not in the allowed tools" in bad.output
+    assert "lookup_order" in flywheel("approvals", "policies").output
+    store = Store(url)
+    with store.session() as s:
+        first = store_approvals.request(s, tool="issue_refund", arguments='{"order_id": 7, "amount": 20}',
+                                        timeout_s=600, actor="gateway", deployment=ALIAS)  # fmt: skip
+        second = store_approvals.request(s, tool="issue_refund", arguments="{}", timeout_s=600, actor="gateway")
+    listed = flywheel("approvals", "list")
+    assert listed.exit_code == 0 and f"{ALIAS}" in listed.output and '"amount": 20' in listed.output
+    assert '"amount": 20' in flywheel("approvals", "show", str(first.id)).output
+    approved = flywheel("approvals", "approve", str(first.id), "--why", "within policy")
+    assert approved.exit_code == 0 and f"Approval {first.id} (issue_refund) approved by ana." in approved.output
+    again = flywheel("approvals", "deny", str(first.id))
+    assert again.exit_code == 2 and "is approved by ana" in again.output
+    assert flywheel("approvals", "deny", str(second.id), "--why", "no order").exit_code == 0
+    assert "No pending approvals." in flywheel("approvals", "list").output
+    unknown = flywheel("approvals", "approve", "99")
+    assert unknown.exit_code == 2 and "No approval 99" in unknown.output
+    with store.session() as s:
+        assert [e.action for e in audit.events(s)][-2:] == ["approval.approve", "approval.deny"]
+        assert store_approvals.get(s, first.id).reason == "within policy"
+        assert audit.verify(s).ok
+    store.close()
+    assert flywheel("approvals", "unset", ALIAS).exit_code == 0
+    assert "No tool policies" in flywheel("approvals", "policies").output

@@ -1,7 +1,7 @@
 """The ``flywheel`` command line: ``app``, the entry point, with one module per command group.
 
 ``serving`` (prepare, serve, runner), ``jobs`` (train, demo), ``deployments`` (deploy, promote, rollback,
-deployments, audit), ``review``, ``graders`` (graders, eval), ``judge``, ``loop``, ``export`` and ``dashboard``;
+deployments, audit), ``approvals``, ``review``, ``graders`` (graders, eval), ``judge``, ``loop``, ``export`` and ``dashboard``;
 ``common`` holds what they share. Heavy dependencies (torch, the engine, the backend, the trainer, the store) load
 inside the command that needs them, so that ``flywheel --help`` and ``flywheel GROUP --help`` load none of them.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import typer
 
 from flywheel.cli import dashboard, deployments, finetuning, graders, jobs, loop, serving
+from flywheel.cli.approvals import approvals_app
 from flywheel.cli.export import export_app
 from flywheel.cli.judge import judge_app
 from flywheel.cli.review import review_app
@@ -31,6 +32,7 @@ app.command("deployments")(deployments.show_deployments)
 app.add_typer(deployments.audit_app, name="audit")
 app.command("loop")(loop.loop_command)
 app.add_typer(review_app, name="review")
+app.add_typer(approvals_app, name="approvals")
 app.command()(serving.prepare)
 app.command()(serving.serve)
 app.command()(jobs.demo)
