@@ -23,6 +23,7 @@ from rich.console import Console
 
 from flywheel.agents import AIRConfig, run_agent
 from flywheel.agents.tools import TOOL_STATUSES, ToolError
+from flywheel.approvals import allow
 from flywheel.examples.support.agent import ExpertClient, expert_rollout, rollout, task_messages
 from flywheel.examples.support.db import AGENT_REFUND_LIMIT, HOLD_FLAGS, build_database
 from flywheel.examples.support.grading import episode_metrics, grade_episode, support_stack
@@ -223,7 +224,7 @@ async def test_transient_failures_are_seeded_and_never_end_an_episode(db_path, s
     # an error message the expert reads and retries; the episode ends resolved
     with SupportDesk(db_path, ticket, failure_rate=0.5, seed=3) as desk:
         traj = await run_agent(
-            ExpertClient(ticket), "expert", task_messages(ticket), desk.tools(), 40, tool_timeout=None
+            ExpertClient(ticket), "expert", task_messages(ticket), desk.tools(), 40, tool_timeout=None, approve=allow
         )
         record = desk.record(traj.metrics["tool_calls"])
     contents = [m["content"] for m in traj.messages() if m["role"] == "tool"]

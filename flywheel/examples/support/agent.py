@@ -23,6 +23,7 @@ from openai.types.chat.chat_completion_message_tool_call import Function
 
 from flywheel.agents.air import AIRConfig
 from flywheel.agents.tool_loop import run_agent
+from flywheel.approvals.policy import Approver, allow
 from flywheel.examples.support.db import HOLD_FLAGS
 from flywheel.examples.support.grading import episode_metrics, grade_episode
 from flywheel.examples.support.tickets import Ticket
@@ -62,11 +63,14 @@ async def rollout(
     max_tokens: int = 160,
     sampling_seed: int | None = None,
     air: AIRConfig | None = None,
+    approve: Approver = allow,
 ) -> Trajectory:
     """One episode on ``ticket``; reward from ``stack``, metrics from ``grading.episode_metrics``. ``client``: an
     OpenAI client (default: the model's) or the expert's. ``seed`` draws the desk's transient failures,
     ``sampling_seed`` (None: unseeded) the model's tokens; ``air``: automatic intermediate rewards on the turns
-    (``flywheel.agents.air``: a transient failure is a call that did not execute)."""
+    (``flywheel.agents.air``: a transient failure is a call that did not execute); ``approve``: what decides each
+    ``issue_refund`` call before it runs (``allow`` in training: the desk is a sandbox whose own checks refuse and
+    count an over-policy refund; a ``flywheel.approvals.HumanApprover`` in front of real customers)."""
     sampling = {} if sampling_seed is None else {"seed": sampling_seed}
     with SupportDesk(db_path, ticket, failure_rate=failure_rate, seed=seed) as desk:
         traj = await run_agent(
@@ -79,6 +83,7 @@ async def rollout(
             max_tokens=max_tokens,
             tool_timeout=30.0,
             air=air,
+            approve=approve,
             metadata={"ticket_id": ticket.id, "kind": ticket.kind, "resolution": ticket.resolution},
             **sampling,
         )

@@ -2,7 +2,8 @@
 
 ``SupportDesk(db_path, ticket, ...)`` holds one episode's view of the desk: the open ticket, a read-only connection
 to the database, and what the agent did (refunds, replacements, replies, escalations, every call and its outcome).
-``issue_refund`` is the high-impact tool: a refund over the policy's cap (the order's amount, its category's
+``issue_refund`` is the high-impact tool (declared so: the agent loop asks its approver before each call; the job's
+rollouts allow them, since the desk is a sandbox whose own checks count a violation): a refund over the policy's cap (the order's amount, its category's
 maximum, the agent's own limit, less what was refunded already), on an account on hold, or on another customer's
 order is refused and counted as a policy violation. Every call may fail transiently (a timeout or a 503) at
 ``failure_rate``, drawn from a generator seeded per episode, before it does anything, so calling again is safe and
@@ -109,7 +110,10 @@ class SupportDesk:
             self.send_reply,
             self.escalate,
         )
-        return [_compact(Tool.from_function(m, cacheable=False)) for m in methods]
+        high_impact = {self.issue_refund.__name__}  # run_agent asks its approver before each call (flywheel.approvals)
+        return [
+            _compact(Tool.from_function(m, cacheable=False, high_impact=m.__name__ in high_impact)) for m in methods
+        ]
 
     def _check_ticket(self, ticket_id: str) -> None:
         if ticket_id.strip() != self.ticket.id:
