@@ -10,23 +10,34 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support import expected_conditions as seen
+from selenium.webdriver.support.ui import WebDriverWait
 from typer.testing import CliRunner
 
 from flywheel.agents import run_agent, tool
 from flywheel.approvals import GraderApprover, HumanApprover, ToolCallRequest, allow, deny
 from flywheel.cli import app
+from flywheel.dashboard.app import create_dashboard_app
 from flywheel.gateway.client import EpisodeClient
 from flywheel.graders import parse_grader
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.local.backend import LocalBackend
-from flywheel.store import Store, audit, deployments
-from flywheel.store import approvals as store_approvals
+from flywheel.server.background import BackgroundServer
+from flywheel.store import Store, approvals, audit, deployments
 from flywheel.store.approvals import ApprovalClosedError, NoToolPolicyError, UnknownApprovalError
+
+from helpers import emulate
 
 MODEL = "appr"
 ALIAS = f"{MODEL}@production"
@@ -57,7 +68,7 @@ def forced(name: str) -> dict:
     return {"type": "function", "function": {"name": name}}
 
 
-ASK = {"messages": [{"role": "user", "content": "Refund order 7, 20 dollars."}], "max_tokens": 32, "temperature": 0}
+ASK = {"messages": [{"role": "user", "content": "Refund order 7, 20 dollars."}], "max_tokens": 48, "temperature": 0}
 
 
 # ---- the store ----------------------------------------------------------------------------------------------------
@@ -73,19 +84,19 @@ def store(db_url: str):
 def test_a_policy_is_checked_before_anything_is_written(store):
     with store.session() as s:
         with pytest.raises(ValueError, match="'issue_refund' is not in the allowed tools"):
-            store_approvals.set_policy(s, ALIAS, high_impact=["issue_refund"], allowed=["lookup_order"], actor="ana")
+            approvals.set_policy(s, ALIAS, high_impact=["issue_refund"], allowed=["lookup_order"], actor="ana")
         with pytest.raises(ValueError, match="timeout_s was 0"):
-            store_approvals.set_policy(s, ALIAS, high_impact=[], timeout_s=0, actor="ana")
+            approvals.set_policy(s, ALIAS, high_impact=[], timeout_s=0, actor="ana")
         with pytest.raises(ValueError, match="otherwise was 'maybe'"):
-            store_approvals.set_policy(s, ALIAS, high_impact=[], otherwise="maybe", actor="ana")
+            approvals.set_policy(s, ALIAS, high_impact=[], otherwise="maybe", actor="ana")
         with pytest.raises(ValueError, match="a grader is needed exactly when"):
-            store_approvals.set_policy(s, ALIAS, high_impact=[], otherwise="grader", actor="ana")
+            approvals.set_policy(s, ALIAS, high_impact=[], otherwise="grader", actor="ana")
         with pytest.raises(deployments.InvalidAliasError):
-            store_approvals.set_policy(s, "appr", high_impact=[], actor="ana")
+            approvals.set_policy(s, "appr", high_impact=[], actor="ana")
         with pytest.raises(NoToolPolicyError, match="'appr@canary' has no tool policy"):
-            store_approvals.get_policy(s, "appr@canary")
+            approvals.get_policy(s, "appr@canary")
         assert audit.events(s) == []
-        policy = store_approvals.set_policy(
+        policy = approvals.set_policy(
             s, ALIAS, high_impact=["issue_refund", "issue_refund"], allowed=["lookup_order", "issue_refund"],
             actor="ana", reason="refunds move money",
         )  # fmt: skip
@@ -106,25 +117,25 @@ def test_a_policy_is_checked_before_anything_is_written(store):
 
 def test_an_approval_is_decided_once_and_every_step_is_in_the_audit_chain(store):
     with store.session() as s:
-        first = store_approvals.request(s, tool="issue_refund", arguments='{"amount": 20}', timeout_s=60, actor="gw")
-        second = store_approvals.request(s, tool="issue_refund", arguments="{}", timeout_s=60, actor="gw")
-        assert first.status == "pending" and store_approvals.count_pending(s) == 2
-        assert [a.id for a in store_approvals.list_approvals(s, status=store_approvals.ApprovalStatus.pending)] == [
+        first = approvals.request(s, tool="issue_refund", arguments='{"amount": 20}', timeout_s=60, actor="gw")
+        second = approvals.request(s, tool="issue_refund", arguments="{}", timeout_s=60, actor="gw")
+        assert first.status == "pending" and approvals.count_pending(s) == 2
+        assert [a.id for a in approvals.list_approvals(s, status=approvals.ApprovalStatus.pending)] == [
             first.id,
             second.id,
         ]  # oldest first: the order to decide them in
     with store.session() as s:
-        approved = store_approvals.decide(s, first.id, approve=True, actor="ana", reason="within policy")
+        approved = approvals.decide(s, first.id, approve=True, actor="ana", reason="within policy")
         assert (approved.status, approved.decided_by, approved.reason) == ("approved", "ana", "within policy")
     with store.session() as s, pytest.raises(ApprovalClosedError, match=r"is approved by ana"):
-        store_approvals.decide(s, first.id, approve=False, actor="bo")
+        approvals.decide(s, first.id, approve=False, actor="bo")
     with (
         store.session() as s,
         pytest.raises(UnknownApprovalError, match=f"No approval 999 \\(the latest is {second.id}\\)"),
     ):
-        store_approvals.get(s, 999)
+        approvals.get(s, 999)
     with store.session() as s:
-        store_approvals.decide(s, second.id, approve=False, actor="bo", reason="over the cap")
+        approvals.decide(s, second.id, approve=False, actor="bo", reason="over the cap")
         events = audit.events(s)
         assert [(e.action, e.subject, e.actor) for e in events] == [
             ("approval.request", f"approval/{first.id}", "gw"),
@@ -132,25 +143,25 @@ def test_an_approval_is_decided_once_and_every_step_is_in_the_audit_chain(store)
             ("approval.approve", f"approval/{first.id}", "ana"),
             ("approval.deny", f"approval/{second.id}", "bo"),
         ]
-        assert store_approvals.get(s, first.id).decision_event == events[2].id
+        assert approvals.get(s, first.id).decision_event == events[2].id
         assert audit.verify(s).ok
 
 
 def test_an_approval_past_its_deadline_is_expired_and_cannot_be_approved_any_more(store):
     with store.session() as s:
-        late = store_approvals.request(s, tool="issue_refund", arguments="{}", timeout_s=0.05, actor="gw")
+        late = approvals.request(s, tool="issue_refund", arguments="{}", timeout_s=0.05, actor="gw")
     time.sleep(0.1)
     with store.session() as s:
-        closed = store_approvals.decide(s, late.id, approve=True, actor="ana")
+        closed = approvals.decide(s, late.id, approve=True, actor="ana")
         assert (closed.status, closed.decided_by) == ("expired", "timeout")  # too late: expired, not approved
     with store.session() as s, pytest.raises(ApprovalClosedError, match="is expired by timeout"):
-        store_approvals.decide(s, late.id, approve=True, actor="ana")
+        approvals.decide(s, late.id, approve=True, actor="ana")
     with store.session() as s:
-        other = store_approvals.request(s, tool="issue_refund", arguments="{}", timeout_s=0.05, actor="gw")
+        other = approvals.request(s, tool="issue_refund", arguments="{}", timeout_s=0.05, actor="gw")
     time.sleep(0.1)
     with store.session() as s:  # what a server stopped while it waited leaves: expired when listed
-        assert store_approvals.expire_due(s) == 1
-        assert store_approvals.get(s, other.id).status == "expired" and store_approvals.count_pending(s) == 0
+        assert approvals.expire_due(s) == 1
+        assert approvals.get(s, other.id).status == "expired" and approvals.count_pending(s) == 0
 
 
 # ---- the gateway -------------------------------------------------------------------------------------------------
@@ -168,25 +179,26 @@ def served(backend: LocalBackend):
     yield backend.base_url.removesuffix("/v1")
     with store.session() as s:
         deployments.remove(s, ALIAS, actor="ana")
-        if store_approvals.find_policy(s, ALIAS) is not None:
-            store_approvals.remove_policy(s, ALIAS, actor="ana")
+        if approvals.find_policy(s, ALIAS) is not None:
+            approvals.remove_policy(s, ALIAS, actor="ana")
     backend.registry.remove(f"{MODEL}@1")
 
 
 def set_policy(backend: LocalBackend, **fields) -> None:
     assert backend.gateway is not None
     with backend.gateway.store.session() as s:
-        store_approvals.set_policy(s, ALIAS, actor="ana", **({"high_impact": ["issue_refund"]} | fields))
+        approvals.set_policy(s, ALIAS, actor="ana", **({"high_impact": ["issue_refund"]} | fields))
 
 
 async def pending(http: httpx.AsyncClient, count: int = 1) -> list[dict]:
-    """The pending approvals once there are ``count`` (bounded wait)."""
-    for _ in range(600):
+    """The pending approvals once there are ``count`` (bounded wait: generating the call takes seconds alone, far
+    more on a loaded machine)."""
+    for _ in range(2400):
         found = (await http.get("/approvals", params={"status": "pending"})).json()["data"]
         if len(found) >= count:
             return found
         await asyncio.sleep(0.05)
-    raise AssertionError(f"no {count} pending approval(s) after 30 s")
+    raise AssertionError(f"no {count} pending approval(s) after 120 s")
 
 
 async def test_a_production_call_of_a_high_impact_tool_waits_for_a_person_and_passes_once_approved(backend, served):
@@ -309,7 +321,7 @@ def refund_tool(done: list[dict]):
 async def agent_run(backend: LocalBackend, done: list[dict], **kw):
     client = openai.AsyncOpenAI(base_url=backend.base_url, api_key="unused", max_retries=0)
     return await run_agent(
-        client, EMBEDDED_MODEL, ASK["messages"], [refund_tool(done)], max_turns=1, temperature=0, max_tokens=32,
+        client, EMBEDDED_MODEL, ASK["messages"], [refund_tool(done)], max_turns=1, temperature=0, max_tokens=48,
         tool_choice=forced("issue_refund"), **kw,
     )  # fmt: skip
 
@@ -377,9 +389,9 @@ def test_the_command_line_sets_a_policy_lists_and_decides(tmp_path):
     assert "lookup_order" in flywheel("approvals", "policies").output
     store = Store(url)
     with store.session() as s:
-        first = store_approvals.request(s, tool="issue_refund", arguments='{"order_id": 7, "amount": 20}',
+        first = approvals.request(s, tool="issue_refund", arguments='{"order_id": 7, "amount": 20}',
                                         timeout_s=600, actor="gateway", deployment=ALIAS)  # fmt: skip
-        second = store_approvals.request(s, tool="issue_refund", arguments="{}", timeout_s=600, actor="gateway")
+        second = approvals.request(s, tool="issue_refund", arguments="{}", timeout_s=600, actor="gateway")
     listed = flywheel("approvals", "list")
     assert listed.exit_code == 0 and f"{ALIAS}" in listed.output and '"amount": 20' in listed.output
     assert '"amount": 20' in flywheel("approvals", "show", str(first.id)).output
@@ -393,8 +405,67 @@ def test_the_command_line_sets_a_policy_lists_and_decides(tmp_path):
     assert unknown.exit_code == 2 and "No approval 99" in unknown.output
     with store.session() as s:
         assert [e.action for e in audit.events(s)][-2:] == ["approval.approve", "approval.deny"]
-        assert store_approvals.get(s, first.id).reason == "within policy"
+        assert approvals.get(s, first.id).reason == "within policy"
         assert audit.verify(s).ok
     store.close()
     assert flywheel("approvals", "unset", ALIAS).exit_code == 0
     assert "No tool policies" in flywheel("approvals", "policies").output
+
+
+# ---- the dashboard -----------------------------------------------------------------------------------------------
+
+AGENT = """
+import json, sys
+import openai
+agent = openai.OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0, timeout=120)
+reply = agent.chat.completions.create(model=sys.argv[2], tools=[json.loads(sys.argv[3])],
+    tool_choice={"type": "function", "function": {"name": "issue_refund"}}, **json.loads(sys.argv[4]))
+message = reply.choices[0].message
+calls = [c.function.name for c in message.tool_calls or []]
+print(json.dumps({"calls": calls, "approvals": (reply.model_extra or {}).get("flywheel_approvals")}))
+"""
+DOCS_IMAGE = Path(__file__).parent.parent / "docs" / "images" / "dashboard-approvals.png"
+
+
+def test_a_person_approves_a_waiting_call_in_the_dashboard_and_the_agent_goes_on(backend, served, browser, tmp_path):
+    """An agent in a process of its own calls the deployment; its call of the high-impact tool waits; a person opens
+    the dashboard (``flywheel dashboard``'s app: another server on the same store, so the decision reaches the
+    gateway through the store), reads the call and approves it; the agent receives the call and ends."""
+    set_policy(backend, allowed=["issue_refund"])
+    dashboard = BackgroundServer(create_dashboard_app(backend.gateway.store, backend.path)).start()
+    agent = subprocess.Popen(
+        [sys.executable, "-c", AGENT, f"{served}/v1", ALIAS, json.dumps(REFUND), json.dumps(ASK)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait = WebDriverWait(browser, 60)
+    try:
+        emulate(browser, 1280, 800)
+        browser.get(f"http://{dashboard.host}:{dashboard.port}/ui/#/runs")
+        wait.until(seen.element_to_be_clickable((By.LINK_TEXT, "Approvals"))).click()
+        card = wait.until(seen.visibility_of_element_located((By.CSS_SELECTOR, "section.approval")))
+        approval_id = card.get_attribute("data-approval")
+        assert "issue_refund" in card.text and ALIAS in card.text and "order_id" in card.text
+        assert agent.poll() is None  # still waiting for the decision
+        card.find_element(By.CSS_SELECTOR, "button.approve").click()  # nobody named yet: the page asks who decides
+        wait.until(seen.text_to_be_present_in_element((By.CSS_SELECTOR, "section.approval .status"), "Say who decides"))
+        browser.find_element(By.ID, "reviewer").send_keys("ana")
+        card.find_element(By.NAME, "reason").send_keys("within the refund policy")
+        browser.save_screenshot(str(tmp_path / "approvals-1280.png"))
+        card.find_element(By.CSS_SELECTOR, "button.approve").click()
+        row = wait.until(
+            seen.visibility_of_element_located((By.CSS_SELECTOR, f'tr[data-approval="{approval_id}"]'))
+        )  # decided: listed among the latest decisions
+        assert "approved" in row.text and "ana" in row.text and "within the refund policy" in row.text
+        out, err = agent.communicate(timeout=60)
+        assert agent.returncode == 0, err
+        result = json.loads(out)
+        assert result["calls"] == ["issue_refund"]
+        assert [(a["verdict"], a["by"], a["approval_id"]) for a in result["approvals"]] == [
+            ("approved", "ana", int(approval_id))
+        ]
+        assert "Nothing waits for a decision." in browser.find_element(By.ID, "view").text
+    finally:
+        agent.kill()
+        dashboard.stop()
+    if os.environ.get("FLYWHEEL_DOCS_SCREENSHOT"):  # FLYWHEEL_DOCS_SCREENSHOT=1 refreshes the docs' picture
+        shutil.copy(tmp_path / "approvals-1280.png", DOCS_IMAGE)

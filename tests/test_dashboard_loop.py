@@ -53,6 +53,7 @@ def loop_of(backend: LocalBackend, directory: Path) -> Loop:
 async def test_the_loop_view_shows_a_gate_decision_and_a_rollback_with_their_evidence(
     backend: LocalBackend, browser, tmp_path: Path
 ):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as seen
     from selenium.webdriver.support.ui import WebDriverWait
@@ -89,7 +90,7 @@ async def test_the_loop_view_shows_a_gate_decision_and_a_rollback_with_their_evi
     try:
         api = f"http://{server.host}:{server.port}/ui/api/loop"
         for path, status, says in (
-            ("/timeline?model=nobody", 404, f"nothing of model 'nobody'. Models: {MODEL}"),
+            ("/timeline?model=nobody", 404, "nothing of model 'nobody'. Models: "),  # the session's other tests' too
             ("/deployments?model=nobody", 404, "Models: "),
             ("/audit/999999", 404, "the trail has events 1 to"),
             ("/episodes?split=nowhere", 404, "Splits: "),
@@ -97,6 +98,7 @@ async def test_the_loop_view_shows_a_gate_decision_and_a_rollback_with_their_evi
         ):
             response = httpx.get(api + path)
             assert response.status_code == status and says in response.text, (path, response.text)
+        assert MODEL in httpx.get(f"{api}/timeline?model=nobody").json()["error"]["message"]
         page = httpx.get(f"{api}/timeline", params={"model": MODEL, "limit": 2}).json()  # paged, the latest first
         assert (page["total"], page["next_offset"]) == (5, 2)  # production's deploy, the gate, the canary's three
         assert [e["action"] for e in page["items"]] == ["remove", "canary.rollback"]
@@ -138,7 +140,16 @@ async def test_the_loop_view_shows_a_gate_decision_and_a_rollback_with_their_evi
         browser.save_screenshot(str(shots / "loop-phone-dark.png"))
         emulate(browser, 1280, 800)
 
-        gate.find_element(By.LINK_TEXT, f"event {candidate.event_id}").click()  # the decision's whole record
+        # the decision's whole record; the page redraws after a resize (and whenever the store changes), so the link
+        # is looked up afresh until a click lands
+        WebDriverWait(browser, 10, ignored_exceptions=[StaleElementReferenceException]).until(
+            lambda b: (
+                b.find_element(By.CSS_SELECTOR, 'li[data-action="gate.pass"]')
+                .find_element(By.LINK_TEXT, f"event {candidate.event_id}")
+                .click()
+                or True
+            )
+        )
         details = wait.until(seen.visibility_of_element_located((By.CSS_SELECTOR, "pre.details")))
         assert json.loads(details.text)["lift"]["low"] == lift.low  # its evidence as the audit event recorded it
         assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]

@@ -18,8 +18,7 @@ from collections.abc import Callable
 from openai.types.chat import ChatCompletionMessage
 
 from flywheel.approvals.policy import Approver, Decision, GraderApprover, ToolCallRequest, allow, deny
-from flywheel.store import Store
-from flywheel.store import approvals as store_approvals
+from flywheel.store import Store, approvals
 from flywheel.store.approvals import ApprovalRecord, ApprovalStatus, Otherwise, ToolPolicyRecord
 
 POLL_S = 1.0  # how often a waiter reads the store for a decision taken in another process
@@ -79,23 +78,21 @@ class ApprovalDesk:
         self._woken: defaultdict[int, asyncio.Event] = defaultdict(asyncio.Event)
 
     async def policy(self, deployment: str) -> ToolPolicyRecord | None:
-        return await self.store.run(store_approvals.find_policy, deployment)
+        return await self.store.run(approvals.find_policy, deployment)
 
     async def request(self, call: ToolCallRequest, timeout_s: float, actor: str = GATEWAY) -> ApprovalRecord:
         # redacted as the call's split is (one asked under a deployment's alias: as production's, whatever its split)
         split = None if call.deployment is not None else call.split
         arguments = self.redact(call.arguments, split) if self.redact is not None else call.arguments
         fields = call.model_dump(exclude={"arguments"})
-        return await self.store.run(
-            store_approvals.request, **fields, arguments=arguments, timeout_s=timeout_s, actor=actor
-        )
+        return await self.store.run(approvals.request, **fields, arguments=arguments, timeout_s=timeout_s, actor=actor)
 
     async def decide(self, approval_id: int, *, approve: bool, by: str, reason: str | None = None) -> ApprovalRecord:
         """A person's decision (``ApprovalClosedError`` if it was taken or expired before); its waiter wakes."""
-        record = await self.store.run(store_approvals.decide, approval_id, approve=approve, actor=by, reason=reason)
+        record = await self.store.run(approvals.decide, approval_id, approve=approve, actor=by, reason=reason)
         self._wake(approval_id)
         if record.status == ApprovalStatus.expired:  # its deadline had passed: expired now, not decided
-            raise store_approvals.ApprovalClosedError(store_approvals.closed_message(record))
+            raise approvals.ApprovalClosedError(approvals.closed_message(record))
         return record
 
     def _wake(self, approval_id: int) -> None:
@@ -108,7 +105,7 @@ class ApprovalDesk:
         event = self._woken[approval_id]
         try:
             while True:
-                record = await self.store.run(store_approvals.get, approval_id)
+                record = await self.store.run(approvals.get, approval_id)
                 if record.status != ApprovalStatus.pending:
                     return record
                 left = min(end - time.monotonic(), record.deadline.timestamp() - time.time())
@@ -126,9 +123,9 @@ class ApprovalDesk:
 
     async def _expire(self, approval_id: int) -> ApprovalRecord:
         try:
-            return await self.store.run(store_approvals.decide, approval_id, approve=None, actor="timeout")
-        except store_approvals.ApprovalClosedError:  # decided (or expired) by another process meanwhile
-            return await self.store.run(store_approvals.get, approval_id)
+            return await self.store.run(approvals.decide, approval_id, approve=None, actor="timeout")
+        except approvals.ApprovalClosedError:  # decided (or expired) by another process meanwhile
+            return await self.store.run(approvals.get, approval_id)
 
     async def ask(self, call: ToolCallRequest, timeout_s: float, actor: str = GATEWAY) -> Decision:
         """Request a person's approval of ``call`` and wait for it (at most ``timeout_s``: then it is expired)."""
@@ -139,7 +136,7 @@ class ApprovalDesk:
         """Store a policy's ``decision`` on ``call`` as an approval decided at once (both in the audit trail)."""
         record = await self.request(call, 1.0, actor=decision.by)
         await self.store.run(
-            store_approvals.decide, record.id, approve=decision.allowed, actor=decision.by, reason=decision.reason
+            approvals.decide, record.id, approve=decision.allowed, actor=decision.by, reason=decision.reason
         )
         return decision.model_copy(update={"approval_id": record.id})
 

@@ -17,12 +17,13 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from flywheel.approvals.desk import ApprovalDesk
 from flywheel.approvals.policy import ToolCallRequest
 from flywheel.server.errors import error_response
-from flywheel.store import approvals as store_approvals
+from flywheel.store import approvals
 from flywheel.store.approvals import (
     MAX_TIMEOUT_S,
     ApprovalClosedError,
@@ -72,8 +73,19 @@ class DecisionOut(BaseModel):
     deadline: float  # Unix seconds
 
 
-def approvals_router(desk: ApprovalDesk) -> tuple[APIRouter, dict[type[Exception], Any]]:
-    """The routes, and the error handlers the app installs for them."""
+async def _unknown(_: Request, exc: Exception) -> JSONResponse:
+    return error_response(404, str(exc), "invalid_request_error", code="not_found")
+
+
+async def _closed(_: Request, exc: Exception) -> JSONResponse:
+    return error_response(409, str(exc), "invalid_request_error", code="approval_closed")
+
+
+ERRORS = {UnknownApprovalError: _unknown, NoToolPolicyError: _unknown, ApprovalClosedError: _closed}
+"""The handlers an app with these routes (or the dashboard's) installs: ``app.add_exception_handler``."""
+
+
+def approvals_router(desk: ApprovalDesk) -> APIRouter:
     router = APIRouter(tags=["approvals"])
     run = desk.store.run
 
@@ -93,13 +105,13 @@ def approvals_router(desk: ApprovalDesk) -> tuple[APIRouter, dict[type[Exception
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
         offset: Annotated[int, Query(ge=0)] = 0,
     ) -> dict[str, Any]:
-        await run(store_approvals.expire_due)
-        found = await run(store_approvals.list_approvals, status=status, limit=limit, offset=offset)
+        await run(approvals.expire_due)
+        found = await run(approvals.list_approvals, status=status, limit=limit, offset=offset)
         return {"object": "list", "data": [a.model_dump(mode="json") for a in found]}
 
     @router.get("/approvals/{approval_id}")
     async def get(approval_id: int) -> ApprovalRecord:
-        return await run(store_approvals.get, approval_id)
+        return await run(approvals.get, approval_id)
 
     @router.post("/approvals/{approval_id}/approve")
     async def approve(approval_id: int, body: DecisionBody) -> ApprovalRecord:
@@ -111,27 +123,21 @@ def approvals_router(desk: ApprovalDesk) -> tuple[APIRouter, dict[type[Exception
 
     @router.get("/tool-policies")
     async def policies() -> dict[str, Any]:
-        found = await run(store_approvals.list_policies)
+        found = await run(approvals.list_policies)
         return {"object": "list", "data": [p.model_dump(mode="json") for p in found]}
 
     @router.get("/tool-policies/{deployment}")
     async def policy(deployment: str) -> ToolPolicyRecord:
-        return await run(store_approvals.get_policy, deployment)
+        return await run(approvals.get_policy, deployment)
 
     @router.put("/tool-policies/{deployment}")
     async def set_policy(deployment: str, body: PolicyBody) -> ToolPolicyRecord:
         fields = body.model_dump(exclude={"by"})
-        return await run(store_approvals.set_policy, deployment, **fields, actor=body.by)
+        return await run(approvals.set_policy, deployment, **fields, actor=body.by)
 
     @router.delete("/tool-policies/{deployment}")
     async def remove_policy(deployment: str, by: Annotated[str, Query(min_length=1, max_length=256)]) -> dict:
-        await run(store_approvals.remove_policy, deployment, actor=by)
+        await run(approvals.remove_policy, deployment, actor=by)
         return {"deployment": deployment, "deleted": True}
 
-    async def unknown(_: Request, exc: Exception):
-        return error_response(404, str(exc), "invalid_request_error", code="not_found")
-
-    async def closed(_: Request, exc: Exception):
-        return error_response(409, str(exc), "invalid_request_error", code="approval_closed")
-
-    return router, {UnknownApprovalError: unknown, NoToolPolicyError: unknown, ApprovalClosedError: closed}
+    return router

@@ -9,7 +9,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
+from flywheel.approvals.desk import ApprovalDesk
+from flywheel.approvals.routes import ERRORS as APPROVAL_ERRORS
 from flywheel.dashboard.api import UnknownRunError, UnknownTrajectoryError, dashboard_router
+from flywheel.dashboard.approvals_api import approvals_ui_router
 from flywheel.dashboard.loop_api import UnknownLoopItemError, loop_router
 from flywheel.server.errors import error_response
 from flywheel.store import Store
@@ -19,10 +22,15 @@ ROOT = "/ui"
 
 
 def mount(app: FastAPI, store: Store, home: Path) -> None:
-    """Add the dashboard to ``app``: its API under ``/ui/api`` (runs; the loop under ``/ui/api/loop``; with their
-    404s) and its page at ``/ui/``."""
+    """Add the dashboard to ``app``: its API under ``/ui/api`` (runs; the loop under ``/ui/api/loop``; approvals
+    under ``/ui/api/approvals``, decided through ``app.state.approvals``, the server's desk, if it has one; with
+    their 404s and 409s) and its page at ``/ui/``."""
     app.include_router(dashboard_router(store, home))
     app.include_router(loop_router(store))
+    app.include_router(approvals_ui_router(getattr(app.state, "approvals", None) or ApprovalDesk(store)))
+
+    for error, handler in APPROVAL_ERRORS.items():
+        app.add_exception_handler(error, handler)
 
     @app.exception_handler(UnknownRunError)
     @app.exception_handler(UnknownLoopItemError)

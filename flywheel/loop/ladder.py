@@ -56,6 +56,7 @@ log = logging.getLogger("flywheel.loop")
 GATE_ACTIONS = ("gate.pass", "gate.hold")  # a checkpoint's decision: one per step
 ROLLBACKS = ("canary.rollback", "shadow.stop")  # a candidate judged worse or unsafe on live traffic
 REWIND = "loop.rewind"  # training went back to production's weights after one (PromotionLadder.rewind_if_due)
+ENDED = {"promote": "promoted", "rollback": "rolled back"}  # a canary's end, as its removal says it
 
 
 class Candidate(BaseModel):
@@ -394,7 +395,7 @@ class PromotionLadder:
             if found.action == "promote":
                 deployments.promote(s, name, actor=self.actor, reason=f"{found.reason} (audit event {event.id})")
             deployments.remove(
-                s, f"{name}@canary", actor=self.actor, reason=f"canary {found.action}d (audit event {event.id})"
+                s, f"{name}@canary", actor=self.actor, reason=f"canary {ENDED[found.action]} (audit event {event.id})"
             )
         log.info("canary %s@%d: %s (%s)", name, canary.step, found.action, found.reason)
         return found

@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flywheel.approvals.desk import ApprovalDesk, ToolNotInScopeError, refuse_out_of_scope
 from flywheel.approvals.policy import Decision
+from flywheel.approvals.routes import ERRORS as APPROVAL_ERRORS
 from flywheel.approvals.routes import approvals_router
 from flywheel.gateway.api import episode_router
 from flywheel.gateway.auth import ApiKeyAuth, ApiKeys, Role, TokenBudgetError, TokenBudgets, request_role
@@ -325,9 +326,8 @@ def create_app(
         app.include_router(episode_router(gateway))
         app.include_router(queue_router(gateway))
     if desk is not None:
-        router, handlers = approvals_router(desk)
-        app.include_router(router)
-        for error, handler in handlers.items():
+        app.include_router(approvals_router(desk))
+        for error, handler in APPROVAL_ERRORS.items():
             app.add_exception_handler(error, handler)
 
     @app.exception_handler(ToolNotInScopeError)

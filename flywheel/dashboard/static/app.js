@@ -8,12 +8,14 @@
 //   #/loop?model=&timeline=&audit=&episodes=    the loop: deployments, promotion timeline, audit trail, production
 //                                               episodes, review agreement (the three lists' page offsets)
 //   #/event/<id>                                one audit event with its details
+//   #/approvals                                 high-impact tool calls waiting for a person: approve or deny
 // Every view is polled while the page is visible and redrawn only when its data changed. Text from the API is
 // always set as text (never parsed as HTML).
 
 const POLL_MS = 4000;
 const PAGE = 50; // the API's page size (flywheel/dashboard/common.py)
 const KEY = "flywheel-api-key"; // an admin key, when the server has keys (kept for this tab only)
+const REVIEWER = "flywheel-reviewer"; // who decides approvals in this browser (the audit events' actor)
 const FIRST = ["reward_mean", "val/reward", "loss", "kl", "entropy", "clip_fraction"]; // the curves shown first
 
 const view = document.getElementById("view");
@@ -75,15 +77,17 @@ class HttpError extends Error {
   }
 }
 
-async function api(path) {
+// GET ``path`` of the API, or POST ``body`` (JSON) to it.
+async function api(path, body) {
   const key = sessionStorage.getItem(KEY);
-  const response = await fetch(`api${path}`, { headers: key ? { "X-API-Key": key } : {} });
-  const body = await response.json().catch(() => ({}));
+  const headers = { ...(key ? { "X-API-Key": key } : {}), ...(body ? { "Content-Type": "application/json" } : {}) };
+  const response = await fetch(`api${path}`, body ? { method: "POST", headers, body: JSON.stringify(body) } : { headers });
+  const answer = await response.json().catch(() => ({}));
   if (!response.ok) {
-    const message = body.error?.message ?? JSON.stringify(body.detail ?? body);
+    const message = answer.error?.message ?? JSON.stringify(answer.detail ?? answer);
     throw new HttpError(response.status, message);
   }
-  return body;
+  return answer;
 }
 
 // ---- views -------------------------------------------------------------------------------------------------------
@@ -563,6 +567,84 @@ async function eventView(id) {
   };
 }
 
+function pretty(text) {
+  try {
+    return JSON.stringify(JSON.parse(text), null, 2);
+  } catch {
+    return text;
+  }
+}
+
+// One waiting call: what the model wants to do, and the two decisions.
+function approvalCard(a) {
+  const decide = async (form, decision) => {
+    const reviewer = document.getElementById("reviewer");
+    const status = form.querySelector(".status");
+    if (!reviewer.value.trim()) {
+      status.textContent = "Say who decides first (above).";
+      reviewer.focus();
+      return;
+    }
+    try {
+      await api(`/approvals/${a.id}/${decision}`, { by: reviewer.value.trim(), reason: form.elements.reason.value || null });
+      refresh(true, false);
+    } catch (error) {
+      status.textContent = error.message;
+    }
+  };
+  return h(
+    "section",
+    { class: "approval", "data-approval": a.id, "aria-labelledby": `approval-${a.id}` },
+    h("h3", { id: `approval-${a.id}` }, `#${a.id} `, h("code", {}, a.tool), a.deployment ? ` · ${a.deployment}` : ""),
+    h("pre", { class: "details" }, pretty(a.arguments)),
+    h("p", { class: "muted" }, `episode ${a.episode_id ?? "–"} · ${a.split ?? "no split"} · asked ${ago(Date.parse(a.requested_at) / 1000)} · denied unless decided by ${when(a.deadline)}`),
+    h(
+      "form",
+      { onsubmit: (event) => { event.preventDefault(); decide(event.target, event.submitter?.value ?? "approve"); } },
+      h("label", { for: `reason-${a.id}` }, "Reason "),
+      h("input", { id: `reason-${a.id}`, name: "reason", maxlength: 2000, size: 32 }),
+      " ",
+      h("button", { type: "submit", value: "approve", class: "approve" }, "Approve"),
+      " ",
+      h("button", { type: "submit", value: "deny", class: "deny" }, "Deny"),
+      " ",
+      h("span", { class: "status error", role: "status" }),
+    ),
+  );
+}
+
+async function approvalsView() {
+  const a = await api("/approvals");
+  return {
+    data: a,
+    draw: () => [
+      h("h1", {}, "Approvals"),
+      h("p", { class: "muted" }, "In production a call of a high-impact tool waits here for a person; one nobody decides by its deadline is denied. The agent is told the decision."),
+      h(
+        "p",
+        {},
+        h("label", { for: "reviewer" }, "Deciding as "),
+        h("input", { id: "reviewer", name: "reviewer", autocomplete: "name", value: localStorage.getItem(REVIEWER) ?? "", oninput: (event) => localStorage.setItem(REVIEWER, event.target.value) }),
+      ),
+      h("h2", {}, `Waiting (${a.pending.length})`),
+      a.pending.length ? a.pending.map(approvalCard) : h("p", { class: "muted" }, "Nothing waits for a decision."),
+      h("h2", {}, "Decided lately"),
+      a.recent.length
+        ? table("The latest decisions, newest first", ["#", "tool", "deployment", "decision", "by", "reason", "when"], a.recent.map((r) => h("tr", { "data-approval": r.id },
+            h("td", {}, r.id), h("td", {}, h("code", {}, r.tool)), h("td", {}, r.deployment ?? "–"),
+            h("td", {}, h("span", { class: `badge ${r.status}` }, r.status)), h("td", {}, r.decided_by ?? "–"),
+            h("td", {}, r.reason ?? ""), h("td", {}, r.decided_at ? when(r.decided_at) : "–"))))
+        : h("p", { class: "muted" }, "No decision yet."),
+      h("h2", {}, "Tool policies"),
+      a.policies.length
+        ? table("Each deployment's tools", ["deployment", "may call", "high-impact", "timeout", "off production"], a.policies.map((p) => h("tr", {},
+            h("td", {}, p.deployment), h("td", {}, p.allowed ? p.allowed.join(", ") : "any tool"), h("td", {}, p.high_impact.join(", ") || "–"),
+            h("td", {}, duration(p.timeout_s)), h("td", {}, p.otherwise))))
+        : h("p", { class: "muted" }, "No tool policies: every deployment may call any tool, and none needs approval (flywheel approvals policy)."),
+    ],
+  };
+}
+
 function keyForm(message) {
   return [
     h("h1", {}, "An admin key is needed"),
@@ -600,6 +682,7 @@ function route() {
   if (parts[0] === "trajectory" && parts[1]) return () => trajectoryView(parts[1]);
   if (parts[0] === "loop") return () => loopView(params);
   if (parts[0] === "event" && parts[1]) return () => eventView(parts[1]);
+  if (parts[0] === "approvals") return approvalsView;
   return runsView;
 }
 
