@@ -19,7 +19,7 @@ from openai.types.chat.chat_completion_message_function_tool_call import (
 )
 from sqlalchemy import text
 
-from flywheel.store import episodes as db
+from flywheel.store import episodes
 from flywheel.store.db import MIGRATIONS, _engine
 
 if TYPE_CHECKING:
@@ -161,7 +161,7 @@ def record_call(s, episode: str, alias: str, step: int, answer: str, messages: l
     from flywheel.store.arms import mark_arm
 
     response = {"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}]}  # fmt: skip
-    db.add_call(
+    episodes.add_call(
         s, episode, model=alias, step=step, request={"messages": messages or []}, response=response, prompt_tokens=1,
         completion_tokens=1, latency_ms=1.0, prefix_call=None, prefix_choice=None, prefix_message=None,
         retokenized_turns=0, reward=None, deployment=alias,
@@ -172,10 +172,10 @@ def record_call(s, episode: str, alias: str, step: int, answer: str, messages: l
 def answered(store: Store, alias: str, step: int, answer: str, *, finish: bool = True) -> str:
     """A finished production episode whose one call ``alias`` (its checkpoint ``step``) answered with ``answer``."""
     with store.session() as s:
-        e = db.create_episode(s, "ticket", split="production", meta={"item": {"id": "ticket"}})
+        e = episodes.create_episode(s, "ticket", split="production", meta={"item": {"id": "ticket"}})
         record_call(s, e.id, alias, step, answer)
         if finish:
-            db.set_outcome(s, e.id, reward=0.0, finish=True)
+            episodes.set_outcome(s, e.id, reward=0.0, finish=True)
     return e.id
 
 

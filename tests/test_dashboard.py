@@ -24,8 +24,7 @@ from flywheel.dashboard.app import create_dashboard_app, mount
 from flywheel.gateway.auth import ApiKeys
 from flywheel.inference.registry import ModelRegistry
 from flywheel.server.app import create_app
-from flywheel.store import Store, deployments
-from flywheel.store import history as history_db
+from flywheel.store import Store, deployments, history
 from flywheel.store.db import default_url
 from flywheel.store.history import RunKey
 from flywheel.train.checkpoint import Checkpoint, CheckpointState
@@ -95,7 +94,7 @@ def write_run(home: Path) -> RunStore:
     store = Store(default_url(home))
     with store.session() as s:
         deployments.deploy(s, f"{NAME}@production", 2, actor="test")
-        history_db.add(s, RunKey("other", "far-away", "r2"), [{"time": 5.0, "step": 4, "split": "train", "loss": 1}])
+        history.add(s, RunKey("other", "far-away", "r2"), [{"time": 5.0, "step": 4, "split": "train", "loss": 1}])
     store.close()
     return run
 

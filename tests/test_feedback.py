@@ -11,9 +11,7 @@ from flywheel.gateway.recorder import Gateway
 from flywheel.inference.registry import ModelRegistry
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
-from flywheel.store import EpisodeConflictError, Store, UnknownEpisodeError
-from flywheel.store import episodes as db
-from flywheel.store import feedback as fb
+from flywheel.store import EpisodeConflictError, Store, UnknownEpisodeError, episodes, feedback
 
 
 @pytest.fixture
@@ -25,29 +23,29 @@ def store(db_url: str):
 
 def test_feedback_is_appended_in_any_state_and_a_key_makes_a_repost_harmless(store: Store):
     with store.session() as s:
-        done, dropped = db.create_episode(s, "t1"), db.create_episode(s, "t2")
-        db.set_outcome(s, done.id, reward=1.0, finish=True)
-        db.abandon(s, dropped.id, "runner gone")
+        done, dropped = episodes.create_episode(s, "t1"), episodes.create_episode(s, "t2")
+        episodes.set_outcome(s, done.id, reward=1.0, finish=True)
+        episodes.abandon(s, dropped.id, "runner gone")
     with store.session() as s:
-        first, created = fb.add_feedback(s, done.id, kind="resolved", value=1.0, source="crm", key="crm-77")
-        again, created_again = fb.add_feedback(s, done.id, kind="resolved", value=1.0, source="crm", key="crm-77")
-        fb.add_feedback(s, done.id, kind="rating", value=2.0, note="slow answer")
-        fb.add_feedback(s, done.id, kind="rating", value=2.0, note="slow answer")  # no key: two ratings
-        fb.add_feedback(s, dropped.id, kind="kpi/reopened", value=1.0)
+        first, created = feedback.add_feedback(s, done.id, kind="resolved", value=1.0, source="crm", key="crm-77")
+        again, created_again = feedback.add_feedback(s, done.id, kind="resolved", value=1.0, source="crm", key="crm-77")
+        feedback.add_feedback(s, done.id, kind="rating", value=2.0, note="slow answer")
+        feedback.add_feedback(s, done.id, kind="rating", value=2.0, note="slow answer")  # no key: two ratings
+        feedback.add_feedback(s, dropped.id, kind="kpi/reopened", value=1.0)
     assert created and not created_again and again == first
     with store.session() as s:
-        rows = fb.feedback_of(s, done.id)
+        rows = feedback.feedback_of(s, done.id)
         assert [(r.kind, r.value, r.key) for r in rows] == [("resolved", 1.0, "crm-77"), ("rating", 2.0, None), ("rating", 2.0, None)]  # fmt: skip
-        assert db.get_episode(s, done.id).reward == 1.0  # the reward it trained on is not changed by feedback
-        assert [r.kind for r in fb.feedback_of(s, dropped.id)] == ["kpi/reopened"]
+        assert episodes.get_episode(s, done.id).reward == 1.0  # the reward it trained on is not changed by feedback
+        assert [r.kind for r in feedback.feedback_of(s, dropped.id)] == ["kpi/reopened"]
     with store.session() as s, pytest.raises(EpisodeConflictError, match="crm-77.*already posted with other content"):
-        fb.add_feedback(s, done.id, kind="resolved", value=0.0, source="crm", key="crm-77")
+        feedback.add_feedback(s, done.id, kind="resolved", value=0.0, source="crm", key="crm-77")
     with store.session() as s, pytest.raises(ValueError, match="nan"):
-        fb.add_feedback(s, done.id, kind="rating", value=float("nan"))
+        feedback.add_feedback(s, done.id, kind="rating", value=float("nan"))
     with store.session() as s, pytest.raises(UnknownEpisodeError):
-        fb.add_feedback(s, "no-such-episode", kind="rating", value=1.0)
+        feedback.add_feedback(s, "no-such-episode", kind="rating", value=1.0)
     with store.session() as s:
-        assert len(fb.feedback_of(s, done.id)) == 3  # nothing half-written by the refused ones
+        assert len(feedback.feedback_of(s, done.id)) == 3  # nothing half-written by the refused ones
 
 
 @pytest.fixture

@@ -26,8 +26,7 @@ from typer.testing import CliRunner
 
 from flywheel.cli import app
 from flywheel.inference.loading import EMBEDDED_MODEL
-from flywheel.store import Store
-from flywheel.store import finetuning as records
+from flywheel.store import Store, finetuning
 from flywheel.store.db import default_url
 from tests.test_cli_commands import FLYWHEEL, env, free_port
 
@@ -270,7 +269,7 @@ def test_a_job_paused_and_resumed_and_one_whose_server_was_killed_go_on_to_succe
         # and a job it had recorded but not yet validated (what a kill between the two leaves in the store)
         store = Store(default_url(tmp_path))
         with store.session() as s:
-            left = records.add_job(
+            left = finetuning.add_job(
                 s, model=ALIAS, base_model=EMBEDDED_MODEL, method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0}}},
                 training_file=no_assistant, validation_file=None, suffix=None, seed=1, meta={},
             ).id  # fmt: skip

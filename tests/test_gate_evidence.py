@@ -18,8 +18,7 @@ from flywheel.local.backend import LocalBackend
 from flywheel.loop.driver import Loop, LoopConfig
 from flywheel.loop.evaluate import HeldOutRun, _item_result
 from flywheel.loop.gate import GatePolicy, ItemResult, decide
-from flywheel.store import Store, audit, deployments
-from flywheel.store import episodes as db
+from flywheel.store import Store, audit, deployments, episodes
 from flywheel.types import Trajectory
 
 SAFE_STACK = parse_stack({
@@ -133,8 +132,8 @@ async def test_the_gate_event_says_safety_was_not_checked(backend: LocalBackend,
 def production_episode(store, split: str, item: dict) -> str:
     """A finished production episode (of ``split``) whose item is ``item``, written through the store's API."""
     with store.session() as s:
-        e = db.create_episode(s, "ticket", split=split, meta={"item": item})
-        db.set_outcome(s, e.id, reward=1.0, finish=True)
+        e = episodes.create_episode(s, "ticket", split=split, meta={"item": item})
+        episodes.set_outcome(s, e.id, reward=1.0, finish=True)
     return e.id
 
 
@@ -181,7 +180,7 @@ async def test_only_production_episodes_go_to_the_canary_or_are_mirrored_to_the_
         with store.session() as s:
             deployments.deploy(s, "m@production", 1, actor="test")
             deployments.deploy(s, "m@canary", 2, actor="test", share=1.0)
-            ids = {split: db.create_episode(s, "t", split=split).id for split in ("production", "eval", "train")}
+            ids = {split: episodes.create_episode(s, "t", split=split).id for split in ("production", "eval", "train")}
         traffic = TrafficPolicy(store)
         routed = {split: (await traffic.route("m@production", e)).deployment for split, e in ids.items()}
         assert routed == {"production": "m@canary", "eval": "m@production", "train": "m@production"}

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.store import EpisodeStatus, Store
-from flywheel.store import episodes as db
+from flywheel.store import EpisodeStatus, Store, episodes
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "gateway" / "train.py"
 
@@ -36,10 +35,10 @@ def test_the_gateway_example_trains_an_unmodified_agent_through_runners(tmp_path
     store = Store(f"sqlite:///{tmp_path / 'flywheel.db'}")
     try:
         with store.session() as s:
-            finished = db.list_episodes(s, status=EpisodeStatus.finished)
+            finished = episodes.list_episodes(s, status=EpisodeStatus.finished)
             assert len(finished) == 3
             for episode in finished:
-                calls = db.calls(s, episode.id)
+                calls = episodes.calls(s, episode.id)
                 assert len(calls) >= 2 and calls[0].retokenized_turns == 0
                 for before, call in itertools.pairwise(calls):
                     if before.response["choices"][0]["finish_reason"] == "length":  # cut: cannot be continued exactly

@@ -25,8 +25,7 @@ from flywheel.inference.loading import EMBEDDED_MODEL, resolve_model
 from flywheel.inference.registry import ModelRegistry
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
-from flywheel.store import EpisodeConflictError, EpisodeStatus, Store
-from flywheel.store import episodes as db
+from flywheel.store import EpisodeConflictError, EpisodeStatus, Store, episodes
 
 USER = {"role": "user", "content": "Name a colour."}
 
@@ -94,12 +93,12 @@ class Agent:
 
 def new_episode(store: Store) -> str:
     with store.session() as s:
-        return db.create_episode(s, "t").id
+        return episodes.create_episode(s, "t").id
 
 
-def calls(store: Store, episode_id: str) -> list[db.CallRecord]:
+def calls(store: Store, episode_id: str) -> list[episodes.CallRecord]:
     with store.session() as s:
-        return db.calls(s, episode_id)
+        return episodes.calls(s, episode_id)
 
 
 async def test_a_call_is_answered_before_its_commit_and_the_next_is_spliced_onto_it(store, tokenizer):
@@ -177,9 +176,9 @@ async def test_a_call_arriving_after_its_episode_closed_is_counted_and_dropped(s
             )
         await gateway.settled(agent.episode_id)
         with store.session() as s:
-            episode = db.get_episode(s, agent.episode_id)
+            episode = episodes.get_episode(s, agent.episode_id)
         assert episode.status == EpisodeStatus.finished and episode.reward == 1
-        assert db.LOST_CALLS not in episode.meta and len(calls(store, agent.episode_id)) == 1
+        assert episodes.LOST_CALLS not in episode.meta and len(calls(store, agent.episode_id)) == 1
         assert (gateway.late_calls, gateway.lost_calls) == (1, 0)
         async with httpx.AsyncClient(base_url=root, timeout=60) as http:
             again = await http.post(f"/episodes/{agent.episode_id}/finish", json={"reward": 1})
@@ -204,9 +203,9 @@ async def test_a_call_that_cannot_be_written_after_its_answer_abandons_its_open_
     await gateway.settled(agent.episode_id)
     try:
         with store.session() as s:
-            episode = db.get_episode(s, agent.episode_id)
+            episode = episodes.get_episode(s, agent.episode_id)
         lost = f"chatcmpl-{agent.episode_id}-2"
-        assert episode.status == EpisodeStatus.abandoned and episode.meta[db.LOST_CALLS] == 1
+        assert episode.status == EpisodeStatus.abandoned and episode.meta[episodes.LOST_CALLS] == 1
         assert lost in episode.meta["abandoned_because"]
         async with httpx.AsyncClient(base_url=root, timeout=60) as http:
             refused = await http.post(f"/episodes/{agent.episode_id}/finish", json={"reward": 1})
@@ -286,7 +285,7 @@ async def test_a_reply_lost_with_its_gateway_is_re_tokenized_context_for_the_res
     assert third.prefix_call == first.id and third.retokenized_turns == 1
     assert third.request["messages"][3]["content"] == "Colour 2."
     with store.session() as s:
-        assert db.get_episode(s, episode_id).status == EpisodeStatus.open
+        assert episodes.get_episode(s, episode_id).status == EpisodeStatus.open
     assert restarted.lost_calls == 0
 
 
@@ -327,7 +326,7 @@ async def test_an_episode_whose_calls_may_be_redacted_waits_for_them_before_its_
     may be spliced onto is known only once they are written, so its prompt waits for them."""
     gateway = Gateway(store)  # redacts production episodes
     with store.session() as s:
-        episode_id = db.create_episode(s, "t", split="production").id
+        episode_id = episodes.create_episode(s, "t", split="production").id
     agent = Agent(gateway, tokenizer, episode_id)
     await agent.turn()
     await gateway.settled(episode_id)

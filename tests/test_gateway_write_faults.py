@@ -30,8 +30,7 @@ from flywheel.gateway.recorder import Gateway, GatewayBusyError, WriteLimits
 from flywheel.inference.registry import ModelRegistry
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
-from flywheel.store import EpisodeConflictError, EpisodeStatus, Store
-from flywheel.store import episodes as db
+from flywheel.store import EpisodeConflictError, EpisodeStatus, Store, episodes
 
 tokenizer = test_gateway_write_behind.tokenizer  # the fixture: the embedded model's tokenizer, no model loaded
 AGENTS = 32
@@ -129,15 +128,15 @@ def accounted(store: Store, gateway: Gateway, answered: list[tuple[str, int]]) -
         by_episode.setdefault(episode_id, set()).add(turn)
     with store.session() as s:
         for episode_id, turns in by_episode.items():
-            recorded = {c.response["id"] for c in db.calls(s, episode_id)}
-            episode = db.get_episode(s, episode_id)
+            recorded = {c.response["id"] for c in episodes.calls(s, episode_id)}
+            episode = episodes.get_episode(s, episode_id)
             for turn in turns:
                 if f"chatcmpl-{episode_id}-{turn}" in recorded:
                     found["recorded"] += 1
                     continue
                 with pytest.raises(EpisodeConflictError, match="lost a call"):
                     gateway.refuse_lost(episode_id)
-                assert episode.status == EpisodeStatus.abandoned and episode.meta[db.LOST_CALLS] >= 1, episode
+                assert episode.status == EpisodeStatus.abandoned and episode.meta[episodes.LOST_CALLS] >= 1, episode
                 found["lost and marked"] += 1
     return dict(found)
 
@@ -185,14 +184,14 @@ async def test_write_behind_rides_out_a_postgresql_restart_and_marks_what_it_los
         assert accounted(store, gateway, agents.answered) == {"recorded": len(agents.answered)}
         assert set(agents.statuses) <= {200, 201, 503}, (agents.statuses, f"this loop stood {watch.longest:.1f} s")
         with store.session() as s:
-            assert all(db.get_episode(s, e).status == EpisodeStatus.finished for e in agents.finished)
+            assert all(episodes.get_episode(s, e).status == EpisodeStatus.finished for e in agents.finished)
         print(f"restart: {len(agents.answered)} calls answered ({during} while it was stopped), {agents.statuses}")
 
         # 2. An outage longer than the writer's retries: the call is lost; its episode is refused at once and marked
         # in the store once the database is back.
         gateway.limits = WriteLimits(retry_s=0.5, wait_s=5)
         with store.session() as s:
-            episode_id = db.create_episode(s, "short").id
+            episode_id = episodes.create_episode(s, "short").id
         agent = Agent(gateway, tokenizer, episode_id)
         await agent.turn()
         await gateway.settled(episode_id)
@@ -214,7 +213,7 @@ async def test_write_behind_rides_out_a_postgresql_restart_and_marks_what_it_los
         # the server's shutdown hangs.
         gateway.limits = WriteLimits(retry_s=1, wait_s=2)
         with store.session() as s:
-            last = Agent(gateway, tokenizer, db.create_episode(s, "last").id)
+            last = Agent(gateway, tokenizer, episodes.create_episode(s, "last").id)
         await last.turn()
         agents = Agents(gateway, tokenizer, root)
         running = asyncio.ensure_future(agents.run())

@@ -40,9 +40,7 @@ from flywheel.loop.ladder import GATE_ACTIONS, REWIND, ROLLBACKS
 from flywheel.model import TrainableModel
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
-from flywheel.store import Store, audit, deployments
-from flywheel.store import episodes as db
-from flywheel.store import tasks as queue
+from flywheel.store import Store, audit, deployments, episodes, tasks
 from flywheel.store.tasks import LeaseLostError, TaskStatus
 from flywheel.train.trainer import load_for_serving
 
@@ -53,43 +51,43 @@ def test_cancel_ends_the_open_tasks_of_a_prefix_and_late_results_change_nothing(
     store = Store(db_url)
     try:
         with store.session() as s:
-            queue.enqueue(s, "train:a_b:0:z:04", {"q": 4}, group_size=1)
-            queue.complete(s, *_ids(queue.claim(s, "runner", 60)), reward=0.0)  # z: complete, left as it is
-            queue.enqueue(s, "train:a_b:1:x:01", {"q": 1}, group_size=3)
-            queue.enqueue(s, "train:a_b:1:y:02", {"q": 2}, group_size=1)
-            queue.enqueue(s, "train:axb:1:x:03", {"q": 3}, group_size=1)  # another loop ('_' is no wildcard)
-            done, running, finished_unreported, _ = [queue.claim(s, "runner", 60) for _ in range(4)]  # x's, y's
+            tasks.enqueue(s, "train:a_b:0:z:04", {"q": 4}, group_size=1)
+            tasks.complete(s, *_ids(tasks.claim(s, "runner", 60)), reward=0.0)  # z: complete, left as it is
+            tasks.enqueue(s, "train:a_b:1:x:01", {"q": 1}, group_size=3)
+            tasks.enqueue(s, "train:a_b:1:y:02", {"q": 2}, group_size=1)
+            tasks.enqueue(s, "train:axb:1:x:03", {"q": 3}, group_size=1)  # another loop ('_' is no wildcard)
+            done, running, finished_unreported, _ = [tasks.claim(s, "runner", 60) for _ in range(4)]  # x's, y's
         with store.session() as s:
-            queue.complete(s, *_ids(done), reward=1.0)
+            tasks.complete(s, *_ids(done), reward=1.0)
             # finished through the episode API, its result not posted yet: it is the attempt's result all the same
-            db.set_outcome(s, finished_unreported.episode.id, reward=0.5, finish=True)
+            episodes.set_outcome(s, finished_unreported.episode.id, reward=0.5, finish=True)
         with store.session() as s:
-            assert queue.cancel(s, "train:a_b:", REASON) == ["train:a_b:1:x:01", "train:a_b:1:y:02"]
+            assert tasks.cancel(s, "train:a_b:", REASON) == ["train:a_b:1:x:01", "train:a_b:1:y:02"]
         with store.session() as s:
-            x, attempts = queue.get_task(s, "train:a_b:1:x:01")
+            x, attempts = tasks.get_task(s, "train:a_b:1:x:01")
             assert x.status == TaskStatus.failed and [a.status for a in attempts] == ["finished", "failed", "finished"]
-            assert db.get_episode(s, running.episode.id).status == "abandoned"
-            assert db.get_episode(s, running.episode.id).meta["abandoned_because"] == REASON
-            assert queue.get_task(s, "train:a_b:1:y:02")[0].status == TaskStatus.failed
-            assert queue.get_task(s, "train:a_b:0:z:04")[0].status == TaskStatus.complete
-            assert queue.get_task(s, "train:axb:1:x:03")[0].status == TaskStatus.open
+            assert episodes.get_episode(s, running.episode.id).status == "abandoned"
+            assert episodes.get_episode(s, running.episode.id).meta["abandoned_because"] == REASON
+            assert tasks.get_task(s, "train:a_b:1:y:02")[0].status == TaskStatus.failed
+            assert tasks.get_task(s, "train:a_b:0:z:04")[0].status == TaskStatus.complete
+            assert tasks.get_task(s, "train:axb:1:x:03")[0].status == TaskStatus.open
         for late in (
-            lambda s: queue.complete(s, running.attempt.id, running.episode.id, reward=1.0),
-            lambda s: queue.heartbeat(s, running.attempt.id, running.episode.id),
+            lambda s: tasks.complete(s, running.attempt.id, running.episode.id, reward=1.0),
+            lambda s: tasks.heartbeat(s, running.attempt.id, running.episode.id),
         ):
             with pytest.raises(LeaseLostError, match="cancelled: its loop restarted"), store.session() as s:
                 late(s)
         with store.session() as s:
-            assert queue.get_task(s, "train:a_b:1:x:01")[0].counts[queue.AttemptStatus.finished] == 2
-            assert queue.cancel(s, "train:a_b:", REASON) == []  # nothing open is left
-            assert queue.claim(s, "runner", 60).attempt.task_id == "train:axb:1:x:03"  # the other loop's only
+            assert tasks.get_task(s, "train:a_b:1:x:01")[0].counts[tasks.AttemptStatus.finished] == 2
+            assert tasks.cancel(s, "train:a_b:", REASON) == []  # nothing open is left
+            assert tasks.claim(s, "runner", 60).attempt.task_id == "train:axb:1:x:03"  # the other loop's only
             with pytest.raises(ValueError, match="empty one would name every task"):
-                queue.cancel(s, "", REASON)
+                tasks.cancel(s, "", REASON)
     finally:
         store.close()
 
 
-def _ids(lease: queue.Lease | None) -> tuple[str, str]:
+def _ids(lease: tasks.Lease | None) -> tuple[str, str]:
     assert lease is not None
     return lease.attempt.id, lease.episode.id
 
@@ -138,7 +136,7 @@ async def test_a_restarted_loop_keeps_the_alarm_and_cancels_what_its_predecessor
     stale = [f"train:{model.name}:3:q0:aa", f"eval:{model.name}:colours:v1:run:q1"]
     with store.session() as s:
         for task_id in [*stale, f"train:{model.name}-2:3:q0:bb"]:  # the last: another loop's
-            queue.enqueue(s, task_id, {"question": "?", "fail": False}, group_size=2, model=model.name)
+            tasks.enqueue(s, task_id, {"question": "?", "fail": False}, group_size=2, model=model.name)
     _raise(store, model.name)
     loop = Loop(config, backend, actor="test")
     await loop.model.register(backend)
@@ -146,8 +144,8 @@ async def test_a_restarted_loop_keeps_the_alarm_and_cancels_what_its_predecessor
         assert await loop.resume() == stale
         assert loop.alarm == "the training reward rose 0.2 -> 0.8"
         with store.session() as s:
-            assert [queue.get_task(s, t)[0].status for t in stale] == [TaskStatus.failed] * 2
-            assert queue.get_task(s, f"train:{model.name}-2:3:q0:bb")[0].status == TaskStatus.open
+            assert [tasks.get_task(s, t)[0].status for t in stale] == [TaskStatus.failed] * 2
+            assert tasks.get_task(s, f"train:{model.name}-2:3:q0:bb")[0].status == TaskStatus.open
             (event,) = audit.events(s, subject=model.name, actions=("loop.cancel",))
             assert event.details == {"tasks": stale, "count": 2}
         assert await loop.resume() == []  # again: nothing is left to cancel, and no second event says so
@@ -159,7 +157,7 @@ async def test_a_restarted_loop_keeps_the_alarm_and_cancels_what_its_predecessor
         assert loop.alarm is None
     finally:
         with store.session() as s:
-            queue.cancel(s, f"train:{model.name}-2:", "test over")
+            tasks.cancel(s, f"train:{model.name}-2:", "test over")
             if alarms.state(s, model.name).raised is not None:
                 alarms.clear(s, model.name, step=0, actor="test", reason="test over")
 
@@ -382,13 +380,13 @@ def test_the_loop_killed_at_random_moments_comes_back_to_the_same_decisions(tmp_
             for deployment in deployments.list_deployments(s, MODEL):
                 assert deployment.step in steps, deployment
             stages = _whole_switches(s)
-            left = [t.id for t in queue.list_tasks(s, status=TaskStatus.open, limit=1000) if MODEL in t.id]
+            left = [t.id for t in tasks.list_tasks(s, status=TaskStatus.open, limit=1000) if MODEL in t.id]
             assert left == []
             cancelled = [t for e in audit.events(s, subject=MODEL, actions=("loop.cancel",))
                          for t in e.details["tasks"]]  # fmt: skip
-            assert all(queue.get_task(s, t)[0].status != TaskStatus.open for t in cancelled)
+            assert all(tasks.get_task(s, t)[0].status != TaskStatus.open for t in cancelled)
             assert not set(cancelled) & set(trained)  # what a killed run's runners did later trained nothing
-            shadows = len(db.list_episodes(s, split="shadow", limit=100_000))
+            shadows = len(episodes.list_episodes(s, split="shadow", limit=100_000))
     finally:
         store.close()
     places = Counter(where for where, _ in kills)

@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 
 from flywheel.loop.offpolicy import ANSWERED_AT, LeftOut, answering_steps, draw, staleness
-from flywheel.store import Store
-from flywheel.store import episodes as db
+from flywheel.store import Store, episodes
 from flywheel.types import OFF_POLICY, sampled_tokens
 
 BASE = "base/model"
@@ -49,15 +48,15 @@ def logged(
         | (asked or {})
     )
     with store.session() as s:
-        e = db.create_episode(s, "ticket", split="production", meta={"item": {"id": "q1"}})
+        e = episodes.create_episode(s, "ticket", split="production", meta={"item": {"id": "q1"}})
         for _ in range(calls):
-            db.add_call(
+            episodes.add_call(
                 s, e.id, model=model, step=step, request=request, response={"choices": [choice]}, prompt_tokens=3,
                 completion_tokens=2, latency_ms=1.0, prefix_call=None, prefix_choice=None, prefix_message=None,
                 retokenized_turns=0, reward=None, text_only=text_only, upstream=upstream,
                 deployment=model if "@" in model and not model.partition("@")[2].isdigit() else None,
             )  # fmt: skip
-        db.set_outcome(s, e.id, reward=1.0, finish=True)
+        episodes.set_outcome(s, e.id, reward=1.0, finish=True)
     return e.id
 
 
@@ -112,7 +111,7 @@ def test_the_newest_join_first_up_to_the_limit_and_an_episode_joins_once(store):
     assert list(again.answered) == [older]
     # an episode answered by two checkpoints counts from the stalest one
     with store.session() as s:
-        (call,) = db.calls(s, older)
+        (call,) = episodes.calls(s, older)
     assert answering_steps([call, call.model_copy(update={"step": 1})], "calc", BASE) == [3, 1]
 
 

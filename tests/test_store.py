@@ -15,10 +15,7 @@ from sqlalchemy import inspect, text
 from typer.testing import CliRunner
 
 from flywheel.cli import app
-from flywheel.store import Store
-from flywheel.store import db as store_db
-from flywheel.store import episodes as db
-from flywheel.store import tasks as queue_db
+from flywheel.store import Store, episodes, tasks
 from flywheel.store.db import MIGRATIONS, StoreUnavailableError, _with_driver
 from flywheel.store.schema import Base
 
@@ -59,16 +56,16 @@ def test_json_and_time_zones_round_trip(store: Store):
     (a server whose TimeZone is not UTC must not shift or relabel them)."""
     meta = {"nested": {"list": [1, 2.5, None, True, "ünï ✓"], "empty": {}}, "big": 2**53, "tiny": 1e-300}
     with store.session() as s:
-        episode = db.create_episode(s, "json-task", meta=meta)
+        episode = episodes.create_episode(s, "json-task", meta=meta)
         request = {"messages": [{"role": "user", "content": 'quote " and \\ and \n'}], "temperature": 0.7}
-        call = db.add_call(
+        call = episodes.add_call(
             s, episode.id, model="m", step=None, request=request, response={"choices": []}, prompt_tokens=1,
             completion_tokens=2, latency_ms=3.5, prefix_call=None, prefix_choice=None, prefix_message=None,
             retokenized_turns=0, reward=None,
         )  # fmt: skip
     with store.session() as s:
-        again = db.get_episode(s, episode.id)
-        (call_again,) = db.calls(s, episode.id)
+        again = episodes.get_episode(s, episode.id)
+        (call_again,) = episodes.calls(s, episode.id)
     assert again.meta == meta and call_again.request == request and call_again.response == {"choices": []}
     for written, read in ((episode.created_at, again.created_at), (call.created_at, call_again.created_at)):
         assert read == written and read.utcoffset() == timedelta(0), (written, read)
@@ -122,27 +119,28 @@ def test_what_a_database_cannot_hold_is_refused_alike_on_both(store: Store):
     and a NUL character in text (PostgreSQL's text cannot hold one) are a ValueError naming the column and where,
     and nothing of that unit of work is written."""
     with store.session() as s:
-        episode = db.create_episode(s, "kept")
+        episode = episodes.create_episode(s, "kept")
     refused = [
-        (lambda s: db.create_episode(s, "t", meta={"scores": [1.0, float("nan")]}), r"episodes\.meta .* nan at \['scores'\]\[1\]"),
-        (lambda s: db.create_episode(s, "a\x00b"), r"episodes\.task_id .* NUL character"),
-        (lambda s: db.set_outcome(s, episode.id, reward=1.0, metrics={"x": float("inf")}), r"episodes\.metrics .* inf at \['x'\]"),
-        (lambda s: queue_db.enqueue(s, "q", {"p": {"deep": float("-inf")}}, group_size=2), r"tasks\.payload .* -inf at \['p'\]\['deep'\]"),
-        (lambda s: queue_db.enqueue(s, "q", {}, group_size=1, model="m\x00"), r"tasks\.model .* NUL character"),
+        (lambda s: episodes.create_episode(s, "t", meta={"scores": [1.0, float("nan")]}), r"episodes\.meta .* nan at \['scores'\]\[1\]"),
+        (lambda s: episodes.create_episode(s, "a\x00b"), r"episodes\.task_id .* NUL character"),
+        (lambda s: episodes.set_outcome(s, episode.id, reward=1.0, metrics={"x": float("inf")}), r"episodes\.metrics .* inf at \['x'\]"),
+        (lambda s: tasks.enqueue(s, "q", {"p": {"deep": float("-inf")}}, group_size=2), r"tasks\.payload .* -inf at \['p'\]\['deep'\]"),
+        (lambda s: tasks.enqueue(s, "q", {}, group_size=1, model="m\x00"), r"tasks\.model .* NUL character"),
     ]  # fmt: skip
     for write, says in refused:
         with pytest.raises(ValueError, match=says), store.session() as s:
             write(s)
     with store.session() as s:
-        assert [e.id for e in db.list_episodes(s)] == [episode.id] and queue_db.list_tasks(s) == []
-        assert db.get_episode(s, episode.id).metrics == {} and db.get_episode(s, episode.id).reward is None
+        assert [e.id for e in episodes.list_episodes(s)] == [episode.id] and tasks.list_tasks(s) == []
+        assert episodes.get_episode(s, episode.id).metrics == {} and episodes.get_episode(s, episode.id).reward is None
 
 
 def test_processes_opening_a_new_database_at_once_migrate_it_once(db_url: str, monkeypatch):
     """Gateways on several machines started together on a new database: before, each created the tables and all but
     one failed; now one migrates while the others wait, then find it done. Four threads stand for the processes:
     each opens a store of its own, without the lock that serialises migrations within one process."""
-    monkeypatch.setattr(store_db, "_migrating", contextlib.nullcontext())  # as if each were a process of its own
+    # as if each were a process of its own
+    monkeypatch.setattr("flywheel.store.db._migrating", contextlib.nullcontext())
     _, errors = at_once(4, lambda _: Store(db_url).close())
     assert errors == []
     test_migrations_build_the_whole_schema_from_empty(db_url)

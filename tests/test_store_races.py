@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from flywheel.store import EpisodeConflictError, Store
-from flywheel.store import episodes as db
-from flywheel.store import tasks as queue_db
+from flywheel.store import EpisodeConflictError, Store, episodes, tasks
 from flywheel.store.arms import ARM_KEY, MIXED, mark_arm
 from flywheel.store.episodes import LOST_CALLS, EpisodeStatus
 from flywheel.store.feedback import add_feedback, feedback_of
@@ -31,7 +29,7 @@ def store(db_url: str):
 
 def _episode(store: Store) -> str:
     with store.session() as s:
-        return db.create_episode(s, "race").id
+        return episodes.create_episode(s, "race").id
 
 
 def _unit(store: Store, fn, *args, **kwargs):
@@ -44,12 +42,12 @@ def test_two_finishes_with_different_rewards_one_succeeds(store: Store):
         episode_id = _episode(store)
 
         def finish(i: int, episode_id: str = episode_id) -> float:
-            return _unit(store, db.set_outcome, episode_id, reward=float(i), finish=True).reward
+            return _unit(store, episodes.set_outcome, episode_id, reward=float(i), finish=True).reward
 
         results, errors = at_once(2, finish)
         assert len(results) == 1 and len(errors) == 1, (round_, results, errors)
         assert isinstance(errors[0], EpisodeConflictError) and "already finished with reward" in str(errors[0])
-        assert _unit(store, db.get_episode, episode_id).reward == results[0]
+        assert _unit(store, episodes.get_episode, episode_id).reward == results[0]
 
 
 def test_abandon_and_finish_at_once_one_succeeds(store: Store):
@@ -58,13 +56,13 @@ def test_abandon_and_finish_at_once_one_succeeds(store: Store):
 
         def close(i: int, episode_id: str = episode_id) -> str:
             if i == 0:
-                return _unit(store, db.abandon, episode_id, "gave up").status
-            return _unit(store, db.set_outcome, episode_id, reward=1.0, finish=True).status
+                return _unit(store, episodes.abandon, episode_id, "gave up").status
+            return _unit(store, episodes.set_outcome, episode_id, reward=1.0, finish=True).status
 
         results, errors = at_once(2, close)
         assert len(results) == 1 and len(errors) == 1, (round_, results, errors)
         assert isinstance(errors[0], EpisodeConflictError)
-        assert _unit(store, db.get_episode, episode_id).status == results[0]
+        assert _unit(store, episodes.get_episode, episode_id).status == results[0]
 
 
 def test_two_arms_marked_at_once_make_a_mixed_episode(store: Store):
@@ -73,7 +71,7 @@ def test_two_arms_marked_at_once_make_a_mixed_episode(store: Store):
         episode_id = _episode(store)
         results, errors = at_once(2, lambda i, e=episode_id: _unit(store, mark_arm, e, f"calc@{i}"))
         assert errors == [] and MIXED in results, (round_, results, errors)
-        assert _unit(store, db.get_episode, episode_id).meta[ARM_KEY] == MIXED
+        assert _unit(store, episodes.get_episode, episode_id).meta[ARM_KEY] == MIXED
 
 
 def test_an_arm_marked_while_an_episode_is_abandoned_keeps_both(store: Store):
@@ -82,20 +80,24 @@ def test_an_arm_marked_while_an_episode_is_abandoned_keeps_both(store: Store):
         episode_id = _episode(store)
 
         def write(i: int, episode_id: str = episode_id):
-            return _unit(store, mark_arm, episode_id, "calc@canary") if i else _unit(store, db.abandon, episode_id, "x")
+            return (
+                _unit(store, mark_arm, episode_id, "calc@canary")
+                if i
+                else _unit(store, episodes.abandon, episode_id, "x")
+            )
 
         _, errors = at_once(2, write)
         assert errors == [], (round_, errors)
-        meta = _unit(store, db.get_episode, episode_id).meta
+        meta = _unit(store, episodes.get_episode, episode_id).meta
         assert meta.get(ARM_KEY) == "calc@canary" and meta.get("abandoned_because") == "x", (round_, meta)
 
 
 def test_lost_calls_at_once_are_each_counted(store: Store):
     for round_ in range(ROUNDS // 5):
         episode_id = _episode(store)
-        _, errors = at_once(4, lambda i, e=episode_id: _unit(store, db.lose_call, e, f"call {i} lost"))
+        _, errors = at_once(4, lambda i, e=episode_id: _unit(store, episodes.lose_call, e, f"call {i} lost"))
         assert errors == [], (round_, errors)
-        assert _unit(store, db.get_episode, episode_id).meta[LOST_CALLS] == 4
+        assert _unit(store, episodes.get_episode, episode_id).meta[LOST_CALLS] == 4
 
 
 def test_one_feedback_key_posted_twice_at_once_is_stored_once(store: Store):
@@ -125,22 +127,22 @@ def test_a_lease_expiring_while_its_episode_finishes_never_grows_the_group(store
     finished episodes, and every finished episode is a finished attempt's."""
     for round_ in range(ROUNDS // 2):
         task_id = f"group-{round_}"
-        _unit(store, queue_db.enqueue, task_id, {}, group_size=1, max_tries=5)
-        lease = _unit(store, queue_db.claim, "slow", 0.001)
+        _unit(store, tasks.enqueue, task_id, {}, group_size=1, max_tries=5)
+        lease = _unit(store, tasks.claim, "slow", 0.001)
         assert lease is not None
 
         def race(i: int, episode_id: str = lease.episode.id):
             if i == 0:
-                return _unit(store, db.set_outcome, episode_id, reward=1.0, finish=True)
-            return _unit(store, queue_db.claim, "other", 30)
+                return _unit(store, episodes.set_outcome, episode_id, reward=1.0, finish=True)
+            return _unit(store, tasks.claim, "other", 30)
 
         results, errors = at_once(2, race)
         assert all(isinstance(e, EpisodeConflictError) for e in errors), (round_, errors)
-        claimed = next((r for r in results if isinstance(r, queue_db.Lease)), None)
+        claimed = next((r for r in results if isinstance(r, tasks.Lease)), None)
         while claimed is not None:  # the requeued attempt runs again, to its end
-            _unit(store, queue_db.complete, claimed.attempt.id, claimed.episode.id, reward=0.5)
-            claimed = _unit(store, queue_db.claim, "other", 30)
-        task, attempts = _unit(store, queue_db.get_task, task_id)
-        finished = _unit(store, db.list_episodes, task_id=task_id, status=EpisodeStatus.finished)
+            _unit(store, tasks.complete, claimed.attempt.id, claimed.episode.id, reward=0.5)
+            claimed = _unit(store, tasks.claim, "other", 30)
+        task, attempts = _unit(store, tasks.get_task, task_id)
+        finished = _unit(store, episodes.list_episodes, task_id=task_id, status=EpisodeStatus.finished)
         assert task.complete and len(finished) == 1, (round_, task, finished)
-        assert [a.episode_id for a in attempts if a.status == queue_db.AttemptStatus.finished] == [finished[0].id]
+        assert [a.episode_id for a in attempts if a.status == tasks.AttemptStatus.finished] == [finished[0].id]

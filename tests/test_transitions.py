@@ -14,8 +14,7 @@ import flywheel as art
 from flywheel.agents import Transition, from_transitions, read_transitions, to_transitions, write_transitions
 from flywheel.checkpoints.run import RunStore
 from flywheel.cli import app
-from flywheel.store import Store
-from flywheel.store import history as history_db
+from flywheel.store import Store, history
 from flywheel.train.credit import set_turn_rewards, turn_rewards
 
 from helpers import sampled
@@ -155,7 +154,7 @@ async def test_cli_exports_a_run_the_backend_logged(tmp_path, monkeypatch):
     # a stored row that is no trajectory (another writer's): the error says which, the earlier export is left alone
     run = RunStore(backend.model_dir(model))
     with Store(run.db).session() as s:
-        history_db.add_trajectories(s, run.key, "val", 0, ['{"messages_and_choices": "oops"}'])
+        history.add_trajectories(s, run.key, "val", 0, ['{"messages_and_choices": "oops"}'])
     broken = runner.invoke(app, ["export", "transitions", "proj/exporter", "--split", "val"])
     assert broken.exit_code == 2 and "val trajectory 3 (step 0) is not a trajectory" in broken.output.replace("\n", "")
     assert out.read_text() == saved

@@ -142,14 +142,14 @@ def eval_command(
 def _stack_from(value: str, store) -> Any:
     """A stack file, or the version (hash) of a stack already stored."""
     from flywheel.graders.stack import load_stack, parse_stack
-    from flywheel.store import grades as gdb
+    from flywheel.store import grades
 
     if Path(value).exists():
         return load_stack(value)
     with store.session() as s:
         try:
-            return parse_stack(gdb.get_stack(s, value).spec, f"stored version {value}")
-        except gdb.UnknownStackError:
+            return parse_stack(grades.get_stack(s, value).spec, f"stored version {value}")
+        except grades.UnknownStackError:
             raise typer.BadParameter(f"{value!r} is neither a file nor a stored stack version") from None
 
 

@@ -123,11 +123,10 @@ def _message(message: dict[str, Any]) -> str:
 def _show(s, episode_id: str) -> None:
     """An episode as a reviewer needs it: what it was, its conversation (the last call's messages and answer) and
     its grades by each stack version."""
-    from flywheel.store import episodes as edb
-    from flywheel.store import grades as gdb
+    from flywheel.store import episodes, grades
 
-    episode = edb.get_episode(s, episode_id)
-    calls = edb.calls(s, episode_id)
+    episode = episodes.get_episode(s, episode_id)
+    calls = episodes.calls(s, episode_id)
     console.rule(escape(f"episode {episode.id}"))
     console.print(
         escape(f"task {episode.task_id}, split {episode.split}, model {episode.model}, reward {episode.reward}"),
@@ -141,7 +140,7 @@ def _show(s, episode_id: str) -> None:
             console.print(escape(_message(message)), highlight=False, soft_wrap=True)
     else:
         console.print("(no calls recorded)")
-    for g in gdb.grades_of(s, episode_id):
+    for g in grades.grades_of(s, episode_id):
         console.print(escape(f"grade {g.version} {g.component} ({g.grader}): {g.score:.3f}"), highlight=False)
 
 

@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.server.limits import UPLOAD_MAX_BYTES
-from flywheel.store import Store
-from flywheel.store import finetuning as records
+from flywheel.store import Store, finetuning
 from flywheel.store.schema import FineTuningFile
 
 PURPOSES = ("fine-tune",)  # what may be uploaded
@@ -122,7 +121,7 @@ class Files:
         return self._keep("step_metrics.csv", RESULTS, base64.b64encode(text.getvalue().encode()), len(rows))
 
     def _keep(self, filename: str, purpose: str, data: bytes, lines: int) -> FineTuningFile:
-        file_id = records.new_id("file")
+        file_id = finetuning.new_id("file")
         self.root.mkdir(parents=True, exist_ok=True)
         partial = self.path(file_id).with_suffix(".partial")
         with partial.open("wb") as out:  # whole and synced before the record points at it
@@ -131,7 +130,7 @@ class Files:
             os.fsync(out.fileno())
         partial.replace(self.path(file_id))
         with self.store.session() as s:
-            row = records.add_file(
+            row = finetuning.add_file(
                 s, file_id=file_id, filename=filename, purpose=purpose, size=len(data), lines=lines,
                 sha256=hashlib.sha256(data).hexdigest(),
             )  # fmt: skip
@@ -140,15 +139,15 @@ class Files:
 
     def content(self, file_id: str) -> bytes:
         with self.store.session() as s:
-            records.get_file(s, file_id)
+            finetuning.get_file(s, file_id)
         return self.path(file_id).read_bytes()
 
     def examples(self, file_id: str, param: str) -> int:
         """How many examples a file has (a FileError if it does not exist: ``param`` names the request's field)."""
         with self.store.session() as s:
             try:
-                row = records.get_file(s, file_id, param)
-            except records.UnknownObjectError:
+                row = finetuning.get_file(s, file_id, param)
+            except finetuning.UnknownObjectError:
                 raise FileError(f"The file '{file_id}' ({param}) does not exist.", param, "invalid_file_id") from None
             if row.purpose not in PURPOSES:
                 raise FileError(f"The file '{file_id}' ({param}) is a job's {row.purpose} file, not examples.", param, "invalid_file_id")  # fmt: skip
@@ -162,5 +161,5 @@ class Files:
 
     def delete(self, file_id: str) -> None:
         with self.store.session() as s:
-            records.delete_file(s, file_id)
+            finetuning.delete_file(s, file_id)
         self.path(file_id).unlink(missing_ok=True)

@@ -23,8 +23,7 @@ from flywheel.graders.spec import Grader
 from flywheel.local.backend import LocalBackend
 from flywheel.loop.gate import GateDecision, GatePolicy, ItemResult, decide
 from flywheel.model import Model, TrainableModel
-from flywheel.store import Store, audit, deployments
-from flywheel.store import finetuning as records
+from flywheel.store import Store, audit, deployments, finetuning
 from flywheel.store.deployments import STAGE
 from flywheel.store.schema import FineTuningCheckpoint
 from flywheel.store.schema import FineTuningJob as JobRow
@@ -78,7 +77,7 @@ def _weights_step(checkpoint: FineTuningCheckpoint) -> int:
 def decided(store: Store, job_id: str) -> bool:
     """Whether the job's gate decision is recorded (a restarted job never decides twice)."""
     with store.session() as s:
-        return any("gate_event" in (e.data or {}) for e in records.list_events(s, job_id, after=None, limit=10_000))
+        return any("gate_event" in (e.data or {}) for e in finetuning.list_events(s, job_id, after=None, limit=10_000))
 
 
 async def send_through_gate(
@@ -99,14 +98,14 @@ async def send_through_gate(
     assert gate is not None
     stage, policy = gate
     with store.session() as s:
-        chosen = best(records.checkpoints(s, job.id))
+        chosen = best(finetuning.checkpoints(s, job.id))
         if chosen is None:  # every step's groups scored alike: the weights are the base model's
             said = (f"The gate was not asked: no step of the job changed the weights (every group's answers scored "
                     f"alike), so {model.name}@{stage} was not deployed")  # fmt: skip
-            records.add_event(s, job.id, said, level="warn", data={"gate_event": 0, "promote": False})
+            finetuning.add_event(s, job.id, said, level="warn", data={"gate_event": 0, "promote": False})
             return None
         step = _weights_step(chosen)
-        records.add_event(s, job.id, f"Sending checkpoint {chosen.model} (job step {chosen.step}, the best by "
+        finetuning.add_event(s, job.id, f"Sending checkpoint {chosen.model} (job step {chosen.step}, the best by "
                           f"validation reward) through the gate against {job.base_model}")  # fmt: skip
     await backend.load(job.base_model)
 
@@ -139,7 +138,7 @@ async def send_through_gate(
             said = f"The gate passed {chosen.model}: {summary}. Deployed as {alias}"
         else:
             said = f"The gate held {chosen.model}: {summary}. Failed {failed}. {alias} was not deployed"
-        records.add_event(s, job.id, said, level="info" if decision.promote else "warn",
+        finetuning.add_event(s, job.id, said, level="info" if decision.promote else "warn",
                           data={"gate_event": event.id, "promote": decision.promote, "deployment": alias})  # fmt: skip
     return decision
 

@@ -21,8 +21,7 @@ from flywheel.finetuning.wire import Hyperparameters, JobCreate, SupervisedMetho
 from flywheel.graders.spec import GraderSpecError, parse_grader
 from flywheel.graders.templates import variables
 from flywheel.openai_api import ResponseFormat
-from flywheel.store import Store
-from flywheel.store import finetuning as records
+from flywheel.store import Store, finetuning
 from flywheel.store.finetuning import JobStatus
 from flywheel.store.schema import FineTuningJob as JobRow
 
@@ -140,18 +139,18 @@ class Jobs:
         method[kind]["hyperparameters"] = _resolved(kind, hyper, examples, validation)
         seed = body.seed if body.seed is not None else random.SystemRandom().randrange(2**31)
         with self.store.session() as s:
-            job = records.add_job(
+            job = finetuning.add_job(
                 s, model=body.model, base_model=base, method=method, training_file=body.training_file,
                 validation_file=body.validation_file, suffix=body.suffix, seed=seed, meta=body.metadata or {},
             )  # fmt: skip
-            records.add_event(s, job.id, f"Validating training file: {body.training_file}")
+            finetuning.add_event(s, job.id, f"Validating training file: {body.training_file}")
             if body.validation_file:
-                records.add_event(s, job.id, f"Validating validation file: {body.validation_file}")
+                finetuning.add_event(s, job.id, f"Validating validation file: {body.validation_file}")
             if kind == "reinforcement" and hyper.get("reasoning_effort", "default") != "default":
-                records.add_event(s, job.id, f"reasoning_effort '{hyper['reasoning_effort']}' is ignored: the "
+                finetuning.add_event(s, job.id, f"reasoning_effort '{hyper['reasoning_effort']}' is ignored: the "
                                   "model answers as it is asked.", level="warn")  # fmt: skip
             if body.integrations:
-                records.add_event(s, job.id, "Integrations (wandb) are not run by this server: set WANDB_API_KEY "
+                finetuning.add_event(s, job.id, "Integrations (wandb) are not run by this server: set WANDB_API_KEY "
                                   "where it runs to log its models' steps to W&B.", level="warn")  # fmt: skip
             s.flush()  # its changes are written before it leaves the session
             s.expunge(job)
@@ -168,15 +167,15 @@ class Jobs:
         except Exception as exc:
             log.exception("validating fine-tuning job %s", job_id)
             with self.store.session() as s:
-                job = records.get_job(s, job_id)
+                job = finetuning.get_job(s, job_id)
                 if job.status == JobStatus.validating_files:
                     message = f"The files could not be validated: {type(exc).__name__}: {exc}"
-                    records.set_status(s, job, JobStatus.failed, error={"code": "server_error", "message": message, "param": None})  # fmt: skip
-                    records.add_event(s, job.id, f"The job failed: {message}", level="error")
+                    finetuning.set_status(s, job, JobStatus.failed, error={"code": "server_error", "message": message, "param": None})  # fmt: skip
+                    finetuning.add_event(s, job.id, f"The job failed: {message}", level="error")
 
     def _validate(self, job_id: str) -> None:
         with self.store.session() as s:
-            job = records.get_job(s, job_id)
+            job = finetuning.get_job(s, job_id)
             if job.status != JobStatus.validating_files:
                 return
             s.expunge(job)
@@ -192,21 +191,21 @@ class Jobs:
                 error = {"code": f"invalid_{param}", "param": param, "message": f"Invalid {param} ({file_id}): {problem}."}  # fmt: skip
                 break
         with self.store.session() as s:
-            job = records.get_job(s, job_id)
+            job = finetuning.get_job(s, job_id)
             if job.status != JobStatus.validating_files:
                 return
             if error is not None:
-                records.set_status(s, job, JobStatus.failed, error=error)
-                records.add_event(s, job.id, f"The job failed: {error['message']}", level="error")
+                finetuning.set_status(s, job, JobStatus.failed, error=error)
+                finetuning.add_event(s, job.id, f"The job failed: {error['message']}", level="error")
                 return
-            records.add_event(s, job.id, "Files validated, moving job to queued state")
-            records.set_status(s, job, JobStatus.queued)
+            finetuning.add_event(s, job.id, "Files validated, moving job to queued state")
+            finetuning.set_status(s, job, JobStatus.queued)
         self.worker.wake()
 
     def validate_left(self) -> None:
         """Validate again the jobs a stopped server left ``validating_files`` (none is lost)."""
         with self.store.session() as s:
-            left = [job.id for job in records.jobs_in(s, JobStatus.validating_files)]
+            left = [job.id for job in finetuning.jobs_in(s, JobStatus.validating_files)]
         for job_id in left:
             self._validator.submit(self.validate, job_id)
 
@@ -248,23 +247,23 @@ class Jobs:
 
     def _change(self, job_id: str, action: str) -> JobRow:
         with self.store.session() as s:
-            job = records.get_job(s, job_id)
+            job = finetuning.get_job(s, job_id)
             status = JobStatus(job.status)
             if action == "cancel":
-                if status in records.FINAL:
+                if status in finetuning.FINAL:
                     raise JobError(f"Job {job_id} is {status}: it cannot be cancelled.", "fine_tuning_job_id", "job_already_finished")  # fmt: skip
-                records.set_status(s, job, JobStatus.cancelled)
-                records.add_event(s, job.id, "Job cancelled" + (" (its training stops at the next step)" if status == JobStatus.running else ""))  # fmt: skip
+                finetuning.set_status(s, job, JobStatus.cancelled)
+                finetuning.add_event(s, job.id, "Job cancelled" + (" (its training stops at the next step)" if status == JobStatus.running else ""))  # fmt: skip
             elif action == "pause":
                 if status not in (JobStatus.running, JobStatus.queued):
                     raise JobError(f"Job {job_id} is {status}: only a running or queued job can be paused.", "fine_tuning_job_id", "invalid_job_state")  # fmt: skip
                 job.status, job.estimated_finish = JobStatus.paused, None
-                records.add_event(s, job.id, "Job paused" + (" (its training stops at the next step)" if status == JobStatus.running else ""))  # fmt: skip
+                finetuning.add_event(s, job.id, "Job paused" + (" (its training stops at the next step)" if status == JobStatus.running else ""))  # fmt: skip
             else:  # resume
                 if status != JobStatus.paused:
                     raise JobError(f"Job {job_id} is {status}: only a paused job can be resumed.", "fine_tuning_job_id", "invalid_job_state")  # fmt: skip
                 job.status = JobStatus.queued
-                records.add_event(s, job.id, "Job resumed: queued")
+                finetuning.add_event(s, job.id, "Job resumed: queued")
             s.flush()  # its changes are written before it leaves the session
             s.expunge(job)
         self.worker.wake()

@@ -13,7 +13,7 @@ from flywheel.finetuning.files import FileError
 from flywheel.finetuning.jobs import JobError
 from flywheel.finetuning.service import FineTuning
 from flywheel.server.errors import error_response
-from flywheel.store import finetuning as records
+from flywheel.store import finetuning
 from flywheel.store.finetuning import UnknownObjectError
 
 Limit = Annotated[int, Query(ge=1, le=10_000)]
@@ -56,14 +56,14 @@ def _router(service: FineTuning) -> APIRouter:
         after: str | None = None,
     ):
         def unit(s):  # the objects are built inside the unit of work, while their rows are loaded
-            rows = records.list_files(s, purpose=purpose, after=after, limit=limit + 1, order=order)
+            rows = finetuning.list_files(s, purpose=purpose, after=after, limit=limit + 1, order=order)
             return wire.page(rows, limit, wire.file_object)
 
         return await store.run(unit)
 
     @router.get("/v1/files/{file_id}")
     async def retrieve_file(file_id: str):
-        return await store.run(lambda s: wire.file_object(records.get_file(s, file_id)))
+        return await store.run(lambda s: wire.file_object(finetuning.get_file(s, file_id)))
 
     @router.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str):
@@ -85,11 +85,11 @@ def _router(service: FineTuning) -> APIRouter:
     async def list_jobs(request: Request, after: str | None = None, limit: Limit = 20):
         meta = {k[len("metadata[") : -1]: v for k, v in request.query_params.items() if k.startswith("metadata[") and k.endswith("]")}  # fmt: skip
 
-        return await store.run(lambda s: wire.page(records.list_jobs(s, after=after, limit=limit + 1, meta=meta), limit, wire.job_object))  # fmt: skip
+        return await store.run(lambda s: wire.page(finetuning.list_jobs(s, after=after, limit=limit + 1, meta=meta), limit, wire.job_object))  # fmt: skip
 
     @router.get("/v1/fine_tuning/jobs/{job_id}")
     async def retrieve_job(job_id: str):
-        return await store.run(lambda s: wire.job_object(records.get_job(s, job_id)))
+        return await store.run(lambda s: wire.job_object(finetuning.get_job(s, job_id)))
 
     @router.post("/v1/fine_tuning/jobs/{job_id}/cancel")
     async def cancel_job(job_id: str):
@@ -105,10 +105,10 @@ def _router(service: FineTuning) -> APIRouter:
 
     @router.get("/v1/fine_tuning/jobs/{job_id}/events")
     async def list_events(job_id: str, after: str | None = None, limit: Limit = 20):
-        return await store.run(lambda s: wire.page(records.list_events(s, job_id, after=after, limit=limit + 1), limit, wire.event_object))  # fmt: skip
+        return await store.run(lambda s: wire.page(finetuning.list_events(s, job_id, after=after, limit=limit + 1), limit, wire.event_object))  # fmt: skip
 
     @router.get("/v1/fine_tuning/jobs/{job_id}/checkpoints")
     async def list_checkpoints(job_id: str, after: str | None = None, limit: Limit = 10):
-        return await store.run(lambda s: wire.page(records.list_checkpoints(s, job_id, after=after, limit=limit + 1), limit, wire.checkpoint_object))  # fmt: skip
+        return await store.run(lambda s: wire.page(finetuning.list_checkpoints(s, job_id, after=after, limit=limit + 1), limit, wire.checkpoint_object))  # fmt: skip
 
     return router

@@ -10,8 +10,7 @@ from flywheel.finetuning.jobs import BaseModels, Jobs
 from flywheel.finetuning.wire import ORGANIZATION
 from flywheel.finetuning.worker import RFT_MAX_TOKENS, JobWorker
 from flywheel.inference.registry import ServedModel
-from flywheel.store import Store
-from flywheel.store import finetuning as records
+from flywheel.store import Store, finetuning
 from flywheel.store.finetuning import JobStatus
 
 
@@ -52,7 +51,7 @@ class FineTuning:
     def models(self) -> list[dict[str, Any]]:
         """The succeeded jobs' models, as ``/v1/models`` lists them (served on their first request)."""
         with self.store.session() as s:
-            jobs = records.list_jobs(s, after=None, limit=10_000)
+            jobs = finetuning.list_jobs(s, after=None, limit=10_000)
             done = [j for j in jobs if j.status == JobStatus.succeeded and j.fine_tuned_model]
             return [{"id": j.fine_tuned_model, "object": "model", "created": int(j.created_at.timestamp()),
                      "owned_by": ORGANIZATION} for j in done]  # fmt: skip

@@ -12,7 +12,7 @@ from openai.types.fine_tuning import FineTuningJob, FineTuningJobEvent
 from openai.types.fine_tuning.jobs import FineTuningJobCheckpoint
 from pydantic import BaseModel, ConfigDict, Field
 
-from flywheel.store import finetuning as records
+from flywheel.store import finetuning
 from flywheel.store.schema import FineTuningCheckpoint, FineTuningEvent, FineTuningFile
 from flywheel.store.schema import FineTuningJob as JobRow
 
@@ -122,7 +122,7 @@ def job_object(row: JobRow) -> dict[str, Any]:
 
 def event_object(row: FineTuningEvent) -> dict[str, Any]:
     return FineTuningJobEvent(
-        id=records.event_id(row), created_at=_ts(row.created_at), level=row.level, message=row.message,
+        id=finetuning.event_id(row), created_at=_ts(row.created_at), level=row.level, message=row.message,
         object="fine_tuning.job.event", data=row.data, type=row.type,
     ).model_dump(mode="json")  # fmt: skip
 

@@ -37,8 +37,7 @@ from flywheel.graders.spec import parse_grader
 from flywheel.inference.registry import ServedModel, UnknownModelError
 from flywheel.local.backend import LocalBackend
 from flywheel.model import TrainableModel
-from flywheel.store import Store
-from flywheel.store import finetuning as records
+from flywheel.store import Store, finetuning
 from flywheel.store.finetuning import JobStatus
 from flywheel.store.schema import FineTuningCheckpoint
 from flywheel.store.schema import FineTuningJob as JobRow
@@ -64,7 +63,7 @@ class _Pace:
         if step <= self.first:
             return None
         per_step = (time.monotonic() - self.start) / (step - self.first)
-        return records.now() + timedelta(seconds=per_step * (self.total - step))
+        return finetuning.now() + timedelta(seconds=per_step * (self.total - step))
 
 
 class _Stop(Exception):
@@ -131,7 +130,7 @@ class JobWorker:
                 with contextlib.suppress(UnknownModelError):
                     return self.backend.registry.get(name)
         with self.store.session() as s:
-            job = records.find_job_by_model(s, model_name)
+            job = finetuning.find_job_by_model(s, model_name)
             base = None if job is None else job.base_model
         if base is None:
             return None
@@ -182,8 +181,8 @@ class JobWorker:
             # its own loopback server: RFT samples the job's model as an agent would (rft_rollout)
             self.backend = LocalBackend(path=self.home, **self.backend_options)
             with self.store.session() as s:
-                for job in records.jobs_in(s, JobStatus.running):  # the server stopped while it ran
-                    records.add_event(s, job.id, "The server restarted: the job resumes from its last checkpoint")
+                for job in finetuning.jobs_in(s, JobStatus.running):  # the server stopped while it ran
+                    finetuning.add_event(s, job.id, "The server restarted: the job resumes from its last checkpoint")
                     job.status = JobStatus.queued
         except BaseException as exc:
             self._failure = exc
@@ -193,7 +192,7 @@ class JobWorker:
         try:
             while not self._stopping.is_set():
                 with self.store.session() as s:
-                    job = records.next_queued(s)
+                    job = finetuning.next_queued(s)
                     if job is not None:
                         s.expunge(job)
                 if job is None:
@@ -212,11 +211,11 @@ class JobWorker:
         except Exception as exc:  # a job that cannot go on is failed with the reason, never lost
             log.exception("fine-tuning job %s failed", job.id)
             with self.store.session() as s:
-                row = records.get_job(s, job.id)
-                if row.status not in records.FINAL:
+                row = finetuning.get_job(s, job.id)
+                if row.status not in finetuning.FINAL:
                     message = f"{type(exc).__name__}: {exc}"
-                    records.set_status(s, row, JobStatus.failed, error={"code": "server_error", "message": message, "param": None})  # fmt: skip
-                    records.add_event(s, job.id, f"The job failed: {message}", level="error")
+                    finetuning.set_status(s, row, JobStatus.failed, error={"code": "server_error", "message": message, "param": None})  # fmt: skip
+                    finetuning.add_event(s, job.id, f"The job failed: {message}", level="error")
             if (model := self._models.get(self._training or "")) is not None:  # its live weights are half-trained
                 with contextlib.suppress(Exception):
                     await self._unload(model)
@@ -225,7 +224,7 @@ class JobWorker:
 
     def _status(self, job_id: str) -> JobStatus:
         with self.store.session() as s:
-            return JobStatus(records.get_job(s, job_id).status)
+            return JobStatus(finetuning.get_job(s, job_id).status)
 
     async def _supervised(self, job: JobRow) -> None:
         assert self.backend is not None
@@ -271,7 +270,7 @@ class JobWorker:
             loss = sum(h["loss"] for h in history) / len(history) if history else math.nan
             tokens = sum(int(h["tokens_trained"]) for h in history)
             with self.store.session() as s:
-                row = records.get_job(s, job.id)
+                row = finetuning.get_job(s, job.id)
                 row.trained_tokens = (row.trained_tokens or 0) + tokens
             await self._checkpoint(job, model, epoch, {"train_loss": loss}, valid)
             await self._stop_if_asked(job, model)  # paused or cancelled while the epoch ended
@@ -281,14 +280,14 @@ class JobWorker:
         """The job's model, registered, and its checkpoints so far; None if the job is no longer queued."""
         assert self.backend is not None
         with self.store.session() as s:
-            row = records.get_job(s, job.id)
+            row = finetuning.get_job(s, job.id)
             if row.status != JobStatus.queued:
                 return None
             row.status = JobStatus.running
-            done = records.checkpoints(s, job.id)
+            done = finetuning.checkpoints(s, job.id)
             for c in done:
                 s.expunge(c)
-            records.add_event(s, job.id, "Fine-tuning job started" if not done else f"Fine-tuning job resumed after step {done[-1].step}")  # fmt: skip
+            finetuning.add_event(s, job.id, "Fine-tuning job started" if not done else f"Fine-tuning job resumed after step {done[-1].step}")  # fmt: skip
         model = TrainableModel(name=job.fine_tuned_model or fine_tuned_name(job), project=PROJECT, base_model=job.base_model)  # fmt: skip
         self._training = model.name
         return await self._load(model), done
@@ -305,28 +304,28 @@ class JobWorker:
     def _step_event(self, job_id: str, message: str, pace: _Pace, data: dict[str, Any]) -> None:
         """A step's metrics event, and the job's estimated finish at the pace of its steps so far."""
         with self.store.session() as s:
-            records.add_event(s, job_id, message, type_="metrics", data=data)
-            records.get_job(s, job_id).estimated_finish = pace.finish(data["step"])
+            finetuning.add_event(s, job_id, message, type_="metrics", data=data)
+            finetuning.get_job(s, job_id).estimated_finish = pace.finish(data["step"])
 
     def _succeed(self, job: JobRow, name: str) -> None:
         """The job's model created, its step metrics kept as its result file, the job succeeded."""
         with self.store.session() as s:
             steps: dict[int, dict[str, float]] = {}
-            for event in records.list_events(s, job.id, after=None, limit=1_000_000)[::-1]:  # oldest first
+            for event in finetuning.list_events(s, job.id, after=None, limit=1_000_000)[::-1]:  # oldest first
                 if event.type == "metrics" and event.data:
                     data = {k: v for k, v in event.data.items() if k not in ("total_steps", "epoch", "tokens")}
                     steps.setdefault(int(data["step"]), {}).update(data)
-            for checkpoint in records.checkpoints(s, job.id):  # validation metrics; a step's own train loss stays
+            for checkpoint in finetuning.checkpoints(s, job.id):  # validation metrics; a step's own train loss stays
                 row = steps.setdefault(checkpoint.step, {"step": checkpoint.step})
                 row |= {k: v for k, v in checkpoint.metrics.items() if k not in row}
         results = self.files.create_results([steps[step] for step in sorted(steps)])
         with self.store.session() as s:
-            row = records.get_job(s, job.id)
+            row = finetuning.get_job(s, job.id)
             row.result_files = [results.id]
             row.fine_tuned_model = name
-            records.add_event(s, job.id, f"New fine-tuned model created: {name}")
-            records.set_status(s, row, JobStatus.succeeded)
-            records.add_event(s, job.id, "The job has successfully completed")
+            finetuning.add_event(s, job.id, f"New fine-tuned model created: {name}")
+            finetuning.set_status(s, row, JobStatus.succeeded)
+            finetuning.add_event(s, job.id, "The job has successfully completed")
 
     async def _reinforcement(self, job: JobRow) -> None:
         """RFT: each step, ``batch_size`` training rows, each answered ``group_size`` times (4 x compute_multiplier)
@@ -349,7 +348,7 @@ class JobWorker:
             return
         model, done = started
         with self.store.session() as s:
-            position = records.last_metrics_step(s, job.id)
+            position = finetuning.last_metrics_step(s, job.id)
         if position and (position % interval == 0 or position == total) and all(c.step != position for c in done):
             await self._checkpoint(job, model, (position - 1) // per_epoch + 1, {}, [], position)  # record lost
         config = TrainConfig(learning_rate=RL_LEARNING_RATE * hyper["learning_rate_multiplier"])
@@ -423,9 +422,9 @@ class JobWorker:
             metrics = metrics | {"valid_loss": (await self.backend.sft_loss(model, valid))["loss"]}
             metrics["full_valid_loss"] = metrics["valid_loss"]
         with self.store.session() as s:
-            row = records.add_checkpoint(s, job.id, step=step, epoch=epoch, model=model.get_inference_name(at), metrics=metrics)  # fmt: skip
+            row = finetuning.add_checkpoint(s, job.id, step=step, epoch=epoch, model=model.get_inference_name(at), metrics=metrics)  # fmt: skip
             said = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
-            records.add_event(s, job.id, f"Checkpoint created at step {step} (epoch {epoch}): {row.model}" + (f"; {said}" if said else ""))  # fmt: skip
+            finetuning.add_event(s, job.id, f"Checkpoint created at step {step} (epoch {epoch}): {row.model}" + (f"; {said}" if said else ""))  # fmt: skip
             s.expunge(row)
         return row
 

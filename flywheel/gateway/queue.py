@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from flywheel.gateway.api import Outcome, episode_url, refuse_personal_id, root_url
 from flywheel.gateway.recorder import Gateway
 from flywheel.openai_api import ErrorDetail, ErrorResponse
-from flywheel.store import tasks as queue
+from flywheel.store import tasks
 from flywheel.store.tasks import (
     MAX_GROUP_SIZE,
     AttemptRecord,
@@ -123,7 +123,7 @@ def queue_router(gateway: Gateway) -> APIRouter:
     async def enqueue(body: NewTask):
         refuse_personal_id(gateway, "task_id", body.task_id, body.split)  # its episodes' group key: never redacted
         task, new = await run(
-            queue.enqueue,
+            tasks.enqueue,
             body.task_id,
             body.payload,
             group_size=body.group_size,
@@ -139,13 +139,13 @@ def queue_router(gateway: Gateway) -> APIRouter:
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
         offset: Annotated[int, Query(ge=0)] = 0,
     ):
-        found = await run(queue.list_tasks, status=status, limit=limit, offset=offset)
+        found = await run(tasks.list_tasks, status=status, limit=limit, offset=offset)
         return {"object": "list", "data": [{"object": "task"} | t.model_dump(mode="json") for t in found]}
 
     @router.get("/tasks/{task_id}")
     @_refusals
     async def get(task_id: str, request: Request):
-        task, attempts = await run(queue.get_task, task_id)
+        task, attempts = await run(tasks.get_task, task_id)
         root = root_url(request)
         return (
             {"object": "task"} | task.model_dump(mode="json") | {"attempts": [attempt_body(a, root) for a in attempts]}
@@ -154,7 +154,7 @@ def queue_router(gateway: Gateway) -> APIRouter:
     @router.post("/tasks/claim")
     async def claim(body: ClaimRequest, request: Request):
         await gateway.settled()  # a lease it expires abandons an episode: its answered calls are written first
-        lease = await run(queue.claim, body.runner, body.lease_seconds)
+        lease = await run(tasks.claim, body.runner, body.lease_seconds)
         if lease is None:
             return Response(status_code=204)
         task = {"payload": lease.payload, "model": lease.model, "split": lease.split}
@@ -164,7 +164,7 @@ def queue_router(gateway: Gateway) -> APIRouter:
     @_refusals
     async def heartbeat(attempt_id: str, body: Heartbeat, request: Request):
         await gateway.settled(body.episode_id, generating=False)  # a call being generated must not hold it up
-        attempt = await run(queue.heartbeat, attempt_id, body.episode_id, body.lease_seconds)
+        attempt = await run(tasks.heartbeat, attempt_id, body.episode_id, body.lease_seconds)
         return attempt_body(attempt, root_url(request))
 
     @router.post("/attempts/{attempt_id}/complete")
@@ -173,7 +173,7 @@ def queue_router(gateway: Gateway) -> APIRouter:
         await gateway.settled(body.episode_id)
         gateway.refuse_lost(body.episode_id)
         attempt, episode = await run(
-            queue.complete,
+            tasks.complete,
             attempt_id,
             body.episode_id,
             reward=body.reward,
@@ -188,7 +188,7 @@ def queue_router(gateway: Gateway) -> APIRouter:
     async def fail(attempt_id: str, body: Failure, request: Request):
         await gateway.settled(body.episode_id)
         reason = gateway.redact(body.reason)[0]  # an agent's exception text, often quoting what it was given
-        attempt, episode = await run(queue.fail, attempt_id, body.episode_id, reason)
+        attempt, episode = await run(tasks.fail, attempt_id, body.episode_id, reason)
         gateway.forget(episode)
         return attempt_body(attempt, root_url(request))
 

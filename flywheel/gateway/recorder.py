@@ -49,8 +49,7 @@ from transformers import PreTrainedTokenizerBase
 
 from flywheel.gateway.redact import Redactor, default_redactor, redact_value
 from flywheel.gateway.splice import Output, Splice, output_key, splice_prompt
-from flywheel.store import CallRecord, EpisodeConflictError, EpisodeRecord, Store
-from flywheel.store import episodes as db
+from flywheel.store import CallRecord, EpisodeConflictError, EpisodeRecord, Store, episodes
 from flywheel.store.costs import Prices
 from flywheel.types import TOKENIZER
 
@@ -303,8 +302,8 @@ class Gateway:
     ) -> Splice:
         """``prepare`` for an episode this process does not hold: its outputs read back from the store, then held."""
         with self.store.session() as s:
-            episode = db.check_open(s, episode_id)  # unknown: 404; finished or abandoned: 409, before sampling
-            calls = db.calls(s, episode_id)
+            episode = episodes.check_open(s, episode_id)  # unknown: 404; finished or abandoned: 409, before sampling
+            calls = episodes.calls(s, episode_id)
         self._note_split(episode)
         found = [o for call in calls for o in outputs_of(call, eos_ids)]
         with self._lock:
@@ -321,7 +320,7 @@ class Gateway:
         self.refuse_lost(episode_id)
         self._admit()
         if self._cached(episode_id) is None:
-            self._note_split(await self.store.run(db.check_open, episode_id))
+            self._note_split(await self.store.run(episodes.check_open, episode_id))
 
     async def prepare(
         self,
@@ -597,7 +596,7 @@ class Gateway:
                 reason = reasons[0]
             try:
                 with self.store.session() as s:
-                    db.lose_call(s, episode_id, reason)
+                    episodes.lose_call(s, episode_id, reason)
             except Exception as exc:
                 if transient(exc):
                     log.warning(
@@ -618,7 +617,7 @@ class Gateway:
         if unknown and self.redactor is not None:
             try:
                 with self.store.session() as s:
-                    splits |= db.splits_of(s, unknown)
+                    splits |= episodes.splits_of(s, unknown)
             except Exception:  # the store unreachable: the commit that follows says so, call by call
                 pass
         return splits
@@ -662,7 +661,7 @@ class Gateway:
             outcomes: list[CallRecord | BaseException] = []
             for part in _parts(batch):
                 rows = [(p.episode_id, self._resolved(p.fields, ids)) for p in part]
-                for p, outcome in zip(part, db.add_calls(s, rows), strict=True):
+                for p, outcome in zip(part, episodes.add_calls(s, rows), strict=True):
                     if isinstance(outcome, CallRecord):
                         ids[p.ticket] = outcome.id
                     outcomes.append(outcome)

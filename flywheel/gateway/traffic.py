@@ -32,8 +32,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from flywheel.store import Store
-from flywheel.store import arms as arm_store
+from flywheel.store import Store, arms
 from flywheel.store.deployments import DeploymentRecord, UnknownDeploymentError, list_deployments, parse_alias
 from flywheel.store.episodes import splits_of
 
@@ -166,7 +165,7 @@ class TrafficPolicy:
 
     async def _mark(self, episode_id: str, arm: str) -> None:
         try:
-            marked = await self.store.run(arm_store.mark_arm, episode_id, arm)
+            marked = await self.store.run(arms.mark_arm, episode_id, arm)
         except Exception:
             self.counts.arm_failed += 1
             log.exception("could not record that %s answered episode %s", arm, episode_id)
@@ -177,7 +176,7 @@ class TrafficPolicy:
         self, shadow: DeploymentRecord, episode_id: str, mirror: Callable[[str, str], Awaitable[object]]
     ) -> None:
         try:
-            episode = await self.store.run(arm_store.shadow_episode, episode_id, shadow.name)
+            episode = await self.store.run(arms.shadow_episode, episode_id, shadow.name)
             await mirror(shadow.name, episode.id)
             self.counts.mirrored += 1
         except Exception:

@@ -53,8 +53,7 @@ from flywheel.loop.ladder import REWIND, Candidate, PromotionLadder, Rewind
 from flywheel.loop.offpolicy import OffPolicyDraw, OffPolicyStep, draw
 from flywheel.loop.shadow import ShadowPolicy, ShadowVerdict
 from flywheel.model import TrainableModel
-from flywheel.store import audit, tasks
-from flywheel.store import grades as gdb
+from flywheel.store import audit, grades, tasks
 from flywheel.train.config import TrainConfig, TrainedWeights
 from flywheel.types import TrajectoryGroup
 
@@ -222,8 +221,8 @@ class Loop:
         """Production episodes' items into the pool, held-out ones excluded (counted and logged); how many were
         new."""
         with self.store.session() as s:
-            found = gdb.recent_finished(s, split=self.config.intake_split, limit=self.config.intake_limit)
-            items = [(item_id(item, e.task_id), item, e.id) for e in found if (item := gdb.item_of(s, e.id))]
+            found = grades.recent_finished(s, split=self.config.intake_split, limit=self.config.intake_limit)
+            items = [(item_id(item, e.task_id), item, e.id) for e in found if (item := grades.item_of(s, e.id))]
         self.production = {}
         for k, _, episode_id in items:
             self.production.setdefault(k, []).append(episode_id)

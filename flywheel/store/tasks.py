@@ -25,7 +25,7 @@ from sqlalchemy import case, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from flywheel.store import episodes as db
+from flywheel.store import episodes
 from flywheel.store.db import write_lock
 from flywheel.store.episodes import EpisodeRecord, EpisodeStatus, Timestamp
 from flywheel.store.schema import Attempt, Episode, Task
@@ -205,13 +205,14 @@ def enqueue(
 def _end_try(s: Session, row: Attempt, reason: str, now: datetime) -> None:
     """End the attempt's try without a result: its episode abandoned, the attempt requeued, or failed once its tries
     are used up. An episode that its runner finished through the episode API is the attempt's result."""
-    episode = db._episode(s, row.episode_id, lock=True) if row.episode_id else None  # a finish waits, or went first
+    # a finish waits, or went first
+    episode = episodes._episode(s, row.episode_id, lock=True) if row.episode_id else None
     row.lease_expires_at = None
     if episode is not None and episode.status == EpisodeStatus.finished:
         row.status, row.finished_at = AttemptStatus.finished, now
         return
     if episode is not None:
-        db.abandon(s, episode.id, reason)  # an episode abandoned already stays as it is
+        episodes.abandon(s, episode.id, reason)  # an episode abandoned already stays as it is
     task = s.get(Task, row.task_id)
     assert task is not None  # attempts go with their task (a foreign key)
     row.tries += 1
@@ -244,13 +245,13 @@ def cancel(s: Session, prefix: str, reason: str) -> list[str]:
     for row in s.scalars(query).all():
         cancelled[row.task_id] = None
         leased = row.episode_id if row.status == AttemptStatus.leased else None
-        episode = db._episode(s, leased, lock=True) if leased else None
+        episode = episodes._episode(s, leased, lock=True) if leased else None
         row.lease_expires_at, row.finished_at = None, now
         if episode is not None and episode.status == EpisodeStatus.finished:
             row.status = AttemptStatus.finished
             continue
         if episode is not None:
-            db.abandon(s, episode.id, reason)
+            episodes.abandon(s, episode.id, reason)
         row.status, row.error, row.runner = AttemptStatus.failed, reason[:2000], None
     s.flush()
     return list(cancelled)
@@ -313,7 +314,7 @@ def claim(s: Session, runner: str, lease_seconds: float) -> Lease | None:
     task = s.get(Task, row.task_id)
     assert task is not None
     meta = {"task_id": task.id, "attempt_id": row.id, "try": row.tries + 1}
-    episode = db.create_episode(s, task.id, split=task.split, model=task.model, meta=meta)
+    episode = episodes.create_episode(s, task.id, split=task.split, model=task.model, meta=meta)
     row.status, row.runner, row.episode_id = AttemptStatus.leased, runner, episode.id
     row.lease_seconds, row.lease_expires_at = lease_seconds, now + timedelta(seconds=lease_seconds)
     s.flush()
@@ -378,7 +379,9 @@ def complete(
     retried = row.status == AttemptStatus.finished and row.episode_id == episode_id
     if not retried:
         _check_lease(s, row, episode_id, now)
-    episode = db.set_outcome(s, episode_id, reward=reward, metrics=metrics, call_rewards=call_rewards, finish=True)
+    episode = episodes.set_outcome(
+        s, episode_id, reward=reward, metrics=metrics, call_rewards=call_rewards, finish=True
+    )
     if not retried:
         row.status, row.finished_at, row.lease_expires_at = AttemptStatus.finished, now, None
     s.flush()
@@ -393,4 +396,4 @@ def fail(s: Session, attempt_id: str, episode_id: str, reason: str) -> tuple[Att
     _check_lease(s, row, episode_id, now)
     _end_try(s, row, reason, now)
     s.flush()
-    return AttemptRecord.model_validate(row), db.get_episode(s, episode_id)
+    return AttemptRecord.model_validate(row), episodes.get_episode(s, episode_id)
