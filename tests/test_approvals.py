@@ -442,7 +442,9 @@ def test_a_person_approves_a_waiting_call_in_the_dashboard_and_the_agent_goes_on
         emulate(browser, 1280, 800)
         browser.get(f"http://{dashboard.host}:{dashboard.port}/ui/#/runs")
         wait.until(seen.element_to_be_clickable((By.LINK_TEXT, "Approvals"))).click()
-        card = wait.until(seen.visibility_of_element_located((By.CSS_SELECTOR, "section.approval")))
+        card = WebDriverWait(browser, 180).until(  # once the model has made the call (far slower on a loaded machine)
+            seen.visibility_of_element_located((By.CSS_SELECTOR, "section.approval"))
+        )
         approval_id = card.get_attribute("data-approval")
         assert "issue_refund" in card.text and ALIAS in card.text and "order_id" in card.text
         assert agent.poll() is None  # still waiting for the decision

@@ -624,7 +624,10 @@ async function approvalsView() {
         "p",
         {},
         h("label", { for: "reviewer" }, "Deciding as "),
-        h("input", { id: "reviewer", name: "reviewer", autocomplete: "name", value: localStorage.getItem(REVIEWER) ?? "", oninput: (event) => localStorage.setItem(REVIEWER, event.target.value) }),
+        h("input", { id: "reviewer", name: "reviewer", autocomplete: "name", value: localStorage.getItem(REVIEWER) ?? "", oninput: (event) => {
+          localStorage.setItem(REVIEWER, event.target.value);
+          for (const status of document.querySelectorAll(".approval .status")) status.textContent = ""; // asked and answered
+        } }),
       ),
       h("h2", {}, `Waiting (${a.pending.length})`),
       a.pending.length ? a.pending.map(approvalCard) : h("p", { class: "muted" }, "Nothing waits for a decision."),
