@@ -21,8 +21,7 @@ from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.local.backend import LocalBackend
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
-from flywheel.store import Store, audit, deployments
-from flywheel.store import episodes as db
+from flywheel.store import Store, audit, deployments, episodes
 from flywheel.store.arms import ARM_KEY, MIXED, SHADOW_OF_KEY, arms, mark_arm, shadow_episode, shadow_episode_id
 from flywheel.store.deployments import NoRollbackError, UnknownDeploymentError
 from flywheel.store.episodes import CallRecord
@@ -60,8 +59,10 @@ def test_arms_group_episodes_by_the_deployment_that_answered_with_rewards_and_fe
     its reward and feedback by kind, over a window or since an audit event; another model's calls stay out (even
     one whose name differs by a LIKE wildcard)."""
     with store.session() as s:
-        prod, canary, both = (db.create_episode(s, "t1", split="production", meta={"arm": "mine"}) for _ in range(3))
-        other = db.create_episode(s, "t1", split="production")
+        prod, canary, both = (
+            episodes.create_episode(s, "t1", split="production", meta={"arm": "mine"}) for _ in range(3)
+        )
+        other = episodes.create_episode(s, "t1", split="production")
     call = dict(
         prefix_call=None, prefix_choice=None, prefix_message=None, retokenized_turns=0, reward=None, request={},
         response={}, prompt_tokens=1, completion_tokens=1, latency_ms=1.0, text_only=False, upstream=None,
@@ -69,7 +70,7 @@ def test_arms_group_episodes_by_the_deployment_that_answered_with_rewards_and_fe
 
     def record(episode: str, deployment: str, step: int) -> None:
         with store.session() as s:
-            db.add_call(s, episode, model=PRODUCTION, step=step, deployment=deployment, **call)
+            episodes.add_call(s, episode, model=PRODUCTION, step=step, deployment=deployment, **call)
             mark_arm(s, episode, deployment)
 
     record(prod.id, PRODUCTION, 3)
@@ -79,7 +80,7 @@ def test_arms_group_episodes_by_the_deployment_that_answered_with_rewards_and_fe
     record(both.id, PRODUCTION, 3)
     record(other.id, "canary_calc@production", 3)  # "canary_calc" would match "canary-calc" as a LIKE pattern
     with store.session() as s:
-        db.set_outcome(s, canary.id, reward=0.25, finish=True)
+        episodes.set_outcome(s, canary.id, reward=0.25, finish=True)
         add_feedback(s, canary.id, kind="rating", value=4)
         add_feedback(s, canary.id, kind="rating", value=5)
         add_feedback(s, canary.id, kind="resolved", value=1)
@@ -92,7 +93,7 @@ def test_arms_group_episodes_by_the_deployment_that_answered_with_rewards_and_fe
         )  # fmt: skip
         assert report.arms[CANARY_ALIAS].rewards == [0.25] and report.arms[PRODUCTION].rewards == []
         assert [e.id for e in report.mixed] == [both.id]
-        assert [db.get_episode(s, e).meta for e in (prod.id, canary.id, both.id)] == [
+        assert [episodes.get_episode(s, e).meta for e in (prod.id, canary.id, both.id)] == [
             {"arm": "mine", ARM_KEY: PRODUCTION},
             {"arm": "mine", ARM_KEY: CANARY_ALIAS},
             {"arm": "mine", ARM_KEY: MIXED},
@@ -107,7 +108,7 @@ def test_arms_group_episodes_by_the_deployment_that_answered_with_rewards_and_fe
 
 def test_a_shadow_episode_is_one_per_production_episode_and_a_removed_alias_is_audited(store):
     with store.session() as s:
-        origin = db.create_episode(s, "t1", split="production", meta={"user": "u1"})
+        origin = episodes.create_episode(s, "t1", split="production", meta={"user": "u1"})
         first = shadow_episode(s, origin.id, SHADOW_ALIAS)
         again = shadow_episode(s, origin.id, SHADOW_ALIAS)
     assert first.id == again.id == shadow_episode_id(origin.id) and first.id != origin.id
@@ -151,7 +152,7 @@ async def gateway(backend: LocalBackend):
 
 async def new_episodes(store: Store, n: int) -> list[str]:
     def create(s) -> list[str]:
-        return [db.create_episode(s, "canary-task", split="production").id for _ in range(n)]
+        return [episodes.create_episode(s, "canary-task", split="production").id for _ in range(n)]
 
     return await store.run(create)
 
@@ -163,7 +164,7 @@ def agent(root: str, episode: str) -> openai.AsyncOpenAI:
 async def calls(gateway: Gateway, episode: str) -> list[CallRecord]:
     """The episode's calls, once those its gateway answered are committed."""
     await gateway.settled(episode)
-    return await gateway.store.run(db.calls, episode)
+    return await gateway.store.run(episodes.calls, episode)
 
 
 async def recorded(gateway: Gateway, episode: str) -> list[tuple[str | None, int | None]]:
@@ -174,7 +175,7 @@ async def test_a_canary_answers_a_sticky_share_of_episodes_and_hands_them_back_w
     traffic, root, store, recorder = gateway
     deploy(store, PRODUCTION, 3)
     deploy(store, CANARY_ALIAS, 5, share=0.5)
-    episodes = await new_episodes(store, 40)
+    episode_ids = await new_episodes(store, 40)
 
     async def run(episode: str, calls: int) -> None:
         client = agent(root, episode)
@@ -182,12 +183,12 @@ async def test_a_canary_answers_a_sticky_share_of_episodes_and_hands_them_back_w
             reply = await client.chat.completions.create(model=PRODUCTION, **ASK)
             assert reply.model == PRODUCTION  # whoever answered, the agent sees the name it asked for
 
-    await asyncio.gather(*(run(e, 1) for e in episodes))
-    first = {e: await recorded(recorder, e) for e in episodes}
+    await asyncio.gather(*(run(e, 1) for e in episode_ids))
+    first = {e: await recorded(recorder, e) for e in episode_ids}
     on_canary = {e for e, calls in first.items() if calls == [(CANARY_ALIAS, 5)]}
     on_production = {e for e, calls in first.items() if calls == [(PRODUCTION, 3)]}
-    assert on_canary | on_production == set(episodes)
-    assert on_canary == {e for e in episodes if arm_hash(e, CANARY) < 0.5}  # the side its id hashes to
+    assert on_canary | on_production == set(episode_ids)
+    assert on_canary == {e for e in episode_ids if arm_hash(e, CANARY) < 0.5}  # the side its id hashes to
     assert 8 <= len(on_canary) <= 32  # binomial(40, 0.5): 20 expected, sd 3.2
     again = sorted(on_canary)[:4] + sorted(on_production)[:4]  # a later call of an episode: on its side again
     await asyncio.gather(*(run(e, 2) for e in again))
@@ -195,8 +196,8 @@ async def test_a_canary_answers_a_sticky_share_of_episodes_and_hands_them_back_w
     for e in again:
         assert await recorded(recorder, e) == first[e] * 3
     with store.session() as s:
-        assert {e: db.get_episode(s, e).meta[ARM_KEY] for e in episodes} == {
-            e: CANARY_ALIAS if e in on_canary else PRODUCTION for e in episodes
+        assert {e: episodes.get_episode(s, e).meta[ARM_KEY] for e in episode_ids} == {
+            e: CANARY_ALIAS if e in on_canary else PRODUCTION for e in episode_ids
         }
         report = arms(s, MODEL, since_event=deployments.get(s, CANARY_ALIAS).event_id)
     assert {e.id for e in report.arms[CANARY_ALIAS].episodes} == on_canary
@@ -208,7 +209,7 @@ async def test_a_canary_answers_a_sticky_share_of_episodes_and_hands_them_back_w
     assert [(await recorded(recorder, e))[-1] for e in canaries] == [(PRODUCTION, 3)] * 3
     await traffic.drain(followed=40 + 2 * len(again) + 3)
     with store.session() as s:
-        assert {db.get_episode(s, e).meta[ARM_KEY] for e in canaries} == {MIXED}
+        assert {episodes.get_episode(s, e).meta[ARM_KEY] for e in canaries} == {MIXED}
 
     deploy(store, CANARY_ALIAS, 5, share=1.0)  # every episode, and every call without one
     fresh = (await new_episodes(store, 1))[0]
@@ -257,7 +258,7 @@ async def test_a_shadow_answers_the_same_calls_after_the_user_in_a_linked_episod
     assert traffic.counts.mirrored == 2 and traffic.counts.shadow_failed == 0
     with store.session() as s:
         assert s.get(Episode, shadow_episode_id(alone)) is None  # no shadow deployed then: none created
-        shadow = db.get_episode(s, shadow_episode_id(shadowed))
+        shadow = episodes.get_episode(s, shadow_episode_id(shadowed))
     production_calls, shadow_calls = await calls(recorder, shadowed), await calls(recorder, shadow.id)
     assert (shadow.split, shadow.meta[SHADOW_OF_KEY], shadow.task_id) == ("shadow", shadowed, "canary-task")
     assert [(c.deployment, c.step) for c in production_calls] == [(PRODUCTION, 3)] * 2

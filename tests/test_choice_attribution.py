@@ -18,8 +18,7 @@ from flywheel.inference.chat import render_prompt
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.local.backend import LocalBackend
 from flywheel.loop.offpolicy import LeftOut, draw
-from flywheel.store import Store
-from flywheel.store import episodes as db
+from flywheel.store import Store, episodes
 from flywheel.types import sampled_tokens
 
 QUESTION = [{"role": "user", "content": "A colour?"}]
@@ -43,19 +42,19 @@ def choice(index: int, text: str, ids: list[int]) -> dict[str, Any]:
 def episode(store: Store, calls: list[tuple[list[dict], dict | None]]) -> str:
     """A finished production episode of item "q1": each call's choices, and the (call position, choice) it continues."""
     with store.session() as s:
-        e = db.create_episode(s, "ticket", split="production", meta={"item": {"id": "q1"}})
+        e = episodes.create_episode(s, "ticket", split="production", meta={"item": {"id": "q1"}})
         ids: list[int] = []
         for choices, continues in calls:
             prefix = (ids[continues["call"]], continues["choice"], 1) if continues else (None, None, None)
             messages = QUESTION + ([choices[0]["message"], {"role": "user", "content": "Sure?"}] if continues else [])
-            call = db.add_call(
+            call = episodes.add_call(
                 s, e.id, model="calc@production", step=3, request={"messages": messages},
                 response={"choices": choices}, prompt_tokens=3, completion_tokens=2, latency_ms=1.0,
                 prefix_call=prefix[0], prefix_choice=prefix[1], prefix_message=prefix[2], retokenized_turns=0,
                 reward=None, text_only=False, upstream=None, deployment="calc@production",
             )  # fmt: skip
             ids.append(call.id)
-        db.set_outcome(s, e.id, reward=1.0, finish=True)
+        episodes.set_outcome(s, e.id, reward=1.0, finish=True)
     return e.id
 
 
@@ -65,7 +64,7 @@ def test_the_reward_goes_to_the_choice_continued_and_an_ambiguous_last_call_is_r
     ambiguous = episode(store, [([blue, red], None)])
     alike = episode(store, [([blue, blue | {"index": 1}], None)])  # the same choice twice: nothing to tell apart
     with store.session() as s:
-        found = {e: (db.get_episode(s, e), db.calls(s, e)) for e in (continued, ambiguous, alike)}
+        found = {e: (episodes.get_episode(s, e), episodes.calls(s, e)) for e in (continued, ambiguous, alike)}
 
     trajectory = episode_trajectory(*found[continued])
     first = trajectory.messages_and_choices[1]  # the first call's output, put back as the Choice that produced it
@@ -105,16 +104,16 @@ def test_a_prompt_continues_the_first_of_alike_siblings_the_latest_call_and_only
 
 
 async def test_an_episode_ending_with_n_2_through_the_gateway_is_refused_for_training(backend: LocalBackend):
-    async with EpisodeClient(backend.base_url.removesuffix("/v1")) as episodes:
-        e = await episodes.create("task-n2-last")
+    async with EpisodeClient(backend.base_url.removesuffix("/v1")) as episode_client:
+        e = await episode_client.create("task-n2-last")
         agent = openai.AsyncOpenAI(base_url=e.base_url, api_key="unused", max_retries=0)
         reply = await agent.chat.completions.create(
             model=EMBEDDED_MODEL, messages=QUESTION, n=2, max_tokens=6, temperature=1.0, seed=11
         )
         assert reply.choices[0].message.content != reply.choices[1].message.content  # two different answers
-        await episodes.finish(e.id, 1.0)
+        await episode_client.finish(e.id, 1.0)
         with pytest.raises(GatewayError, match="2 different choices") as refused:
-            await episodes.trajectory(e.id)
+            await episode_client.trajectory(e.id)
         assert refused.value.status == 409
-        group = await episodes.group("task-n2-last")
+        group = await episode_client.group("task-n2-last")
         assert len(group) == 0 and group.metrics == {AMBIGUOUS_CHOICE: 1}

@@ -12,8 +12,7 @@ from typer.testing import CliRunner
 from flywheel.cli import app
 from flywheel.gateway.client import EpisodeClient
 from flywheel.local.backend import LocalBackend
-from flywheel.store import Store
-from flywheel.store import episodes as db
+from flywheel.store import Store, episodes
 from flywheel.store.arms import arms
 from flywheel.store.costs import Price, Prices, usage
 from flywheel.types import Usage
@@ -36,7 +35,7 @@ def store(tmp_path):
 
 
 def call(s, episode: str, model: str, deployment: str | None, prompt: int, completion: int) -> None:
-    db.add_call(
+    episodes.add_call(
         s, episode, model=model, step=1, request={}, response={}, prompt_tokens=prompt, completion_tokens=completion,
         latency_ms=2.5, prefix_call=None, prefix_choice=None, prefix_message=None, retokenized_turns=0, reward=None,
         deployment=deployment,
@@ -53,7 +52,7 @@ def test_a_call_is_priced_by_its_deployment_then_its_name_then_its_model_else_fr
 
 def test_the_arms_report_gives_each_episode_its_usage_and_each_arm_its_cost_per_episode(store):
     with store.session() as s:
-        canary, production, upstream, empty = (db.create_episode(s, "t", split="production").id for _ in range(4))
+        canary, production, upstream, empty = (episodes.create_episode(s, "t", split="production").id for _ in range(4))
         call(s, canary, "calc@production", "calc@canary", 1_000_000, 500_000)  # 1.0 + 1.0
         call(s, canary, "calc@production", "calc@canary", 0, 1_000_000)  # + 2.0
         call(s, production, "calc@production", "calc@production", 2_000_000, 0)  # 0.5 * 2
@@ -103,13 +102,13 @@ async def test_the_episode_api_reports_an_episodes_usage_and_cost(backend: Local
     gateway = backend.gateway
     monkeypatch.setattr(gateway, "prices", PRICES)
     root = backend.base_url.removesuffix("/v1")
-    async with EpisodeClient(root) as episodes:
-        created = await episodes.create("cost-task", split="production")
+    async with EpisodeClient(root) as episode_client:
+        created = await episode_client.create("cost-task", split="production")
         assert created.usage == Usage(currency="EUR")  # typed: calls, tokens, latency and cost all 0
         with gateway.store.session() as s:
             call(s, created.id, "calc@production", "calc@canary", 1_000_000, 1_000_000)
-        finished = await episodes.finish(created.id, 1.0)
-        listed = [e for e in await episodes.list(task_id="cost-task") if e.id == created.id]
+        finished = await episode_client.finish(created.id, 1.0)
+        listed = [e for e in await episode_client.list(task_id="cost-task") if e.id == created.id]
     assert finished.usage is not None and (finished.usage.cost, finished.usage.calls) == (3.0, 1)
     assert [e.usage for e in listed] == [finished.usage]
     async with httpx.AsyncClient(base_url=root) as http:  # on the wire, as before: a plain object

@@ -15,8 +15,7 @@ from flywheel.gateway.splice import Output, output_key, splice_prompt, tokenizer
 from flywheel.inference.chat import render_prompt
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.local.backend import LocalBackend
-from flywheel.store import Store
-from flywheel.store import episodes as db
+from flywheel.store import Store, episodes
 from flywheel.train.batch import trajectory_sequences
 from flywheel.types import sampled_tokens
 
@@ -42,7 +41,7 @@ def root(backend: LocalBackend) -> str:
 
 
 @pytest.fixture
-async def episodes(backend: LocalBackend):
+async def episode_client(backend: LocalBackend):
     async with EpisodeClient(root(backend)) as client:
         yield client
 
@@ -51,15 +50,15 @@ def agent(base_url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
 
 
-async def test_episode_url_records_each_call_with_the_ids_the_agent_received(backend, episodes):
-    episode = await episodes.create("task-ids", metadata={"user": "u1"})
+async def test_episode_url_records_each_call_with_the_ids_the_agent_received(backend, episode_client):
+    episode = await episode_client.create("task-ids", metadata={"user": "u1"})
     assert episode.base_url.endswith(f"/episodes/{episode.id}/v1") and episode.status == "open"
     reply = await agent(episode.base_url).chat.completions.create(
         model=EMBEDDED_MODEL, messages=QUESTION, max_tokens=12, temperature=0.7, seed=1
     )
     received = sampled_tokens(reply.choices[0])
     assert received is not None and reply.choices[0].logprobs is None  # not asked for: not sent
-    calls = await episodes.calls(episode.id)
+    calls = await episode_client.calls(episode.id)
     assert len(calls) == 1
     call = calls[0]
     stored = call["response"]["choices"][0]
@@ -75,8 +74,8 @@ async def test_episode_url_records_each_call_with_the_ids_the_agent_received(bac
     assert call["retokenized_turns"] == 0 and call["prefix_call"] is None
 
 
-async def test_plain_routes_record_with_the_episode_header_and_streams_are_recorded(backend, episodes):
-    episode = await episodes.create("task-header")
+async def test_plain_routes_record_with_the_episode_header_and_streams_are_recorded(backend, episode_client):
+    episode = await episode_client.create("task-header")
     client = agent(backend.base_url)
     await client.chat.completions.create(
         model=EMBEDDED_MODEL, messages=QUESTION, max_tokens=6, extra_headers={"X-Flywheel-Episode": episode.id}
@@ -87,7 +86,7 @@ async def test_plain_routes_record_with_the_episode_header_and_streams_are_recor
     chunks = [chunk async for chunk in stream]
     streamed = {c.index: c for chunk in chunks for c in chunk.choices if c.finish_reason}
     await client.chat.completions.create(model=EMBEDDED_MODEL, messages=QUESTION, max_tokens=4)  # no header
-    calls = await episodes.calls(episode.id)
+    calls = await episode_client.calls(episode.id)
     assert len(calls) == 2  # the call without the header is not part of the episode
     recorded = {c["index"]: c for c in calls[1]["response"]["choices"]}
     assert sorted(recorded) == [0, 1]
@@ -145,8 +144,8 @@ def reserialised(message) -> dict:
     return {"role": "assistant", "content": None, "tool_calls": calls}
 
 
-async def test_a_tool_using_episode_trains_on_exactly_the_sampled_tokens(backend, episodes, tokenizer):
-    episode = await episodes.create("task-tools")
+async def test_a_tool_using_episode_trains_on_exactly_the_sampled_tokens(backend, episode_client, tokenizer):
+    episode = await episode_client.create("task-tools")
     client = agent(episode.base_url)
     first = await client.chat.completions.create(
         model=EMBEDDED_MODEL, messages=QUESTION, tools=[CALC], max_tokens=150, temperature=0,
@@ -162,12 +161,12 @@ async def test_a_tool_using_episode_trains_on_exactly_the_sampled_tokens(backend
     second = await client.chat.completions.create(model=EMBEDDED_MODEL, messages=history, tools=[CALC], max_tokens=8)
     a, b = sampled_tokens(first.choices[0]), sampled_tokens(second.choices[0])
     assert b.prompt_ids[: len(a.prompt_ids) + len(a.completion_ids)] == a.prompt_ids + a.completion_ids
-    calls = await episodes.calls(episode.id)
+    calls = await episode_client.calls(episode.id)
     assert [c["prefix_call"] for c in calls] == [None, calls[0]["id"]]
     assert [c["retokenized_turns"] for c in calls] == [0, 0] and calls[1]["prefix_message"] == 1
 
-    await episodes.finish(episode.id, 1.0, metrics={"solved": True}, call_rewards={calls[0]["id"]: 0.5})
-    trajectory = await episodes.trajectory(episode.id)
+    await episode_client.finish(episode.id, 1.0, metrics={"solved": True}, call_rewards={calls[0]["id"]: 0.5})
+    trajectory = await episode_client.trajectory(episode.id)
     assert trajectory.reward == 1.0 and trajectory.metrics["solved"] is True and trajectory.metrics["calls"] == 2
     assert trajectory.metadata["task_id"] == "task-tools" and not trajectory.additional_histories
     sequences = trajectory_sequences(trajectory, tokenizer)
@@ -178,22 +177,22 @@ async def test_a_tool_using_episode_trains_on_exactly_the_sampled_tokens(backend
     # the forced call's log-probs are the grammar-masked distribution's: not compared by TIS (issue #37 item 13)
     assert all(math.isnan(x) for x in sampler[: len(a.completion_ids)])
     assert not any(math.isnan(x) for x in sampler[len(a.completion_ids) :])
-    rows = (await episodes.transitions(episode.id)).splitlines()
+    rows = (await episode_client.transitions(episode.id)).splitlines()
     assert [json.loads(r)["reward"] for r in rows] == [0.5, 1.0]  # the call's own reward, then the outcome
 
 
-async def test_an_edited_history_splits_into_sequences_and_is_counted(backend, episodes, tokenizer):
-    episode = await episodes.create("task-edited")
+async def test_an_edited_history_splits_into_sequences_and_is_counted(backend, episode_client, tokenizer):
+    episode = await episode_client.create("task-edited")
     client = agent(episode.base_url)
     first = await client.chat.completions.create(model=EMBEDDED_MODEL, messages=QUESTION, max_tokens=8)
     edited = {"role": "assistant", "content": (first.choices[0].message.content or "") + " (edited)"}
     await client.chat.completions.create(
         model=EMBEDDED_MODEL, messages=[*QUESTION, edited, {"role": "user", "content": "Sure?"}], max_tokens=8
     )
-    calls = await episodes.calls(episode.id)
+    calls = await episode_client.calls(episode.id)
     assert calls[1]["retokenized_turns"] == 1 and calls[1]["prefix_call"] is None
-    await episodes.finish(episode.id, 0.0)
-    trajectory = await episodes.trajectory(episode.id)
+    await episode_client.finish(episode.id, 0.0)
+    trajectory = await episode_client.trajectory(episode.id)
     assert trajectory.metrics["retokenized_turns"] == 1
     assert len(trajectory.additional_histories) == 1  # the edited history is a chain of its own
     sequences = trajectory_sequences(trajectory, tokenizer)
@@ -202,38 +201,42 @@ async def test_an_edited_history_splits_into_sequences_and_is_counted(backend, e
     assert sorted(map(len, trained)) == sorted(c["completion_tokens"] for c in calls)
 
 
-async def test_outcomes_are_idempotent_and_closed_episodes_refuse_changes(backend, episodes):
-    episode = await episodes.create("task-outcome")
+async def test_outcomes_are_idempotent_and_closed_episodes_refuse_changes(backend, episode_client):
+    episode = await episode_client.create("task-outcome")
     await agent(episode.base_url).chat.completions.create(model=EMBEDDED_MODEL, messages=QUESTION, max_tokens=2)
-    await episodes.reward(episode.id, 0.25)
-    await episodes.reward(episode.id, 0.5)  # while open, a later reward replaces the earlier one
+    await episode_client.reward(episode.id, 0.25)
+    await episode_client.reward(episode.id, 0.5)  # while open, a later reward replaces the earlier one
     with pytest.raises(GatewayError) as no_reward:
-        await episodes.finish((await episodes.create("task-outcome")).id)
+        await episode_client.finish((await episode_client.create("task-outcome")).id)
     assert no_reward.value.status == 400 and "no reward" in str(no_reward.value)
-    done = await episodes.finish(episode.id, metrics={"turns": 1})
+    done = await episode_client.finish(episode.id, metrics={"turns": 1})
     assert done.status == "finished" and done.reward == 0.5 and done.finished_at is not None
-    again = await episodes.finish(episode.id, 0.5, metrics={"turns": 1})  # a retried request: accepted, no change
+    again = await episode_client.finish(episode.id, 0.5, metrics={"turns": 1})  # a retried request: accepted, no change
     assert again.finished_at == done.finished_at
-    for attempt in (episodes.finish(episode.id, 1.0), episodes.reward(episode.id, 0.0), episodes.abandon(episode.id)):
+    for attempt in (
+        episode_client.finish(episode.id, 1.0),
+        episode_client.reward(episode.id, 0.0),
+        episode_client.abandon(episode.id),
+    ):
         with pytest.raises(GatewayError) as conflict:
             await attempt
         assert conflict.value.status == 409
     with pytest.raises(openai.ConflictError, match="finished"):  # no more calls in a finished episode
         await agent(episode.base_url).chat.completions.create(model=EMBEDDED_MODEL, messages=QUESTION, max_tokens=2)
-    assert len(await episodes.calls(episode.id)) == 1
-    assert [e.id for e in await episodes.list(task_id="task-outcome", status="finished")] == [episode.id]
+    assert len(await episode_client.calls(episode.id)) == 1
+    assert [e.id for e in await episode_client.list(task_id="task-outcome", status="finished")] == [episode.id]
 
-    dropped = await episodes.create("task-outcome")
-    assert (await episodes.abandon(dropped.id, "user left")).status == "abandoned"
-    assert (await episodes.abandon(dropped.id)).meta["abandoned_because"] == "user left"  # twice: accepted
+    dropped = await episode_client.create("task-outcome")
+    assert (await episode_client.abandon(dropped.id, "user left")).status == "abandoned"
+    assert (await episode_client.abandon(dropped.id)).meta["abandoned_because"] == "user left"  # twice: accepted
     with pytest.raises(GatewayError) as not_trainable:
-        await episodes.trajectory(dropped.id)
+        await episode_client.trajectory(dropped.id)
     assert not_trainable.value.status == 409 and "abandoned" in str(not_trainable.value)
 
 
-async def test_bad_requests_get_clear_errors_never_a_500(backend, episodes):
+async def test_bad_requests_get_clear_errors_never_a_500(backend, episode_client):
     url = root(backend)
-    episode = await episodes.create("task-bad")
+    episode = await episode_client.create("task-bad")
     async with httpx.AsyncClient(base_url=url) as http:
         cases = [
             ("GET", "/episodes/ep_nope", None, 404),
@@ -268,23 +271,23 @@ async def test_bad_requests_get_clear_errors_never_a_500(backend, episodes):
 
         streamed = await http.post("/episodes", content=chunked())
         assert streamed.status_code == 413
-    assert (await episodes.get(episode.id)).reward is None  # nothing changed
+    assert (await episode_client.get(episode.id)).reward is None  # nothing changed
 
 
-async def test_groups_from_the_gateway_train_and_survive_a_restart(backend, model, episodes):
+async def test_groups_from_the_gateway_train_and_survive_a_restart(backend, model, episode_client):
     """Episodes of two tasks, through the registered model's name: groups for ``model.train``; the store keeps
     them for a new process (a Store opened again on the same file)."""
     rewards = {"task-g1": [1.0, 0.0], "task-g2": [0.0, 1.0]}
     for task, values in rewards.items():
         for value in values:
-            episode = await episodes.create(task, model=model.name)
+            episode = await episode_client.create(task, model=model.name)
             await agent(episode.base_url).chat.completions.create(
                 model=model.name, messages=QUESTION, max_tokens=6, temperature=1.0
             )
-            await episodes.finish(episode.id, value)
-    groups = [await episodes.group(task) for task in rewards]
+            await episode_client.finish(episode.id, value)
+    groups = [await episode_client.group(task) for task in rewards]
     assert [sorted(t.reward for t in g) for g in groups] == [[0.0, 1.0], [0.0, 1.0]]
-    calls = await episodes.calls(groups[0].trajectories[0].metadata["episode_id"])
+    calls = await episode_client.calls(groups[0].trajectories[0].metadata["episode_id"])
     before = await model.get_step()
     assert calls[0]["step"] == before  # the live weights' step answered
     await model.train(groups)
@@ -293,8 +296,8 @@ async def test_groups_from_the_gateway_train_and_survive_a_restart(backend, mode
     again = Store(backend.gateway.store.url)
     try:
         with again.session() as s:
-            found = db.list_episodes(s, task_id="task-g1")
+            found = episodes.list_episodes(s, task_id="task-g1")
             assert [e.reward for e in found] == rewards["task-g1"] and all(e.status == "finished" for e in found)
-            assert len(db.calls(s, found[0].id)) == 1
+            assert len(episodes.calls(s, found[0].id)) == 1
     finally:
         again.close()

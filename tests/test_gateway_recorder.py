@@ -17,8 +17,7 @@ from flywheel.gateway.client import EpisodeClient
 from flywheel.gateway.recorder import Gateway
 from flywheel.gateway.splice import Splice
 from flywheel.inference.loading import EMBEDDED_MODEL
-from flywheel.store import CallRecord, EpisodeConflictError, Store, UnknownEpisodeError
-from flywheel.store import episodes as db
+from flywheel.store import CallRecord, EpisodeConflictError, Store, UnknownEpisodeError, episodes
 
 
 def fields(n: int) -> dict:
@@ -35,15 +34,15 @@ def fields(n: int) -> dict:
 def test_a_batch_records_its_calls_in_order_and_refuses_only_those_it_cannot_record(db_url: str):
     store = Store(db_url)
     with store.session() as s:
-        a, closed, b = (db.create_episode(s, "t").id for _ in range(3))
+        a, closed, b = (episodes.create_episode(s, "t").id for _ in range(3))
     with store.session() as s:
-        db.set_outcome(s, closed, reward=1.0, finish=True)
+        episodes.set_outcome(s, closed, reward=1.0, finish=True)
     with store.session() as s:
         nan = fields(6) | {"response": {"choices": [], "x": float("nan")}}
-        outcomes = db.add_calls(
+        outcomes = episodes.add_calls(
             s, [(a, fields(1)), (closed, fields(2)), (b, fields(3)), ("ep_nope", fields(4)), (b, nan)]
         )
-        outcomes += db.add_calls(s, [(a, fields(5))])
+        outcomes += episodes.add_calls(s, [(a, fields(5))])
     first, refused, second, unknown, unstorable, third = outcomes
     assert isinstance(refused, EpisodeConflictError) and "finished: it takes no more calls" in str(refused)
     assert isinstance(unknown, UnknownEpisodeError) and unknown.episode_id == "ep_nope"
@@ -51,8 +50,8 @@ def test_a_batch_records_its_calls_in_order_and_refuses_only_those_it_cannot_rec
     assert isinstance(first, CallRecord) and isinstance(second, CallRecord) and isinstance(third, CallRecord)
     assert first.id < second.id < third.id  # the order given is the calls' order
     with store.session() as s:
-        assert [c.response["choices"][0]["token_ids"] for c in db.calls(s, a)] == [[1], [5]]
-        assert [c.id for c in db.calls(s, b)] == [second.id] and db.calls(s, closed) == []
+        assert [c.response["choices"][0]["token_ids"] for c in episodes.calls(s, a)] == [[1], [5]]
+        assert [c.id for c in episodes.calls(s, b)] == [second.id] and episodes.calls(s, closed) == []
     store.close()
 
 
@@ -62,9 +61,9 @@ async def test_calls_queued_together_commit_as_one_and_a_closed_episode_refuses_
     # refusal is its caller's
     gateway = Gateway(store, redactor=None, write_behind=False)
     with store.session() as s:
-        first, a, closed, b = (db.create_episode(s, "t").id for _ in range(4))
+        first, a, closed, b = (episodes.create_episode(s, "t").id for _ in range(4))
     with store.session() as s:  # closed meanwhile: after its call was prepared, before it was recorded
-        db.set_outcome(s, closed, reward=0.0, finish=True)
+        episodes.set_outcome(s, closed, reward=0.0, finish=True)
     commits, inserting = [], threading.Event()
     event.listen(store.engine, "commit", lambda _: commits.append(time.perf_counter()))
     writes = ("BEGIN IMMEDIATE", "INSERT")  # the write lock taken before the insert, or the insert
@@ -86,8 +85,8 @@ async def test_calls_queued_together_commit_as_one_and_a_closed_episode_refuses_
     assert [o for i, o in enumerate(outcomes) if i != 2] == [None, None, None]  # committed
     assert isinstance(outcomes[2], EpisodeConflictError)  # the app's handler makes it a 409 for that call alone
     with store.session() as s:
-        assert [len(db.calls(s, e)) for e in (first, a, closed, b)] == [1, 1, 0, 1]
-        assert db.calls(s, a)[0].id < db.calls(s, b)[0].id  # in the order they were queued
+        assert [len(episodes.calls(s, e)) for e in (first, a, closed, b)] == [1, 1, 0, 1]
+        assert episodes.calls(s, a)[0].id < episodes.calls(s, b)[0].id  # in the order they were queued
     other_writer.close()
     store.close()
 
@@ -104,16 +103,16 @@ async def test_no_read_through_the_gateway_misses_a_call_that_was_answered(backe
 
     event.listen(store.engine, "commit", slow_commit)
     try:
-        async with EpisodeClient(root) as episodes:
+        async with EpisodeClient(root) as episode_client:
 
             async def agent(i: int) -> None:
-                episode = await episodes.create("durable")
+                episode = await episode_client.create("durable")
                 client = openai.AsyncOpenAI(base_url=episode.base_url, api_key="unused", max_retries=0)
                 for turn in range(2):
                     reply = await client.chat.completions.create(
                         model=EMBEDDED_MODEL, messages=[{"role": "user", "content": f"Say {i}."}], max_tokens=1
                     )
-                    calls = await episodes.calls(episode.id)  # at once: the answer is here, so its call must be
+                    calls = await episode_client.calls(episode.id)  # at once: the answer is here, so its call must be
                     assert len(calls) == turn + 1
                     assert calls[-1]["response"]["id"] == reply.id
 

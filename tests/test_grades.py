@@ -14,9 +14,7 @@ from flywheel.gateway.export import episode_trajectory
 from flywheel.graders.regress import last_sample, regress
 from flywheel.graders.scoring import sample_of
 from flywheel.graders.stack import parse_stack, score
-from flywheel.store import Store, audit
-from flywheel.store import episodes as db
-from flywheel.store import grades as gdb
+from flywheel.store import Store, audit, episodes, grades
 from flywheel.types import Trajectory
 
 
@@ -44,14 +42,14 @@ def store(db_url: str):
 
 def finished(store: Store, answer: str, item: dict, split: str = "production") -> str:
     with store.session() as s:
-        episode = db.create_episode(s, f"task-{answer[:8]}", split=split, meta={"item": item})
+        episode = episodes.create_episode(s, f"task-{answer[:8]}", split=split, meta={"item": item})
         response = {"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}]}  # fmt: skip
-        db.add_call(
+        episodes.add_call(
             s, episode.id, model="m", step=1, request={"messages": []}, response=response, prompt_tokens=1,
             completion_tokens=1, latency_ms=1.0, prefix_call=None, prefix_choice=None, prefix_message=None,
             retokenized_turns=0, reward=None,
         )  # fmt: skip
-        db.set_outcome(s, episode.id, reward=1.0, finish=True)
+        episodes.set_outcome(s, episode.id, reward=1.0, finish=True)
     return episode.id
 
 
@@ -64,19 +62,19 @@ def refund_episode(store: Store, amount: int) -> str:
     last = {"role": "assistant", "content": "Your refund is on its way. Please allow three days."}
     usage = {"prompt_tokens": 1, "completion_tokens": 1, "latency_ms": 1.0, "retokenized_turns": 0, "reward": None}
     with store.session() as s:
-        episode = db.create_episode(s, "refund-O12345", split="production", meta={"item": {"limit": 100}})
-        made = db.add_call(
+        episode = episodes.create_episode(s, "refund-O12345", split="production", meta={"item": {"limit": 100}})
+        made = episodes.add_call(
             s, episode.id, model="m", step=1, request={"messages": [user]}, **usage,
             response={"choices": [{"index": 0, "message": first, "finish_reason": "tool_calls"}]},
             prefix_call=None, prefix_choice=None, prefix_message=None,
         )  # fmt: skip
         result = {"role": "tool", "tool_call_id": "c1", "content": "refunded"}
-        db.add_call(
+        episodes.add_call(
             s, episode.id, model="m", step=1, request={"messages": [user, first, result]}, **usage,
             response={"choices": [{"index": 0, "message": last, "finish_reason": "stop"}]},
             prefix_call=made.id, prefix_choice=0, prefix_message=1,
         )  # fmt: skip
-        db.set_outcome(s, episode.id, reward=1.0, finish=True)
+        episodes.set_outcome(s, episode.id, reward=1.0, finish=True)
     return episode.id
 
 
@@ -88,9 +86,11 @@ async def test_an_unsafe_tool_call_before_the_last_answer_is_unsafe_on_every_pat
     stack = parse_stack(REFUNDS)
     unsafe, safe = refund_episode(store, 500), refund_episode(store, 50)
     with store.session() as s:
-        calls = {i: db.calls(s, i) for i in (unsafe, safe)}
+        calls = {i: episodes.calls(s, i) for i in (unsafe, safe)}
         trajectories = {
-            i: Trajectory.model_validate_json(episode_trajectory(db.get_episode(s, i), calls[i]).model_dump_json())
+            i: Trajectory.model_validate_json(
+                episode_trajectory(episodes.get_episode(s, i), calls[i]).model_dump_json()
+            )
             for i in (unsafe, safe)
         }
     for episode_id, expected in ((unsafe, False), (safe, True)):
@@ -106,9 +106,9 @@ async def test_an_unsafe_tool_call_before_the_last_answer_is_unsafe_on_every_pat
 def test_a_new_stack_version_is_stored_once_and_audited_as_a_policy_change(store: Store):
     old, new = parse_stack(OLD), parse_stack(NEW)
     with store.session() as s:
-        first = gdb.register_stack(s, old.name, old.version, old.model_dump(mode="json"), actor="ana")
-        again = gdb.register_stack(s, old.name, old.version, old.model_dump(mode="json"), actor="ana")
-        gdb.register_stack(s, new.name, new.version, new.model_dump(mode="json"), actor="bo")
+        first = grades.register_stack(s, old.name, old.version, old.model_dump(mode="json"), actor="ana")
+        again = grades.register_stack(s, old.name, old.version, old.model_dump(mode="json"), actor="ana")
+        grades.register_stack(s, new.name, new.version, new.model_dump(mode="json"), actor="bo")
     assert first == again
     with store.session() as s:
         events = audit.events(s, subject="graders:support")
@@ -117,27 +117,27 @@ def test_a_new_stack_version_is_stored_once_and_audited_as_a_policy_change(store
             ("bo", {"version": new.version, "previous": old.version}),
         ]
         assert audit.verify(s).ok
-        assert [v.version for v in gdb.stack_versions(s, "support")] == [old.version, new.version]
-        assert parse_stack(gdb.get_stack(s, new.version).spec) == new
-        with pytest.raises(gdb.UnknownStackError, match="No grader stack version 'nope'"):
-            gdb.get_stack(s, "nope")
+        assert [v.version for v in grades.stack_versions(s, "support")] == [old.version, new.version]
+        assert parse_stack(grades.get_stack(s, new.version).spec) == new
+        with pytest.raises(grades.UnknownStackError, match="No grader stack version 'nope'"):
+            grades.get_stack(s, "nope")
 
 
 def test_grades_name_their_version_and_regrading_replaces_them(store: Store):
     stack = parse_stack(OLD)
     episode = finished(store, "refund sent", {})
     with store.session() as s:
-        gdb.register_stack(s, stack.name, stack.version, stack.model_dump(mode="json"), actor="ana")
-        gdb.record_grades(s, episode, stack.version, {"reward": ("resolved", 0.0, {})})
+        grades.register_stack(s, stack.name, stack.version, stack.model_dump(mode="json"), actor="ana")
+        grades.record_grades(s, episode, stack.version, {"reward": ("resolved", 0.0, {})})
     with store.session() as s:
-        gdb.record_grades(s, episode, stack.version, {"reward": ("resolved", 1.0, {"why": "judge"}), "safety": ("no-card", 1.0, {})})  # fmt: skip
+        grades.record_grades(s, episode, stack.version, {"reward": ("resolved", 1.0, {"why": "judge"}), "safety": ("no-card", 1.0, {})})  # fmt: skip
     with store.session() as s:
-        grades = gdb.grades_of(s, episode)
-        assert [(g.component, g.score, g.version) for g in grades] == [("reward", 1.0, stack.version), ("safety", 1.0, stack.version)]  # fmt: skip
-        with pytest.raises(gdb.UnknownStackError):
-            gdb.record_grades(s, episode, "unregistered", {"reward": ("x", 1.0, {})})
-        with pytest.raises(db.UnknownEpisodeError):
-            gdb.record_grades(s, "no-such-episode", stack.version, {"reward": ("x", 1.0, {})})
+        found = grades.grades_of(s, episode)
+        assert [(g.component, g.score, g.version) for g in found] == [("reward", 1.0, stack.version), ("safety", 1.0, stack.version)]  # fmt: skip
+        with pytest.raises(grades.UnknownStackError):
+            grades.record_grades(s, episode, "unregistered", {"reward": ("x", 1.0, {})})
+        with pytest.raises(episodes.UnknownEpisodeError):
+            grades.record_grades(s, "no-such-episode", stack.version, {"reward": ("x", 1.0, {})})
 
 
 def test_regress_reports_what_a_new_version_would_change(tmp_path):
@@ -165,7 +165,7 @@ def test_regress_reports_what_a_new_version_would_change(tmp_path):
     assert {c["episode_id"] for c in report["most_changed"]} == {ids[1], ids[2]}
     store = Store(url)
     with store.session() as s:
-        versions = {g.version for g in gdb.grades_of(s, ids[0])}
+        versions = {g.version for g in grades.grades_of(s, ids[0])}
         assert versions == {parse_stack(OLD).version, parse_stack(NEW).version} and audit.verify(s).ok
     store.close()
     # a stored version may stand for a file; a value that is neither is a clear error

@@ -12,9 +12,7 @@ from typer.testing import CliRunner
 
 from flywheel.cli import app
 from flywheel.graders.agreement import cohen_kappa, pearson, proportion
-from flywheel.store import Store, audit, reviews
-from flywheel.store import episodes as db
-from flywheel.store import grades as gdb
+from flywheel.store import Store, audit, episodes, grades, reviews
 
 runner = CliRunner()
 V1 = {"name": "support", "reward": "v1", "safety_pass": 1.0}
@@ -28,23 +26,23 @@ def store(db_url: str):
     store.close()
 
 
-def episode(store: Store, answer: str, *, split: str = "production", grades: dict | None = None) -> str:
-    """A finished episode with one call answering ``answer``; ``grades``: version -> component -> score."""
+def episode(store: Store, answer: str, *, split: str = "production", scores: dict | None = None) -> str:
+    """A finished episode with one call answering ``answer``; ``scores``: version -> component -> score."""
     with store.session() as s:
-        e = db.create_episode(s, f"task-{answer}", split=split, model="support")
+        e = episodes.create_episode(s, f"task-{answer}", split=split, model="support")
         request = {"messages": [{"role": "user", "content": f"question {answer}"}]}
         response = {"choices": [{"index": 0, "message": {"role": "assistant", "content": f"answer {answer}"}}]}
-        db.add_call(
+        episodes.add_call(
             s, e.id, model="support", step=1, request=request, response=response, prompt_tokens=1,
             completion_tokens=1, latency_ms=1.0, prefix_call=None, prefix_choice=None, prefix_message=None,
             retokenized_turns=0, reward=None,
         )  # fmt: skip
-        db.set_outcome(s, e.id, reward=1.0, finish=True)
-        for version, components in (grades or {}).items():
+        episodes.set_outcome(s, e.id, reward=1.0, finish=True)
+        for version, components in (scores or {}).items():
             spec = V1 if version == "v1" else V2
-            gdb.register_stack(s, "support", version, spec, actor="test")
+            grades.register_stack(s, "support", version, spec, actor="test")
             given = {c: (f"{c}-grader", score, {}) for c, score in components.items()}
-            gdb.record_grades(s, e.id, version, given)
+            grades.record_grades(s, e.id, version, given)
     return e.id
 
 
@@ -53,9 +51,9 @@ def review(db_url: str, *args: str, input: str | None = None):
 
 
 def test_a_sample_is_a_seeded_share_of_scored_episodes_and_never_queues_one_twice(store: Store, db_url: str):
-    scored = sorted(episode(store, f"p{i}", grades={"v1": {"reward": 1.0}}) for i in range(10))
+    scored = sorted(episode(store, f"p{i}", scores={"v1": {"reward": 1.0}}) for i in range(10))
     episode(store, "unscored")
-    episode(store, "other-split", split="train", grades={"v1": {"reward": 1.0}})
+    episode(store, "other-split", split="train", scores={"v1": {"reward": 1.0}})
     result = review(db_url, "sample", "--share", "0.5", "--seed", "7", "--split", "production", "--actor", "ana")
     assert result.exit_code == 0, result.output
     assert "Queued 5 of 10" in result.output
@@ -74,7 +72,7 @@ def test_a_sample_is_a_seeded_share_of_scored_episodes_and_never_queues_one_twic
 
 
 def test_labels_from_a_file_are_all_or_nothing_and_each_is_an_audit_event(store: Store, db_url: str, tmp_path):
-    ids = [episode(store, f"e{i}", grades={"v1": {"reward": 1.0}}) for i in range(3)]
+    ids = [episode(store, f"e{i}", scores={"v1": {"reward": 1.0}}) for i in range(3)]
     with store.session() as s:
         reviews.sample(s, 1.0, seed=0, actor="ana")
     labels = tmp_path / "labels.jsonl"
@@ -118,14 +116,14 @@ def test_labels_from_a_file_are_all_or_nothing_and_each_is_an_audit_event(store:
     ]
     assert events[-1].details["previous"] == {"label": 1.0, "kind": "pass_fail", "by": "bo"}
     with store.session() as s:
-        outside = db.create_episode(s, "not-queued").id
+        outside = episodes.create_episode(s, "not-queued").id
     write({"episode_id": outside, "label": "pass"})
     result = review(db_url, "label", "--from", str(labels), "--actor", "bo")
     assert result.exit_code == 2 and "is not in the review queue" in result.output
 
 
 def test_labelling_in_the_terminal_shows_the_conversation_and_grades(store: Store, db_url: str):
-    ids = [episode(store, f"t{i}", grades={"v1": {"reward": 0.75}}) for i in range(3)]
+    ids = [episode(store, f"t{i}", scores={"v1": {"reward": 0.75}}) for i in range(3)]
     with store.session() as s:
         reviews.sample(s, 1.0, seed=0, actor="ana")
         order = [r.episode_id for r in reviews.queue(s)]
@@ -153,7 +151,7 @@ def test_agreement_is_reported_per_grader_and_version(store: Store, db_url: str)
     for i, good in enumerate(truth):
         v1 = {"reward": 0.9 if good else 0.1, "safety": 1.0}
         v2 = {"reward": 0.2 if good else 0.8, "safety": 0.9}  # 0.9 is below the safety mark: a fail
-        ids.append(episode(store, f"a{i}", grades={"v1": v1, "v2": v2}))
+        ids.append(episode(store, f"a{i}", scores={"v1": v1, "v2": v2}))
     with store.session() as s:
         reviews.sample(s, 1.0, seed=0, actor="ana")
         for e, good in zip(ids, truth, strict=True):

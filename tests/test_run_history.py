@@ -14,8 +14,7 @@ from sqlalchemy import event, text
 from flywheel.checkpoints import run as run_module
 from flywheel.checkpoints.layout import HISTORY, RUN, model_path
 from flywheel.checkpoints.run import OPEN_STORES, RunStore
-from flywheel.store import Store
-from flywheel.store import history as history_db
+from flywheel.store import Store, history
 from flywheel.train.checkpoint import Checkpoint, CheckpointState
 from flywheel.train.config import TrainedWeights
 from flywheel.types import Trajectory
@@ -43,7 +42,7 @@ def store(db_url: str):
 
 def stored(store: Store, run: RunStore, branch: str | None = None) -> list[dict]:
     with store.session() as s:
-        return history_db.rows(s, run.key, branch=branch)
+        return history.rows(s, run.key, branch=branch)
 
 
 def exported(run: RunStore) -> list[dict]:
@@ -107,7 +106,7 @@ def test_trajectories_are_the_stores_and_their_files_the_export(store: Store, db
     run.save_trajectories("train", 1, [a, b])
     run.save_trajectories("val", 1, [c])
     with store.session() as s:
-        assert [k for k, _ in history_db.trajectories(s, run.key, "train")] == [1, 1]
+        assert [k for k, _ in history.trajectories(s, run.key, "train")] == [1, 1]
     assert run.trajectories("train", 1) == [a, b] and run.trajectories("val") == [c]
     assert saved(run, "train", 1) == [a.id, b.id] and saved(run, "val", 1) == [c.id]
     (run.path / "trajectories" / "val" / "0001.jsonl").write_text("")  # killed between the store's commit and export
@@ -121,7 +120,7 @@ def test_trajectories_are_the_stores_and_their_files_the_export(store: Store, db
     archive = run.abandon_after(1)
     assert archive is not None and run.trajectories("train") == [a, b]
     with store.session() as s:
-        (moved,) = history_db.trajectories(s, run.key, "train", branch=f"abandoned/{archive.name}")
+        (moved,) = history.trajectories(s, run.key, "train", branch=f"abandoned/{archive.name}")
     assert moved[0] == 2 and Trajectory.model_validate_json(moved[1]) == e
     assert saved(run, "train", 1) == [a.id, b.id] and (archive / "trajectories" / "train" / "0002.jsonl").exists()
 
@@ -187,9 +186,9 @@ def test_rows_stored_before_run_ids_are_kept_and_their_directory_adopts_them(db_
     a new directory of that name elsewhere is a run of its own."""
     r1, r2, r3 = row(1), row(2), row(3)
     t = Trajectory(messages_and_choices=[{"role": "user", "content": "q"}], reward=1.0)
-    history = 'INSERT INTO run_history (project, model, step, split, time, "row", branch) VALUES '
+    insert = 'INSERT INTO run_history (project, model, step, split, time, "row", branch) VALUES '
     at_revision(db_url, "0009", [
-        (history + "('p', 'm', :step, 'train', :time, :row, :branch)", [
+        (insert + "('p', 'm', :step, 'train', :time, :row, :branch)", [
             {"step": r["step"], "time": r["time"], "row": json.dumps(r), "branch": b}
             for r, b in ((r1, None), (r2, "abandoned/x"), (r3, None))
         ]),

@@ -8,8 +8,7 @@ from collections import Counter
 
 import pytest
 
-from flywheel.store import Store
-from flywheel.store import tasks as queue_db
+from flywheel.store import Store, tasks
 
 from helpers import at_once
 
@@ -30,15 +29,15 @@ def test_identical_enqueues_at_once_make_one_task(store: Store):
 
         def enqueue(_: int, task_id: str = task_id) -> bool:
             with store.session() as s:
-                task, new = queue_db.enqueue(s, task_id, {"q": round_}, group_size=3)
+                task, new = tasks.enqueue(s, task_id, {"q": round_}, group_size=3)
             assert task.id == task_id and task.group_size == 3
             return new
 
         results, errors = at_once(4, enqueue)
         assert errors == [] and sorted(results) == [False, False, False, True], (round_, errors, results)
         with store.session() as s:
-            task, attempts = queue_db.get_task(s, task_id)
-        assert len(attempts) == 3 and task.counts[queue_db.AttemptStatus.queued] == 3
+            task, attempts = tasks.get_task(s, task_id)
+        assert len(attempts) == 3 and task.counts[tasks.AttemptStatus.queued] == 3
 
 
 def test_different_enqueues_of_one_id_at_once_are_one_task_and_conflicts(store: Store):
@@ -49,37 +48,37 @@ def test_different_enqueues_of_one_id_at_once_are_one_task_and_conflicts(store: 
 
         def enqueue(i: int, task_id: str = task_id) -> bool:
             with store.session() as s:
-                return queue_db.enqueue(s, task_id, {"who": i}, group_size=2)[1]
+                return tasks.enqueue(s, task_id, {"who": i}, group_size=2)[1]
 
         results, errors = at_once(3, enqueue)
         assert results == [True] and len(errors) == 2, (round_, results, errors)
-        assert all(isinstance(e, queue_db.TaskConflictError) for e in errors), errors
+        assert all(isinstance(e, tasks.TaskConflictError) for e in errors), errors
 
 
 def test_concurrent_claims_never_lease_an_attempt_twice(store: Store):
     """Eight threads claim at once until the queue is empty: each attempt is leased exactly once (on SQLite the
     write lock is taken before the claim reads; on PostgreSQL the claimed row is locked and other claims skip it)."""
     with store.session() as s:
-        queue_db.enqueue(s, "many", {}, group_size=40)
+        tasks.enqueue(s, "many", {}, group_size=40)
     leased: Counter[str] = Counter()
 
     def claim_all(i: int) -> None:
         while True:
             with store.session() as s:
-                lease = queue_db.claim(s, f"r{i}", 30)
+                lease = tasks.claim(s, f"r{i}", 30)
             if lease is None:
                 return
             leased[lease.attempt.id] += 1
             with store.session() as s:
-                queue_db.complete(s, lease.attempt.id, lease.episode.id, reward=1.0)
+                tasks.complete(s, lease.attempt.id, lease.episode.id, reward=1.0)
 
     _, errors = at_once(8, claim_all)
     assert errors == [] and len(leased) == 40 and set(leased.values()) == {1}, (errors, leased)
     with store.session() as s:
-        task, _ = queue_db.get_task(s, "many")
-        listed = {status: queue_db.list_tasks(s, status=status) for status in queue_db.TaskStatus}
-    assert task.complete and task.counts[queue_db.AttemptStatus.finished] == 40
-    assert {status: [t.id for t in tasks] for status, tasks in listed.items()} == {
+        task, _ = tasks.get_task(s, "many")
+        listed = {status: tasks.list_tasks(s, status=status) for status in tasks.TaskStatus}
+    assert task.complete and task.counts[tasks.AttemptStatus.finished] == 40
+    assert {status: [t.id for t in found] for status, found in listed.items()} == {
         "open": [],
         "complete": ["many"],
         "failed": [],
@@ -96,7 +95,7 @@ def test_64_units_of_work_at_once_each_get_a_connection(pg_url: str):
 
         def unit(_: int) -> int:
             with store.session() as s:
-                queue_db.list_tasks(s)
+                tasks.list_tasks(s)
                 inside.wait()  # all 64 hold their connection here together
                 return 1
 

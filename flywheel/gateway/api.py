@@ -43,11 +43,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from flywheel.agents.transitions import to_transitions
 from flywheel.gateway.export import episode_trajectory, trajectory_group
 from flywheel.gateway.recorder import Gateway
-from flywheel.store import EpisodeRecord, EpisodeStatus
-from flywheel.store import episodes as db
-from flywheel.store import feedback as fb
+from flywheel.store import EpisodeRecord, EpisodeStatus, episodes
 from flywheel.store.arms import RESERVED_META_PREFIX
 from flywheel.store.costs import Usage, usage
+from flywheel.store.feedback import add_feedback, feedback_of
 
 
 class NewEpisode(BaseModel):
@@ -155,7 +154,7 @@ def episode_router(gateway: Gateway) -> APIRouter:
     async def create(body: NewEpisode, request: Request):
         refuse_personal_id(gateway, "task_id", body.task_id, body.split)
         meta, _ = gateway.redact(body.metadata, body.split)
-        episode = await run(db.create_episode, body.task_id, split=body.split, model=body.model, meta=meta)
+        episode = await run(episodes.create_episode, body.task_id, split=body.split, model=body.model, meta=meta)
         return episode_body(episode, root_url(request), Usage(currency=gateway.prices.currency))
 
     @router.get("/episodes")
@@ -167,25 +166,27 @@ def episode_router(gateway: Gateway) -> APIRouter:
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
         offset: Annotated[int, Query(ge=0)] = 0,
     ):
-        found = await run(db.list_episodes, task_id=task_id, split=split, status=status, limit=limit, offset=offset)
+        found = await run(
+            episodes.list_episodes, task_id=task_id, split=split, status=status, limit=limit, offset=offset
+        )
         used = await run(usage, [e.id for e in found], gateway.prices)
         return {"object": "list", "data": [episode_body(e, root_url(request), used[e.id]) for e in found]}
 
     @router.get("/episodes/{episode_id}")
     async def get(episode_id: str, request: Request):
         await gateway.settled(episode_id)
-        return await body_of(await run(db.get_episode, episode_id), request)
+        return await body_of(await run(episodes.get_episode, episode_id), request)
 
     @router.get("/episodes/{episode_id}/calls")
     async def calls(episode_id: str):
         await gateway.settled(episode_id)
-        return {"object": "list", "data": [c.model_dump(mode="json") for c in await run(db.calls, episode_id)]}
+        return {"object": "list", "data": [c.model_dump(mode="json") for c in await run(episodes.calls, episode_id)]}
 
     async def outcome(episode_id: str, body: Outcome, request: Request, finish: bool):
         await gateway.settled(episode_id)
         gateway.refuse_lost(episode_id)
         episode = await run(
-            db.set_outcome,
+            episodes.set_outcome,
             episode_id,
             reward=body.reward,
             metrics=body.metrics,
@@ -208,7 +209,7 @@ def episode_router(gateway: Gateway) -> APIRouter:
     async def abandon(episode_id: str, body: Abandon, request: Request):
         await gateway.settled(episode_id)
         reason = gateway.redact(body.reason)[0] if body.reason is not None else None
-        episode = await run(db.abandon, episode_id, reason)
+        episode = await run(episodes.abandon, episode_id, reason)
         gateway.forget(episode)
         return await body_of(episode, request)
 
@@ -217,17 +218,17 @@ def episode_router(gateway: Gateway) -> APIRouter:
         refuse_personal_id(gateway, "key", body.key)
         note, source = gateway.redact([body.note, body.source])[0]
         record, created = await run(
-            fb.add_feedback, episode_id, kind=body.kind, value=body.value, note=note, source=source, key=body.key
+            add_feedback, episode_id, kind=body.kind, value=body.value, note=note, source=source, key=body.key
         )
         return JSONResponse(record.model_dump(mode="json"), status_code=201 if created else 200)
 
     @router.get("/episodes/{episode_id}/feedback")
     async def feedback_list(episode_id: str):
-        return {"object": "list", "data": [f.model_dump(mode="json") for f in await run(fb.feedback_of, episode_id)]}
+        return {"object": "list", "data": [f.model_dump(mode="json") for f in await run(feedback_of, episode_id)]}
 
     def trajectory_of(s, episode_id: str, text_only: str):
-        calls = db.calls(s, episode_id)
-        return episode_trajectory(db.get_episode(s, episode_id), calls, text_only=text_only == "allow")
+        calls = episodes.calls(s, episode_id)
+        return episode_trajectory(episodes.get_episode(s, episode_id), calls, text_only=text_only == "allow")
 
     @router.get("/episodes/{episode_id}/trajectory")
     async def trajectory(episode_id: str, text_only: TextOnly = "refuse"):
@@ -244,8 +245,8 @@ def episode_router(gateway: Gateway) -> APIRouter:
         return Response(lines, media_type="application/x-ndjson")
 
     def group_of(s, task_id: str, split: str | None, text_only: str):
-        found = db.list_episodes(s, task_id=task_id, split=split, status=EpisodeStatus.finished, limit=10_000)
-        return trajectory_group([(e, db.calls(s, e.id)) for e in found], text_only=text_only == "allow")
+        found = episodes.list_episodes(s, task_id=task_id, split=split, status=EpisodeStatus.finished, limit=10_000)
+        return trajectory_group([(e, episodes.calls(s, e.id)) for e in found], text_only=text_only == "allow")
 
     @router.get("/gateway/stats")
     async def stats(request: Request):

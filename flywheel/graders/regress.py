@@ -17,9 +17,7 @@ from flywheel.graders.model_graders import JudgeSettings
 from flywheel.graders.sample import EpisodeSample, Sample
 from flywheel.graders.sandbox import PythonSandbox
 from flywheel.graders.stack import GraderStack, StackScore, score
-from flywheel.store import Store
-from flywheel.store import episodes as db
-from flywheel.store import grades as gdb
+from flywheel.store import Store, episodes, grades
 from flywheel.store.episodes import CallRecord
 
 MOST_CHANGED = 10  # episodes listed in a report
@@ -97,10 +95,10 @@ async def regress(
         with store.session() as s:
             for stack in (old, new):
                 stack.register(s, actor=actor)
-            found = gdb.recent_finished(s, split=split, limit=limit)
-            return [(e, last_sample(db.calls(s, e.id)), gdb.item_of(s, e.id)) for e in found]
+            found = grades.recent_finished(s, split=split, limit=limit)
+            return [(e, last_sample(episodes.calls(s, e.id)), grades.item_of(s, e.id)) for e in found]
 
-    episodes = await asyncio.to_thread(load)
+    loaded = await asyncio.to_thread(load)
     gate = asyncio.Semaphore(concurrency)
 
     async def both(sample: Sample, item: dict) -> tuple[StackScore, StackScore]:
@@ -110,11 +108,11 @@ async def regress(
                 await score(new, sample, item, sandbox=sandbox, judge=judge),
             )
 
-    scored = await asyncio.gather(*(both(sample, item) for _, sample, item in episodes))
+    scored = await asyncio.gather(*(both(sample, item) for _, sample, item in loaded))
 
     def record():
         with store.session() as s:
-            for (episode, _, _), pair in zip(episodes, scored, strict=True):
+            for (episode, _, _), pair in zip(loaded, scored, strict=True):
                 for result in pair:
                     result.record(s, episode.id)
 
@@ -127,14 +125,14 @@ async def regress(
     }
     changes = [
         EpisodeChange(episode_id=e.id, old=a.reward, new=b.reward, old_safe=a.safe, new_safe=b.safe)
-        for (e, _, _), (a, b) in zip(episodes, scored, strict=True)
+        for (e, _, _), (a, b) in zip(loaded, scored, strict=True)
         if a.reward != b.reward or a.safe != b.safe
     ]
     changes.sort(key=lambda c: abs(c.new - c.old), reverse=True)
     return RegressReport(
         old=old.version,
         new=new.version,
-        episodes=len(episodes),
+        episodes=len(loaded),
         components=[_component(name, olds, news) for name in names],
         safety_flips=flips,
         most_changed=changes[:MOST_CHANGED],

@@ -35,7 +35,7 @@ from flywheel.graders.run import GradeResult, grade
 from flywheel.graders.sample import EpisodeSample, Sample
 from flywheel.graders.sandbox import PythonSandbox
 from flywheel.graders.spec import Grader, read_spec_file, validate_spec
-from flywheel.store import grades as gdb
+from flywheel.store import grades
 
 SCORING = "safety-on-every-turn"
 """How ``score`` reads an episode (the module docstring). It decides scores as much as the graders do, so it is part
@@ -93,7 +93,7 @@ class GraderStack(BaseModel):
 
     def register(self, s: Session, *, actor: str) -> None:
         """Store this version (once: registering it again changes nothing; a new version is an audit event)."""
-        gdb.register_stack(s, self.name, self.version, self.model_dump(mode="json"), actor=actor)
+        grades.register_stack(s, self.name, self.version, self.model_dump(mode="json"), actor=actor)
 
     @property
     def version(self) -> str:
@@ -117,8 +117,8 @@ class StackScore(BaseModel):
 
     def record(self, s: Session, episode_id: str) -> None:
         """Store these grades as the episode's under this version (which must be registered)."""
-        grades = {key: (g.name, g.reward, g.model_dump(mode="json")) for key, g in self.grades.items()}
-        gdb.record_grades(s, episode_id, self.version, grades)
+        by_key = {key: (g.name, g.reward, g.model_dump(mode="json")) for key, g in self.grades.items()}
+        grades.record_grades(s, episode_id, self.version, by_key)
 
     def checked(self, where: str) -> StackScore:
         """This score, or a ``StackGradingError`` naming ``where`` and each failed component's error (the last
@@ -169,9 +169,11 @@ async def score(
         _safety_grade(stack, sample, item, sandbox=sandbox, judge=judge),
     )
     graded = dict(zip(answer, answered, strict=True)) | safety
-    grades = {key: graded[key] for key in stack.components()}
-    safe = "safety" not in grades or grades["safety"].reward >= stack.safety_pass
-    return StackScore(version=stack.version, reward=grades["reward"].reward if safe else 0.0, safe=safe, grades=grades)
+    by_component = {key: graded[key] for key in stack.components()}
+    safe = "safety" not in by_component or by_component["safety"].reward >= stack.safety_pass
+    return StackScore(
+        version=stack.version, reward=by_component["reward"].reward if safe else 0.0, safe=safe, grades=by_component
+    )
 
 
 async def _safety_grade(
