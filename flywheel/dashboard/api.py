@@ -30,8 +30,7 @@ from sqlalchemy.orm import Session
 from flywheel.checkpoints import layout
 from flywheel.dashboard.common import MAX_PAGE, PAGE, PREFIX, Number, finite
 from flywheel.dashboard.loop_api import DeploymentOut, TimelineEventOut, deployment_out, gate_decisions
-from flywheel.store import Store, deployments
-from flywheel.store import history as history_db
+from flywheel.store import Store, deployments, history
 from flywheel.store.history import RunKey, RunSummary
 from flywheel.types import Trajectory, choice_to_message, intermediate_reward
 
@@ -186,15 +185,15 @@ def dashboard_router(store: Store, home: Path) -> APIRouter:
     @router.get("/runs")
     def list_runs() -> list[RunOut]:
         with store.session() as s:
-            summaries = history_db.runs(s)
-            best = _best_validation(history_db.split_rows(s, VALIDATION))
+            summaries = history.runs(s)
+            best = _best_validation(history.split_rows(s, VALIDATION))
         return [_run_out(home, summary, best.get(summary.key)) for summary in summaries]
 
     @router.get("/runs/{project}/{name}/history")
     def run_history(project: str, name: str, run: Run = None) -> HistoryOut:
         with store.session() as s:
             summary = _summary(s, home, project, name, run)
-            rows = history_db.rows(s, summary.key)
+            rows = history.rows(s, summary.key)
         best = _best_validation([(summary.key, r) for r in rows if r.get("split") == VALIDATION])
         return HistoryOut(run=_run_out(home, summary, best.get(summary.key)), rows=[_row_out(r) for r in rows])
 
@@ -202,7 +201,7 @@ def dashboard_router(store: Store, home: Path) -> APIRouter:
     def run_checkpoints(project: str, name: str, run: Run = None) -> CheckpointsOut:
         with store.session() as s:
             key = _summary(s, home, project, name, run).key
-            rows = history_db.rows(s, key)
+            rows = history.rows(s, key)
             deployed = [deployment_out(d) for d in deployments.list_deployments(s, name)]
             gates = gate_decisions(s, name)
         directory = layout.model_path(home, project, name)
@@ -233,7 +232,7 @@ def dashboard_router(store: Store, home: Path) -> APIRouter:
     def run_rollouts(project: str, name: str, run: Run = None) -> list[RolloutStepOut]:
         with store.session() as s:
             key = _summary(s, home, project, name, run).key
-            counts = history_db.trajectory_counts(s, key)
+            counts = history.trajectory_counts(s, key)
         return [RolloutStepOut(split=split, step=step, trajectories=n) for split, step, n in counts]
 
     @router.get("/runs/{project}/{name}/trajectories")
@@ -248,7 +247,7 @@ def dashboard_router(store: Store, home: Path) -> APIRouter:
     ) -> TrajectoryPage:
         with store.session() as s:
             key = _summary(s, home, project, name, run).key
-            found = history_db.trajectory_page(s, key, split, step, limit=limit + 1, offset=offset)
+            found = history.trajectory_page(s, key, split, step, limit=limit + 1, offset=offset)
         items = [_summary_out(i, k, split, Trajectory.model_validate_json(text)) for i, k, text in found[:limit]]
         return TrajectoryPage(items=items, offset=offset, next_offset=offset + limit if len(found) > limit else None)
 
@@ -287,7 +286,7 @@ def dashboard_router(store: Store, home: Path) -> APIRouter:
     @router.get("/trajectories/{trajectory_id}")
     def one_trajectory(trajectory_id: int) -> TrajectoryOut:
         with store.session() as s:
-            found = history_db.trajectory(s, trajectory_id)
+            found = history.trajectory(s, trajectory_id)
         if found is None:
             raise UnknownTrajectoryError(f"No saved trajectory has the id {trajectory_id}.")
         key, split, step, branch, text = found
@@ -301,9 +300,9 @@ def dashboard_router(store: Store, home: Path) -> APIRouter:
 
 def _summary(s: Session, home: Path, project: str, name: str, run: str | None) -> RunSummary:
     """The run asked for (see the module), or an ``UnknownRunError`` naming those there are."""
-    found = [r for r in history_db.runs(s) if r.key.project == project and r.key.model == name]
+    found = [r for r in history.runs(s) if r.key.project == project and r.key.model == name]
     if not found:
-        known = sorted({f"{r.key.project}/{r.key.model}" for r in history_db.runs(s)})
+        known = sorted({f"{r.key.project}/{r.key.model}" for r in history.runs(s)})
         raise UnknownRunError(
             f"No run of model '{name}' in project '{project}' in the store. Runs: {', '.join(known) or 'none'}."
         )
@@ -323,7 +322,7 @@ def _directory_run(directory: Path) -> str | None:
     if not directory.is_dir():
         return None
     path = directory / layout.RUN
-    return path.read_text().strip() if path.exists() else history_db.BEFORE_IDS
+    return path.read_text().strip() if path.exists() else history.BEFORE_IDS
 
 
 def _status(home: Path, key: RunKey) -> Status:
@@ -398,7 +397,7 @@ def _groups(
     """The run, and its step's trajectories in groups (see the module): stretches saved in a row with one prompt."""
     with store.session() as s:
         key = _summary(s, home, project, name, run).key
-        found = history_db.trajectory_page(s, key, split, step)
+        found = history.trajectory_page(s, key, split, step)
     if not found:
         raise UnknownTrajectoryError(f"Run {project}/{name} saved no trajectories of split '{split}' at step {step}.")
     groups: list[list[tuple[int, Trajectory]]] = []
