@@ -30,9 +30,7 @@ from flywheel.loop.evaluate import evaluate
 from flywheel.loop.gate import GatePolicy, HeldOutSet, decide, levels
 from flywheel.loop.ladder import REWIND
 from flywheel.loop.shadow import ShadowPolicy
-from flywheel.store import Store, audit, deployments
-from flywheel.store import episodes as db
-from flywheel.store import grades as gdb
+from flywheel.store import Store, audit, deployments, episodes, grades
 from flywheel.store.arms import shadow_episode
 from flywheel.train.checkpoint import Checkpoint, CheckpointState
 from flywheel.types import Trajectory, TrajectoryGroup
@@ -82,15 +80,17 @@ async def test_held_out_items_run_by_runners_are_scored_recorded_and_paired(back
     # every attempt failed: the item counts as not done, and not safe (missing evidence is not good evidence)
     assert (first.results[3].score, first.results[3].safe, first.results[3].failures) == (0.0, False, 2)
     with backend.gateway.store.session() as s:
-        grades = [g for e in first.episodes for g in gdb.grades_of(s, e)]
-    assert len(grades) == 12 and {g.version for g in grades} == {STACK.version}  # reward + safety per episode
+        graded = [g for e in first.episodes for g in grades.grades_of(s, e)]
+    assert len(graded) == 12 and {g.version for g in graded} == {STACK.version}  # reward + safety per episode
     with backend.gateway.store.session() as s:  # as the runners claimed them: warm-ups, then item by item
-        timed = sorted((db.get_episode(s, i) for i in first.episodes + again.episodes), key=lambda e: e.created_at)
-        warm = [e for r in (first, again) for e in db.list_episodes(s, task_id=f"eval:colours:{HELDOUT.version}:{r.id}-warm")]  # fmt: skip
+        timed = sorted(
+            (episodes.get_episode(s, i) for i in first.episodes + again.episodes), key=lambda e: e.created_at
+        )
+        warm = [e for r in (first, again) for e in episodes.list_episodes(s, task_id=f"eval:colours:{HELDOUT.version}:{r.id}-warm")]  # fmt: skip
     assert [e.task_id.rsplit(":", 2)[1] for e in timed] == [first.id, first.id, again.id, again.id] * 3  # q0..q2
     assert len(warm) == 2 and max(e.created_at for e in warm) < timed[0].created_at  # one untimed episode a side
 
-    assert {g.component for g in grades} == {"reward", "safety"}
+    assert {g.component for g in graded} == {"reward", "safety"}
     # greedy decoding: the same model twice gives the same scores, and the gate sees no lift
     assert [r.score for r in again.results] == [r.score for r in first.results]
     # every call at temperature 0 and every attempt finished: the gate needs no repeat (an item failed: it does)
@@ -144,17 +144,19 @@ async def test_the_loop_takes_production_tasks_trains_and_sends_a_gated_candidat
     assert config.stack == tmp_path / "stack.json"  # paths are relative to the config file
     store, root = backend.gateway.store, backend.base_url.removesuffix("/v1")
     logged = []  # three production episodes, finished, whose items the loop should learn from
-    async with EpisodeClient(root) as episodes:
+    async with EpisodeClient(root) as episode_client:
         for colour, prompt in (("b", ""), ("g", ""), ("b", "Reply to ana@example.com: ")):
             item = {"id": f"prod-{colour}", "question": f"Name a colour starting with {colour}.", "fail": False}
-            e = await episodes.create(f"ticket-{colour}", split="production", metadata={"item": item})
+            e = await episode_client.create(f"ticket-{colour}", split="production", metadata={"item": item})
             client = openai.AsyncOpenAI(base_url=e.base_url, api_key="-", max_retries=0)
             messages = [{"role": "user", "content": prompt + item["question"]}]
             await client.chat.completions.create(model=EMBEDDED_MODEL, messages=messages, max_tokens=6, temperature=1)
-            logged.append((await episodes.finish(e.id, 1.0)).id)
+            logged.append((await episode_client.finish(e.id, 1.0)).id)
     with store.session() as s:
         deployments.deploy(s, "loop-agent@production", 1, actor="test", reason="the loop's first step")
-        sampled = sum(len(c.response["choices"][0].get("token_ids", [])) for e in logged[:2] for c in db.calls(s, e))
+        sampled = sum(
+            len(c.response["choices"][0].get("token_ids", [])) for e in logged[:2] for c in episodes.calls(s, e)
+        )
     loop = Loop(config, backend, actor="test")
     report = await loop.run()
     assert report.steps == [1, 2] and report.intake == 2  # two items (prod-b twice)
@@ -183,10 +185,10 @@ async def test_the_loop_takes_production_tasks_trains_and_sends_a_gated_candidat
         assert gate_event.details["production"] == "loop-agent@1"  # production's checkpoint, not its alias
         assert deployments.history(s, "loop-agent@shadow")[-1].details["gate_event"] == gate_event.id
         trained = [
-            e for e in db.list_episodes(s, split="train", limit=1000) if e.task_id.startswith("train:loop-agent:")
+            e for e in episodes.list_episodes(s, split="train", limit=1000) if e.task_id.startswith("train:loop-agent:")
         ]
         assert len(trained) == 2 * 2 * 2  # steps x groups x group size
-        assert all(gdb.grades_of(s, e, loop.stack.version) for e in [*(e.id for e in trained), *logged[:2]])
+        assert all(grades.grades_of(s, e, loop.stack.version) for e in [*(e.id for e in trained), *logged[:2]])
         assert audit.verify(s).ok
 
 
@@ -227,7 +229,7 @@ async def test_dynamic_sampling_draws_until_the_step_has_groups_that_differ_and_
     assert sampled["step"] == 1 and sampled["groups_kept"] == 2 and sampled["sampling_short"] == 0.0
     assert sampled["groups_drawn"] == sampled["groups_kept"] + sampled["groups_dropped"] <= 8
     with backend.gateway.store.session() as s:
-        drawn = [e.task_id for e in db.list_episodes(s, split="train", limit=1000) if e.task_id.startswith("train:dapo-agent:1:")]  # fmt: skip
+        drawn = [e.task_id for e in episodes.list_episodes(s, split="train", limit=1000) if e.task_id.startswith("train:dapo-agent:1:")]  # fmt: skip
     items = [task_id.split(":")[3] for task_id in drawn]
     assert len(items) == 2 * sampled["groups_drawn"] and {"t0", "t1"} <= set(items)  # group_size 2 each
     assert all(items.count(k) == 2 for k in set(items))  # each item drawn once (one group of 2)
@@ -380,7 +382,7 @@ async def test_a_shadow_goes_to_canary_or_is_stopped_by_its_answers_paired_with_
         assert deployments.find(s, shadow) is None and deployments.find(s, canary) is None
         event = next(e for e in audit.events(s, subject=shadow) if e.action == "shadow.stop")
         assert (event.details["step"], event.details["pairs"], len(event.details["episodes"])) == (2, 2, 2)
-        assert gdb.grades_of(s, event.details["episodes"][0], loop.stack.version)  # the shadow's answers, graded
+        assert grades.grades_of(s, event.details["episodes"][0], loop.stack.version)  # the shadow's answers, graded
         deployments.deploy(s, shadow, 3, actor="test", share=0.5)
     pair(3, good)
     mirrored(store, first, shadow, 3, good)  # a late mirror into an earlier shadow episode: paired anew for step 3
@@ -425,8 +427,8 @@ async def test_the_shadow_watch_reads_an_unpaired_episode_again_only_once_a_late
         deployments.deploy(s, shadow, 2, actor="test", share=0.5)
     origin = answered(store, prod, 1, "Your refund is on its way.")
     missed = mirrored(store, origin, shadow, 2, "Hello.", [{"role": "user", "content": "hi"}])  # an earlier call's
-    read, calls = [], db.calls
-    monkeypatch.setattr(db, "calls", lambda s, episode_id: read.append(episode_id) or calls(s, episode_id))
+    read, calls = [], episodes.calls
+    monkeypatch.setattr(episodes, "calls", lambda s, episode_id: read.append(episode_id) or calls(s, episode_id))
     for _ in range(3):
         assert (await loop.ladder.watch_shadow()).pairs == 0
     assert read.count(missed) == 1
@@ -446,9 +448,9 @@ async def test_a_shadow_pairs_only_with_production_originals(backend: LocalBacke
     with store.session() as s:
         deployments.deploy(s, prod, 1, actor="test")
         deployments.deploy(s, shadow, 2, actor="test", share=1.0)
-        evaluation = db.create_episode(s, "ticket", split="eval", meta={"item": {"id": "ticket"}})
+        evaluation = episodes.create_episode(s, "ticket", split="eval", meta={"item": {"id": "ticket"}})
         record_call(s, evaluation.id, prod, 1, good)
-        db.set_outcome(s, evaluation.id, reward=0.0, finish=True)
+        episodes.set_outcome(s, evaluation.id, reward=0.0, finish=True)
     mirrored(store, evaluation.id, shadow, 2, good)
     assert (await loop.ladder.watch_shadow()).pairs == 0
     mirrored(store, answered(store, prod, 1, good), shadow, 2, good)

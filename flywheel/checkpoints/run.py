@@ -59,8 +59,7 @@ from flywheel.checkpoints.layout import (
     STATE,
     TMP,
 )
-from flywheel.store import Store, deployments
-from flywheel.store import history as history_db
+from flywheel.store import Store, deployments, history
 from flywheel.store.db import default_url
 from flywheel.store.history import RunKey
 from flywheel.train.checkpoint import Checkpoint, CheckpointState
@@ -310,7 +309,7 @@ class RunStore:
             _fsync_dir(self.path)
             if older:
                 with _store(self.db).session() as s:
-                    history_db.adopt(s, RunKey(self.project, self.name, run))
+                    history.adopt(s, RunKey(self.project, self.name, run))
         return run
 
     def history(self) -> list[Row]:
@@ -323,16 +322,16 @@ class RunStore:
     def _rows(self, s: Session) -> list[Row]:
         """The store's rows (``history.jsonl``'s imported first if it has none)."""
         self._import_rows(s)
-        return history_db.rows(s, self.key)
+        return history.rows(s, self.key)
 
     def _import_rows(self, s: Session) -> None:
         """``history.jsonl``'s rows, when the store has none of the run's (written before it kept them, or pulled)."""
         if self._rows_imported:
             return
-        if history_db.has_rows(s, self.key):
+        if history.has_rows(s, self.key):
             self._rows_imported = True  # committed before this unit of work
         else:
-            history_db.add(s, self.key, self._exported())
+            history.add(s, self.key, self._exported())
 
     def _exported(self) -> list[Row]:
         """The rows of ``history.jsonl`` (a last line cut short by a kill is not a row)."""
@@ -341,8 +340,8 @@ class RunStore:
     def import_history(self) -> None:
         """Make the store's rows and trajectories those of the files (after a pull brought another machine's)."""
         with _store(self.db).session() as s:
-            history_db.replace(s, self.key, self._exported())
-            history_db.drop_trajectories_above(s, self.key, -1)
+            history.replace(s, self.key, self._exported())
+            history.drop_trajectories_above(s, self.key, -1)
             self._trajectories_imported = False  # none left: the files go in again
             self._import_trajectories(s)
 
@@ -352,7 +351,7 @@ class RunStore:
             return
         with _store(self.db).session() as s:
             self._import_rows(s)  # a file not imported yet goes in first
-            history_db.add(s, self.key, rows)
+            history.add(s, self.key, rows)
         self._rows_imported = True  # committed
         created = not self._history.exists()
         self.path.mkdir(parents=True, exist_ok=True)
@@ -368,7 +367,7 @@ class RunStore:
         texts = [t.model_dump_json() for t in trajectories]
         with _store(self.db).session() as s:
             self._import_trajectories(s)
-            history_db.add_trajectories(s, self.key, split, step, texts)
+            history.add_trajectories(s, self.key, split, step, texts)
         self._trajectories_imported = True  # committed
         path = self._trajectory_file(split, step)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -386,7 +385,7 @@ class RunStore:
             return []
         with _store(self.db).session() as s:
             self._import_trajectories(s)
-            return history_db.trajectories(s, self.key, split, step)
+            return history.trajectories(s, self.key, split, step)
 
     def trajectory_splits(self) -> list[str]:
         """The splits trajectories were saved with, sorted."""
@@ -394,7 +393,7 @@ class RunStore:
             return []
         with _store(self.db).session() as s:
             self._import_trajectories(s)
-            return history_db.trajectory_splits(s, self.key)
+            return history.trajectory_splits(s, self.key)
 
     def _trajectory_file(self, split: str, step: int) -> Path:
         return layout.trajectory_file(self.path, split, step)
@@ -403,11 +402,11 @@ class RunStore:
         """Trajectory files, when the store has none of the run's (written before it kept them, or pulled)."""
         if self._trajectories_imported:
             return
-        if history_db.has_trajectories(s, self.key):
+        if history.has_trajectories(s, self.key):
             self._trajectories_imported = True  # committed before this unit of work
             return
         for f in sorted(layout.trajectory_files(self.path, above=-1)):
-            history_db.add_trajectories(s, self.key, f.parent.name, int(f.stem), _complete_lines(f))
+            history.add_trajectories(s, self.key, f.parent.name, int(f.stem), _complete_lines(f))
 
     # ---- recovery and branches ---------------------------------------------------------------------------------
 
@@ -445,8 +444,8 @@ class RunStore:
             self._export(kept)  # a kill between the store's commit and the export, or a torn last line
         with _store(self.db).session() as s:
             self._import_trajectories(s)
-            history_db.drop_trajectories_above(s, self.key, top)
-            last = history_db.last_saved(s, self.key)
+            history.drop_trajectories_above(s, self.key, top)
+            last = history.last_saved(s, self.key)
         for f in layout.trajectory_files(self.path, above=top):
             f.unlink()
         if last is not None:  # a kill between the store's commit of the last trajectories and their export
@@ -455,7 +454,7 @@ class RunStore:
             text = path.read_text() if path.exists() else ""
             if len(_complete_lines(path)) != count or (text and not text.endswith("\n")):
                 with _store(self.db).session() as s:
-                    found = history_db.trajectories(s, self.key, split, step)
+                    found = history.trajectories(s, self.key, split, step)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text("".join(line + "\n" for _, line in found))
 
@@ -476,7 +475,7 @@ class RunStore:
             _fsync_dir(self.checkpoints)
         (archive / HISTORY).write_text("".join(json.dumps(r) + "\n" for r in dropped))
         with _store(self.db).session() as s:
-            history_db.abandon_above(s, self.key, step, f"{archive.parent.name}/{archive.name}")
+            history.abandon_above(s, self.key, step, f"{archive.parent.name}/{archive.name}")
         self._export([r for r in rows if r.get("step", 0) <= step])
         for f in files:
             (archive / layout.TRAJECTORIES / f.parent.name).mkdir(parents=True, exist_ok=True)
@@ -486,7 +485,7 @@ class RunStore:
     def _rewrite_history(self, rows: list[Row]) -> None:
         """Make the run's rows exactly ``rows``, in the store and its export."""
         with _store(self.db).session() as s:
-            history_db.replace(s, self.key, rows)
+            history.replace(s, self.key, rows)
         self._export(rows)
 
     def _export(self, rows: list[Row]) -> None:

@@ -42,9 +42,7 @@ from flywheel.loop.gate import GateDecision, HeldOutSet, decide_look
 from flywheel.loop.shadow import Pair, ShadowVerdict
 from flywheel.loop.shadow import verdict as shadow_verdict
 from flywheel.model import TrainableModel
-from flywheel.store import audit, deployments
-from flywheel.store import episodes as db
-from flywheel.store import grades as gdb
+from flywheel.store import audit, deployments, episodes, grades
 from flywheel.store.arms import Arm, ArmEpisode, arms
 
 if TYPE_CHECKING:
@@ -296,22 +294,22 @@ class PromotionLadder:
             if shadow is None:
                 return None
             mirrored = arms(s, name, since_event=shadow.event_id).arms.get(f"{name}@shadow")
-            episodes = mirrored.episodes if mirrored else []
-            linked = {e.id: (e.shadow_of, e.usage.calls) for e in episodes if e.shadow_of}
+            shadow_episodes = mirrored.episodes if mirrored else []
+            linked = {e.id: (e.shadow_of, e.usage.calls) for e in shadow_episodes if e.shadow_of}
             inputs = {}
             for shadow_id, (origin, count) in sorted(linked.items()):
                 key = (shadow.event_id, shadow_id)
                 if key in self._pairs or self._unpaired.get(key) == count:  # no new call since it was looked at
                     continue
-                original = db.get_episode(s, origin)
+                original = episodes.get_episode(s, origin)
                 if original.status != "finished" or original.split != self.config.intake_split:
                     continue  # not yet, or never: only production traffic pairs (an evaluation's never does)
-                mirror, answered = db.calls(s, shadow_id), db.calls(s, origin)
+                mirror, answered = episodes.calls(s, shadow_id), episodes.calls(s, origin)
                 same = (
                     mirror and answered and mirror[-1].request.get("messages") == answered[-1].request.get("messages")
                 )
                 if same and mirror[-1].step == shadow.step:  # not an older shadow's late answer
-                    inputs[shadow_id] = (origin, last_sample(mirror), last_sample(answered), gdb.item_of(s, origin))
+                    inputs[shadow_id] = (origin, last_sample(mirror), last_sample(answered), grades.item_of(s, origin))
                 else:
                     self._unpaired[key] = len(mirror)
         scored = []
@@ -370,7 +368,7 @@ class PromotionLadder:
             sides = {side: self._finished(report.arms.get(f"{name}@{side}")) for side in ("canary", "production")}
             # a finished episode's answer does not change: each is scored once (its feedback is read every time)
             new = {e.id for side in sides.values() for e in side} - self._scores.keys()
-            inputs = {i: (last_sample(db.calls(s, i)), gdb.item_of(s, i)) for i in sorted(new)}
+            inputs = {i: (last_sample(episodes.calls(s, i)), grades.item_of(s, i)) for i in sorted(new)}
         for episode_id, (sample, item) in inputs.items():
             self._scores[episode_id] = await score(self.stack, sample, item)
 

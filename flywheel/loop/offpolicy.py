@@ -48,8 +48,7 @@ from sqlalchemy.orm import Session
 
 from flywheel.gateway.export import AmbiguousChoiceError, episode_trajectory
 from flywheel.gateway.upstream import guided_request
-from flywheel.store import CallRecord
-from flywheel.store import episodes as db
+from flywheel.store import CallRecord, episodes
 from flywheel.train.credit import sampled_turns
 from flywheel.types import OFF_POLICY, Trajectory, sampled_tokens
 
@@ -120,7 +119,7 @@ def staleness(answered: int, step: int, rewinds: Mapping[int, int]) -> int | Non
 
 
 def member(
-    episode: db.EpisodeRecord,
+    episode: episodes.EpisodeRecord,
     calls: Sequence[CallRecord],
     *,
     model: str,
@@ -189,7 +188,7 @@ def draw(
             if episode_id in used or episode_id in out.answered:
                 continue
             got = member(
-                db.get_episode(s, episode_id), db.calls(s, episode_id), model=model, base_model=base_model,
+                episodes.get_episode(s, episode_id), episodes.calls(s, episode_id), model=model, base_model=base_model,
                 step=step, max_staleness=max_staleness, rewinds=rewinds,
             )  # fmt: skip
             if isinstance(got, LeftOut):
