@@ -188,3 +188,36 @@ def heldout_run(model: str, score: float, items: int = 3, scores: list[float] | 
     results = [ItemResult(item=f"q{i}", score=value, safe=True, tokens=5) for i, value in enumerate(scores)]
     return HeldOutRun(id=f"run-{model}", model=model, heldout="colours@1", stack="s", results=results, episodes=[],
                       failed_items=[])  # fmt: skip
+
+
+def fuzz_routes(
+    base: str, path_regex: str, mode: Any, *, max_examples: int = 12, exclude: str | None = None
+) -> tuple[dict[str, int], int]:
+    """Schemathesis over the routes of the server at ``base`` whose path matches ``path_regex`` (not ``exclude``),
+    in ``mode`` (positive: what the OpenAPI schema allows; negative: what it does not), ``max_examples`` cases a
+    route: no answer is a 5xx, and every 4xx is OpenAI's error shape with a message. Returns how many cases reached
+    each route ("METHOD /path"), and how many routes there were."""
+    import hypothesis
+    import schemathesis
+
+    schema = schemathesis.openapi.from_url(f"{base}/openapi.json").include(path_regex=path_regex)
+    if exclude is not None:
+        schema = schema.exclude(path_regex=exclude)
+    called: dict[str, int] = {}
+
+    def call(case) -> None:
+        response = case.call(base_url=base, timeout=60)
+        route = f"{case.method} {case.operation.path}"
+        called[route] = called.get(route, 0) + 1
+        assert response.status_code < 500, (route, case.formatted_path, response.status_code, response.text[:500])
+        if response.status_code >= 400:
+            assert response.json()["error"]["message"], (route, case.formatted_path, response.text[:500])
+
+    settings = hypothesis.settings(max_examples=max_examples, deadline=None, database=None, suppress_health_check=list(hypothesis.HealthCheck))  # fmt: skip
+    operations = [result.ok() for result in schema.get_all_operations()]
+    for operation in operations:
+        try:
+            settings(hypothesis.given(case=operation.as_strategy(mode))(call))()
+        except hypothesis.errors.Unsatisfiable:  # a route with nothing its schema forbids to send (no negative case)
+            assert mode == schemathesis.GenerationMode.NEGATIVE, operation.label
+    return called, len(operations)

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import schemathesis
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions as seen
 from selenium.webdriver.support.ui import WebDriverWait
@@ -29,15 +30,19 @@ from flywheel.agents import run_agent, tool
 from flywheel.approvals import GraderApprover, HumanApprover, ToolCallRequest, allow, deny
 from flywheel.cli import app
 from flywheel.dashboard.app import create_dashboard_app
+from flywheel.dashboard.app import mount as mount_dashboard
 from flywheel.gateway.client import EpisodeClient
+from flywheel.gateway.recorder import Gateway
 from flywheel.graders import parse_grader
 from flywheel.inference.loading import EMBEDDED_MODEL
+from flywheel.inference.registry import ModelRegistry
 from flywheel.local.backend import LocalBackend
+from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
 from flywheel.store import Store, approvals, audit, deployments
 from flywheel.store.approvals import ApprovalClosedError, NoToolPolicyError, UnknownApprovalError
 
-from helpers import emulate
+from helpers import emulate, fuzz_routes
 
 MODEL = "appr"
 ALIAS = f"{MODEL}@production"
@@ -386,6 +391,10 @@ def test_the_command_line_sets_a_policy_lists_and_decides(tmp_path):
     assert "may call issue_refund, lookup_order; issue_refund needs a person's approval" in out.output
     bad = flywheel("approvals", "policy", ALIAS, "--high-impact", "delete_account", "--allow", "lookup_order")
     assert bad.exit_code == 2 and "'delete_account' is not in the allowed tools" in bad.output
+    (tmp_path / "broken.json").write_text('{"type": "string_check", "name": "x"}')
+    broken = flywheel("approvals", "policy", ALIAS, "--high-impact", "x", "--otherwise", "grader", "--grader",
+                      str(tmp_path / "broken.json"))  # fmt: skip
+    assert broken.exit_code == 2 and "broken.json" in broken.output  # refused now, not at the first call it decides
     assert "lookup_order" in flywheel("approvals", "policies").output
     store = Store(url)
     with store.session() as s:
@@ -471,3 +480,25 @@ def test_a_person_approves_a_waiting_call_in_the_dashboard_and_the_agent_goes_on
         dashboard.stop()
     if os.environ.get("FLYWHEEL_DOCS_SCREENSHOT"):  # FLYWHEEL_DOCS_SCREENSHOT=1 refreshes the docs' picture
         shutil.copy(tmp_path / "approvals-1280.png", DOCS_IMAGE)
+
+
+@pytest.mark.parametrize("mode", list(schemathesis.GenerationMode), ids=lambda m: m.value)
+def test_the_approvals_and_dashboard_apis_answer_whatever_they_are_sent_without_a_server_error(tmp_path, mode):
+    """Schemathesis sends every approvals, tool-policy and dashboard route (``/ui/api``: runs, the loop, approvals)
+    what the server's own OpenAPI schema allows (positive) and what it does not (negative), on a server of its own
+    (no model: these routes need none): never a 5xx, every 4xx in OpenAI's shape. The decision's long poll is left
+    out (a pending approval makes it wait up to 30 s a case); the tests above call it."""
+    store = Store(f"sqlite:///{tmp_path / 'store.db'}")
+    app = create_app(ModelRegistry(), Gateway(store))
+    mount_dashboard(app, store, tmp_path)
+    server = BackgroundServer(app).start()
+    try:
+        base = f"http://{server.host}:{server.port}"
+        called, routes = fuzz_routes(
+            base, r"^/(approvals|tool-policies|ui/api)", mode, max_examples=8, exclude=r"/decision$"
+        )
+    finally:
+        server.stop()
+        store.close()
+    assert routes >= 20  # approvals (5), tool policies (4), the dashboard's (runs 7, loop 6, approvals 2)
+    assert len(called) >= (routes if mode == schemathesis.GenerationMode.POSITIVE else 5), sorted(called)

@@ -17,11 +17,13 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
+from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from flywheel.approvals.desk import ApprovalDesk
 from flywheel.approvals.policy import ToolCallRequest
+from flywheel.graders import parse_grader
 from flywheel.server.errors import error_response
 from flywheel.store import approvals
 from flywheel.store.approvals import (
@@ -36,6 +38,7 @@ from flywheel.store.approvals import (
 )
 
 MAX_WAIT_S = 30.0  # a decision's long poll
+ApprovalId = Annotated[int, PathParam(ge=1, le=2**62, description="An approval's id.")]  # within a database integer
 
 
 class NewApproval(ToolCallRequest):
@@ -62,6 +65,15 @@ class PolicyBody(BaseModel):
     threshold: float = 0.5
     by: str = Field(min_length=1, max_length=256)
     reason: str | None = Field(None, max_length=2000)
+
+    @field_validator("grader")
+    @classmethod
+    def _a_grader(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A grader that could not decide is refused now, not at the first call it should decide (GraderSpecError
+        is a ValueError: a 400 naming what is wrong)."""
+        if value is not None:
+            parse_grader(value, "grader")
+        return value
 
 
 class DecisionOut(BaseModel):
@@ -94,7 +106,7 @@ def approvals_router(desk: ApprovalDesk) -> APIRouter:
         return await desk.request(ToolCallRequest(**body.model_dump(exclude={"timeout_s"})), body.timeout_s, "agent")
 
     @router.get("/approvals/{approval_id}/decision")
-    async def decision(approval_id: int, wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S)] = 0) -> DecisionOut:
+    async def decision(approval_id: ApprovalId, wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S)] = 0) -> DecisionOut:
         record = await desk.wait(approval_id, wait)
         return DecisionOut(id=record.id, tool=record.tool, status=record.status, decided_by=record.decided_by,
                            reason=record.reason, deadline=record.deadline.timestamp())  # fmt: skip
@@ -103,22 +115,22 @@ def approvals_router(desk: ApprovalDesk) -> APIRouter:
     async def list_(
         status: ApprovalStatus | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-        offset: Annotated[int, Query(ge=0)] = 0,
+        offset: Annotated[int, Query(ge=0, le=2**62)] = 0,
     ) -> dict[str, Any]:
         await run(approvals.expire_due)
         found = await run(approvals.list_approvals, status=status, limit=limit, offset=offset)
         return {"object": "list", "data": [a.model_dump(mode="json") for a in found]}
 
     @router.get("/approvals/{approval_id}")
-    async def get(approval_id: int) -> ApprovalRecord:
+    async def get(approval_id: ApprovalId) -> ApprovalRecord:
         return await run(approvals.get, approval_id)
 
     @router.post("/approvals/{approval_id}/approve")
-    async def approve(approval_id: int, body: DecisionBody) -> ApprovalRecord:
+    async def approve(approval_id: ApprovalId, body: DecisionBody) -> ApprovalRecord:
         return await desk.decide(approval_id, approve=True, by=body.by, reason=body.reason)
 
     @router.post("/approvals/{approval_id}/deny")
-    async def deny(approval_id: int, body: DecisionBody) -> ApprovalRecord:
+    async def deny(approval_id: ApprovalId, body: DecisionBody) -> ApprovalRecord:
         return await desk.decide(approval_id, approve=False, by=body.by, reason=body.reason)
 
     @router.get("/tool-policies")

@@ -162,8 +162,11 @@ def policy(
     who = require_actor(actor)
     spec = None
     if grader is not None:
+        from flywheel.graders import parse_grader
+
         try:
             spec = json.loads(grader.read_text(encoding="utf-8"))
+            parse_grader(spec, str(grader))  # one that could not decide is refused now, not at its first call
         except (OSError, ValueError) as exc:
             fail(f"--grader {grader}: {exc}")
     store = open_store(db)

@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
 from flywheel.checkpoints import layout
-from flywheel.dashboard.common import MAX_PAGE, PAGE, PREFIX, Number, finite
+from flywheel.dashboard.common import MAX_INT, MAX_PAGE, PAGE, PREFIX, Number, finite
 from flywheel.dashboard.loop_api import DeploymentOut, TimelineEventOut, deployment_out, gate_decisions
 from flywheel.store import Store, deployments, history
 from flywheel.store.history import RunKey, RunSummary
@@ -43,7 +43,7 @@ Status = Literal["training", "stopped", "elsewhere"]
 # query parameters (module-level: the routes' annotations are resolved here)
 Run = Annotated[str | None, Query(max_length=64, description="One of the name's runs (default: see the module)")]
 Split = Annotated[str, Query(min_length=1, max_length=64)]
-Step = Annotated[int, Query(ge=0)]
+Step = Annotated[int, Query(ge=0, le=MAX_INT)]
 
 
 class UnknownRunError(LookupError):
@@ -240,9 +240,9 @@ def dashboard_router(store: Store, home: Path) -> APIRouter:
         project: str,
         name: str,
         split: Split = "train",
-        step: Annotated[int | None, Query(ge=0)] = None,
+        step: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = PAGE,
-        offset: Annotated[int, Query(ge=0)] = 0,
+        offset: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
         run: Run = None,
     ) -> TrajectoryPage:
         with store.session() as s:
@@ -269,7 +269,7 @@ def dashboard_router(store: Store, home: Path) -> APIRouter:
     def step_group(
         project: str,
         name: str,
-        index: Annotated[int, PathParam(ge=0)],
+        index: Annotated[int, PathParam(ge=0, le=MAX_INT)],
         step: Step,
         split: Split = "train",
         run: Run = None,
@@ -284,7 +284,7 @@ def dashboard_router(store: Store, home: Path) -> APIRouter:
         return GroupDetailOut(index=index, split=split, step=step, members=members)
 
     @router.get("/trajectories/{trajectory_id}")
-    def one_trajectory(trajectory_id: int) -> TrajectoryOut:
+    def one_trajectory(trajectory_id: Annotated[int, PathParam(ge=1, le=MAX_INT)]) -> TrajectoryOut:
         with store.session() as s:
             found = history.trajectory(s, trajectory_id)
         if found is None:

@@ -12,6 +12,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from flywheel.approvals.desk import ApprovalDesk
+from flywheel.approvals.routes import ApprovalId
 from flywheel.dashboard.common import PREFIX
 from flywheel.store import approvals
 from flywheel.store.approvals import ApprovalRecord, ApprovalStatus, ToolPolicyRecord
@@ -45,7 +46,7 @@ def approvals_ui_router(desk: ApprovalDesk) -> APIRouter:
         return ApprovalsOut(pending=pending, recent=recent, policies=await run(approvals.list_policies))
 
     @router.post("/{approval_id}/{decision}")
-    async def decide(approval_id: int, decision: Literal["approve", "deny"], body: DecisionIn) -> ApprovalRecord:
+    async def decide(approval_id: ApprovalId, decision: Literal["approve", "deny"], body: DecisionIn) -> ApprovalRecord:
         return await desk.decide(approval_id, approve=decision == "approve", by=body.by, reason=body.reason)
 
     return router

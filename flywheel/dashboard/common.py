@@ -10,6 +10,7 @@ PREFIX = "/ui/api"
 PAGE = 50  # items per page by default
 MAX_PAGE = 500
 Number = float | None
+MAX_INT = 2**62  # the most an id, a step or an offset may be: within a database integer (a larger one: 422, not 500)
 
 
 def finite(value: Any) -> float | None:

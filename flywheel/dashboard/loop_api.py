@@ -16,10 +16,11 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
+from fastapi import Path as PathParam
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
-from flywheel.dashboard.common import MAX_PAGE, PAGE, PREFIX, Number, finite
+from flywheel.dashboard.common import MAX_INT, MAX_PAGE, PAGE, PREFIX, Number, finite
 from flywheel.graders.agreement import GraderAgreement, agreement
 from flywheel.store import Store, audit, browse, deployments, reviews
 from flywheel.store.arms import ARM_KEY
@@ -37,7 +38,7 @@ TIMELINE = (
 )  # fmt: skip
 Kind = Literal["gate", "shadow", "canary", "deployment", "rewind", "alarm"]
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE)]
-Offset = Annotated[int, Query(ge=0)]
+Offset = Annotated[int, Query(ge=0, le=MAX_INT)]
 Model = Annotated[str | None, Query(min_length=1, max_length=256, description="One model's (default: all)")]
 
 
@@ -211,7 +212,7 @@ def loop_router(store: Store) -> APIRouter:
         )  # fmt: skip
 
     @router.get("/audit/{event_id}")
-    def audit_event(event_id: int) -> AuditEventOut:
+    def audit_event(event_id: Annotated[int, PathParam(ge=1, le=MAX_INT)]) -> AuditEventOut:
         with store.session() as s:
             found = browse.audit_event(s, event_id)
             first, last = browse.audit_span(s)
