@@ -14,7 +14,7 @@ Reading and deciding need an admin key (the server's keys: ``flywheel.gateway.au
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi import Path as PathParam
@@ -38,6 +38,7 @@ from flywheel.store.approvals import (
 )
 
 MAX_WAIT_S = 30.0  # a decision's long poll
+Decided = Literal["approve", "deny"]  # the two decisions a person takes (POST /approvals/{id}/approve | /deny)
 ApprovalId = Annotated[int, PathParam(ge=1, le=2**62, description="An approval's id.")]  # within a database integer
 
 
@@ -125,13 +126,9 @@ def approvals_router(desk: ApprovalDesk) -> APIRouter:
     async def get(approval_id: ApprovalId) -> ApprovalRecord:
         return await run(approvals.get, approval_id)
 
-    @router.post("/approvals/{approval_id}/approve")
-    async def approve(approval_id: ApprovalId, body: DecisionBody) -> ApprovalRecord:
-        return await desk.decide(approval_id, approve=True, by=body.by, reason=body.reason)
-
-    @router.post("/approvals/{approval_id}/deny")
-    async def deny(approval_id: ApprovalId, body: DecisionBody) -> ApprovalRecord:
-        return await desk.decide(approval_id, approve=False, by=body.by, reason=body.reason)
+    @router.post("/approvals/{approval_id}/{decision}")
+    async def decide(approval_id: ApprovalId, decision: Decided, body: DecisionBody) -> ApprovalRecord:
+        return await desk.decide(approval_id, approve=decision == "approve", by=body.by, reason=body.reason)
 
     @router.get("/tool-policies")
     async def policies() -> dict[str, Any]:

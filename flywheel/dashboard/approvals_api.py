@@ -6,13 +6,11 @@ within a second. A decision on an approval no longer pending is a 409 that says 
 
 from __future__ import annotations
 
-from typing import Literal
-
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 
 from flywheel.approvals.desk import ApprovalDesk
-from flywheel.approvals.routes import ApprovalId
+from flywheel.approvals.routes import ApprovalId, Decided, DecisionBody
 from flywheel.dashboard.common import PREFIX
 from flywheel.store import approvals
 from flywheel.store.approvals import ApprovalRecord, ApprovalStatus, ToolPolicyRecord
@@ -24,13 +22,6 @@ class ApprovalsOut(BaseModel):
     pending: list[ApprovalRecord]
     recent: list[ApprovalRecord]  # the latest decided, newest first
     policies: list[ToolPolicyRecord]
-
-
-class DecisionIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    by: str = Field(min_length=1, max_length=256, description="Who decides (the audit event's actor).")
-    reason: str | None = Field(None, max_length=2000)
 
 
 def approvals_ui_router(desk: ApprovalDesk) -> APIRouter:
@@ -46,7 +37,7 @@ def approvals_ui_router(desk: ApprovalDesk) -> APIRouter:
         return ApprovalsOut(pending=pending, recent=recent, policies=await run(approvals.list_policies))
 
     @router.post("/{approval_id}/{decision}")
-    async def decide(approval_id: ApprovalId, decision: Literal["approve", "deny"], body: DecisionIn) -> ApprovalRecord:
+    async def decide(approval_id: ApprovalId, decision: Decided, body: DecisionBody) -> ApprovalRecord:
         return await desk.decide(approval_id, approve=decision == "approve", by=body.by, reason=body.reason)
 
     return router
