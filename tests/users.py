@@ -16,9 +16,7 @@ from dataclasses import dataclass, field
 import openai
 
 from flywheel.gateway.client import EpisodeClient
-from flywheel.store import EpisodeStatus, Store
-from flywheel.store import episodes as db
-from flywheel.store import feedback as fb
+from flywheel.store import EpisodeStatus, Store, episodes, feedback
 
 
 @dataclass
@@ -47,21 +45,21 @@ class Users:
 
     async def run(self, stop: threading.Event) -> None:
         """Until ``stop`` is set (from any thread); each user ends its episode first."""
-        async with EpisodeClient(self.root, timeout=300) as episodes:
-            await asyncio.gather(*(self._user(episodes, stop) for _ in range(self.users)))
+        async with EpisodeClient(self.root, timeout=300) as episode_client:
+            await asyncio.gather(*(self._user(episode_client, stop) for _ in range(self.users)))
 
-    async def _user(self, episodes: EpisodeClient, stop: threading.Event) -> None:
+    async def _user(self, episode_client: EpisodeClient, stop: threading.Event) -> None:
         while not stop.is_set():
             n = next(self._numbers)
             item = {"id": f"{self.prefix}-{n}", "question": f"Name a colour, please ({n}).", "fail": False}
             try:
-                await self._episode(episodes, item, n)
+                await self._episode(episode_client, item, n)
             except Exception as exc:  # an answer a user would have seen: kept for the test to show
                 self.errors.append(f"{item['id']}: {type(exc).__name__}: {exc}")
             await asyncio.sleep(self.pause)
 
-    async def _episode(self, episodes: EpisodeClient, item: dict, n: int) -> None:
-        e = await episodes.create(f"{self.prefix}-{n}", split="production", metadata={"item": item})
+    async def _episode(self, episode_client: EpisodeClient, item: dict, n: int) -> None:
+        e = await episode_client.create(f"{self.prefix}-{n}", split="production", metadata={"item": item})
         sent = self.sent[e.id] = Sent(item=item["id"])
         messages: list[dict] = [{"role": "user", "content": item["question"]}]
         async with openai.AsyncOpenAI(base_url=e.base_url, api_key="-", max_retries=0, timeout=300) as client:
@@ -72,9 +70,9 @@ class Users:
                 sent.calls += 1
                 messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""}]
                 messages += [{"role": "user", "content": "Another one?"}] if turn == 0 and n % 2 else []
-        await episodes.feedback(e.id, "rating", float(n % 5), key=f"rating-{e.id}")
+        await episode_client.feedback(e.id, "rating", float(n % 5), key=f"rating-{e.id}")
         sent.feedback += 1
-        await episodes.finish(e.id, 1.0)
+        await episode_client.finish(e.id, 1.0)
         sent.finished_at = time.monotonic()
 
     def finished_before(self, moment: float) -> set[str]:
@@ -95,7 +93,7 @@ def differences(store: Store, users: Users) -> list[str]:
     call and feedback each user got an answer for is stored once, and nothing else of theirs): one line each."""
     found = []
     with store.session() as s:
-        listed = db.list_episodes(s, split="production", limit=100_000)
+        listed = episodes.list_episodes(s, split="production", limit=100_000)
         stored = {e.id: e for e in listed if e.task_id.startswith(f"{users.prefix}-")}
         if extra := sorted(stored.keys() - users.sent.keys()):
             found.append(f"{len(extra)} stored episode(s) no user was answered for: {extra[:5]}")
@@ -104,11 +102,11 @@ def differences(store: Store, users: Users) -> list[str]:
             if episode is None:
                 found.append(f"{episode_id} ({sent.item}): lost")
                 continue
-            calls, feedback = len(db.calls(s, episode_id)), len(fb.feedback_of(s, episode_id))
+            calls, posted = len(episodes.calls(s, episode_id)), len(feedback.feedback_of(s, episode_id))
             finished = episode.status == EpisodeStatus.finished
-            if (calls, feedback, finished) != (sent.calls, sent.feedback, sent.finished_at is not None):
+            if (calls, posted, finished) != (sent.calls, sent.feedback, sent.finished_at is not None):
                 found.append(
-                    f"{episode_id} ({sent.item}): {calls} call(s), {feedback} feedback, {episode.status.value} stored;"
+                    f"{episode_id} ({sent.item}): {calls} call(s), {posted} feedback, {episode.status.value} stored;"
                     f" {sent.calls}, {sent.feedback}, {'finished' if sent.finished_at else 'open'} answered"
                 )
     return found
