@@ -351,7 +351,8 @@ def test_a_reinforcement_job_grades_its_answers_trains_and_ends_through_the_gate
     # the best checkpoint went through the gate against the base model and, passing, is what @production serves
     gated = [e for e in said if "gate_event" in (e.data or {})]
     assert len(gated) == 1 and gated[0].data["promote"], [e.message for e in said]
-    best = max(checkpoints, key=lambda c: (c.metrics.valid_reward_mean, c.step_number))
+    trained = [c for c in checkpoints if not c.fine_tuned_model_checkpoint.endswith("@0")]  # @0: no step trained
+    best = max(trained, key=lambda c: (c.metrics.valid_reward_mean, c.step_number))
     assert f"The gate passed {best.fine_tuned_model_checkpoint}: lift" in gated[0].message
     production = f"{done.fine_tuned_model}@production"
     assert gated[0].data["deployment"] == production

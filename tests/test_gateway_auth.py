@@ -56,6 +56,8 @@ EXPECTED: dict[tuple[str, str], Role | None] = {
     ("POST", "/attempts/{}/heartbeat"): Role.runner,
     ("POST", "/attempts/{}/complete"): Role.runner,
     ("POST", "/attempts/{}/fail"): Role.runner,
+    ("POST", "/approvals"): Role.agent,  # issue #42: an agent that runs its own tools asks a person
+    ("GET", "/approvals/{}/decision"): Role.agent,  # and reads the decision (never the others' calls)
     ("GET", "/episodes"): Role.admin,
     ("GET", "/episodes/{}/calls"): Role.admin,
     ("GET", "/episodes/{}/trajectory"): Role.admin,
@@ -72,6 +74,7 @@ BODIES = {  # what each route would act on if it let the request through
     "/episodes/{}/finish": {"reward": 1.0},
     "/episodes/{}/abandon": {"reason": "intruder"},
     "/episodes/{}/feedback": {"kind": "rating", "value": 0.0},
+    "/approvals": {"tool": "intruder"},
     "/v1/chat/completions": CHAT,
     "/episodes/{}/v1/chat/completions": CHAT,
 }

@@ -138,8 +138,9 @@ async def test_the_loop_takes_production_tasks_trains_and_sends_a_gated_candidat
     heldout = json.loads((tmp_path / "heldout.json").read_text())  # sampled: the gate confirms a passing screen
     heldout["items"] = {k: v | {"temperature": 1.0} for k, v in heldout["items"].items()}
     (tmp_path / "heldout.json").write_text(json.dumps(heldout))
+    # intake from the last three finished production episodes: this test's (the session's other tests leave some too)
     config = LoopConfig.load(path).model_copy(
-        update={"steps": 2, "off_policy_members": 1, "shadow": ShadowPolicy(share=0.25)}
+        update={"steps": 2, "off_policy_members": 1, "shadow": ShadowPolicy(share=0.25), "intake_limit": 3}
     )
     assert config.stack == tmp_path / "stack.json"  # paths are relative to the config file
     store, root = backend.gateway.store, backend.base_url.removesuffix("/v1")
