@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from openai.types.chat import ChatCompletionMessage
+from sqlalchemy.orm import Session
 
 from flywheel.approvals.policy import Approver, Decision, GraderApprover, ToolCallRequest, allow, deny
 from flywheel.store import Store, approvals
@@ -26,12 +27,10 @@ PRODUCTION = "production"
 SHADOW = "shadow"
 GATEWAY = "gateway"  # the audit actor of what the gateway records itself
 
-_VERDICTS = {ApprovalStatus.approved: "approved", ApprovalStatus.denied: "denied", ApprovalStatus.expired: "expired"}
-
 
 def decision_of(record: ApprovalRecord) -> Decision:
     """The decision a closed approval holds."""
-    return Decision(tool=record.tool, call_id=record.call_id, verdict=_VERDICTS[record.status],  # type: ignore[arg-type]
+    return Decision(tool=record.tool, call_id=record.call_id, verdict=record.status.value,  # type: ignore[arg-type]
                     by=record.decided_by or "", reason=record.reason, approval_id=record.id)  # fmt: skip
 
 
@@ -39,8 +38,7 @@ class ToolNotInScopeError(PermissionError):
     """A request that offers the model a tool its deployment may not call (a 403 naming it and the scope)."""
 
     def __init__(self, policy: ToolPolicyRecord, tool: str) -> None:
-        allowed = ", ".join(policy.allowed or []) or "none"
-        super().__init__(f"{policy.deployment} may not call the tool '{tool}': its tools are {allowed}.")
+        super().__init__(f"{policy.deployment} may not call the tool '{tool}': its tools are {policy.scope}.")
 
     def __str__(self) -> str:
         return str(self.args[0])
@@ -80,12 +78,15 @@ class ApprovalDesk:
     async def policy(self, deployment: str) -> ToolPolicyRecord | None:
         return await self.store.run(approvals.find_policy, deployment)
 
-    async def request(self, call: ToolCallRequest, timeout_s: float, actor: str = GATEWAY) -> ApprovalRecord:
-        # redacted as the call's split is (one asked under a deployment's alias: as production's, whatever its split)
+    def _fields(self, call: ToolCallRequest) -> dict:
+        """``approvals.request``'s fields for ``call``: its arguments redacted as its split's calls are (one asked
+        under a deployment's alias: as production's, whatever its split)."""
         split = None if call.deployment is not None else call.split
         arguments = self.redact(call.arguments, split) if self.redact is not None else call.arguments
-        fields = call.model_dump(exclude={"arguments"})
-        return await self.store.run(approvals.request, **fields, arguments=arguments, timeout_s=timeout_s, actor=actor)
+        return call.model_dump(exclude={"arguments"}) | {"arguments": arguments}
+
+    async def request(self, call: ToolCallRequest, timeout_s: float, actor: str = GATEWAY) -> ApprovalRecord:
+        return await self.store.run(approvals.request, **self._fields(call), timeout_s=timeout_s, actor=actor)
 
     async def decide(self, approval_id: int, *, approve: bool, by: str, reason: str | None = None) -> ApprovalRecord:
         """A person's decision (``ApprovalClosedError`` if it was taken or expired before); its waiter wakes."""
@@ -133,12 +134,15 @@ class ApprovalDesk:
         return decision_of(await self.wait(record.id, timeout_s + self.poll_s))
 
     async def record(self, call: ToolCallRequest, decision: Decision) -> Decision:
-        """Store a policy's ``decision`` on ``call`` as an approval decided at once (both in the audit trail)."""
-        record = await self.request(call, 1.0, actor=decision.by)
-        await self.store.run(
-            approvals.decide, record.id, approve=decision.allowed, actor=decision.by, reason=decision.reason
-        )
-        return decision.model_copy(update={"approval_id": record.id})
+        """Store a policy's ``decision`` on ``call`` as an approval decided at once: the request and its decision in
+        one unit of work (both in the audit trail; never a pending one left behind)."""
+        fields = self._fields(call)
+
+        def decided(s: Session) -> ApprovalRecord:
+            asked = approvals.request(s, **fields, timeout_s=1.0, actor=decision.by)
+            return approvals.decide(s, asked.id, approve=decision.allowed, actor=decision.by, reason=decision.reason)
+
+        return decision.model_copy(update={"approval_id": (await self.store.run(decided)).id})
 
     async def screen(
         self, policy: ToolPolicyRecord, message: ChatCompletionMessage, finish: str, *, episode_id: str | None,
@@ -164,9 +168,8 @@ class ApprovalDesk:
 
     async def _review(self, policy: ToolPolicyRecord, call: ToolCallRequest) -> Decision | None:
         if not policy.in_scope(call.tool):
-            allowed = ", ".join(policy.allowed or []) or "none"
             decision = Decision(tool=call.tool, call_id=call.call_id, verdict="refused", by=f"scope:{policy.deployment}",
-                                reason=f"{policy.deployment} may call only {allowed}")  # fmt: skip
+                                reason=f"{policy.deployment} may call only {policy.scope}")  # fmt: skip
             return await self.record(call, decision)
         if call.tool not in policy.high_impact or call.split == SHADOW:
             return None

@@ -180,9 +180,8 @@ def policy(
         fail(str(exc))
     finally:
         store.close()
-    scope = ", ".join(record.allowed) if record.allowed is not None else "any tool"
     console.print(
-        f"{deployment}: may call {scope}; {', '.join(record.high_impact) or 'no tool'} needs a person's approval in "
+        f"{deployment}: may call {record.scope}; {', '.join(record.high_impact) or 'no tool'} needs a person's approval in "
         f"production (within {record.timeout_s:g} s), decided by '{record.otherwise}' elsewhere.",
         highlight=False,
     )
@@ -204,8 +203,7 @@ def policies(db: Db = None):
         return
     table = Table("deployment", "allowed", "high-impact", "timeout", "otherwise", "set by", "at")
     for p in found:
-        allowed = ", ".join(p.allowed) if p.allowed is not None else "any"
-        table.add_row(p.deployment, allowed, ", ".join(p.high_impact), f"{p.timeout_s:g} s", p.otherwise,
+        table.add_row(p.deployment, p.scope, ", ".join(p.high_impact), f"{p.timeout_s:g} s", p.otherwise,
                       p.updated_by, _when(p.updated_at))  # fmt: skip
     console.print(table)
 

@@ -85,6 +85,11 @@ class ToolPolicyRecord(BaseModel):
     def in_scope(self, tool: str) -> bool:
         return self.allowed is None or tool in self.allowed
 
+    @property
+    def scope(self) -> str:
+        """The tools it may call, as a person reads them."""
+        return "any tool" if self.allowed is None else ", ".join(self.allowed) or "none"
+
 
 class ApprovalRecord(BaseModel):
     model_config = ConfigDict(from_attributes=True)
@@ -115,6 +120,11 @@ def _names(field: str, value: list[str] | None) -> list[str] | None:
     return sorted(set(value))
 
 
+def _check_timeout(timeout_s: float) -> None:
+    if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
+        raise ValueError(f"timeout_s was {timeout_s}; it must be more than 0 and at most {MAX_TIMEOUT_S:g} seconds")
+
+
 def set_policy(
     s: Session,
     deployment: str,
@@ -137,8 +147,7 @@ def set_policy(
             f"high-impact tool {outside[0]!r} is not in the allowed tools ({', '.join(scope) or 'none'}): a tool "
             "outside the scope is refused, never asked about"
         )
-    if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
-        raise ValueError(f"timeout_s was {timeout_s}; it must be more than 0 and at most {MAX_TIMEOUT_S:g} seconds")
+    _check_timeout(timeout_s)
     try:
         rule = Otherwise(otherwise)
     except ValueError:
@@ -202,8 +211,7 @@ def request(
 ) -> ApprovalRecord:
     """Record a pending approval of one call of ``tool`` (decided by ``timeout_s`` from now, or expired), with its
     audit event ``approval.request``."""
-    if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
-        raise ValueError(f"timeout_s was {timeout_s}; it must be more than 0 and at most {MAX_TIMEOUT_S:g} seconds")
+    _check_timeout(timeout_s)
     if len(arguments) > MAX_ARGUMENTS:
         arguments = arguments[:MAX_ARGUMENTS] + f"... [cut: {len(arguments)} characters in all]"
     audit.lock(s)
