@@ -10,6 +10,7 @@ import time
 import httpx
 
 from flywheel.approvals.policy import Decision, ToolCallRequest
+from flywheel.gateway.client import error_message
 
 POLL_S = 20.0  # one long poll (the server waits at most 30 s)
 
@@ -62,9 +63,5 @@ class HumanApprover:
 
 def _why(exc: Exception) -> str:
     if isinstance(exc, httpx.HTTPStatusError):
-        try:
-            message = exc.response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = exc.response.text[:200]
-        return f"{exc.response.status_code}: {message}"
+        return f"{exc.response.status_code}: {error_message(exc.response, text_limit=200)}"
     return f"{type(exc).__name__}: {exc}"

@@ -32,6 +32,15 @@ from flywheel.types import Trajectory, TrajectoryGroup, Usage
 TextOnly = Literal["refuse", "allow"]  # episodes with text-only calls: refused (for RL) or allowed (SFT, evaluation)
 
 
+def error_message(response: httpx.Response, text_limit: int | None = None) -> str:
+    """What a refused request was told: the message of an error in OpenAI's shape, else the body's text (its first
+    ``text_limit`` characters)."""
+    try:
+        return response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return response.text[:text_limit]
+
+
 class GatewayError(RuntimeError):
     """The gateway refused a request; ``status`` is its HTTP status, the message its explanation."""
 
@@ -66,11 +75,7 @@ class EpisodeClient:
     async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         response = await self._http.request(method, path, **kwargs)
         if response.status_code >= 400:
-            try:
-                message = response.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = response.text
-            raise GatewayError(response.status_code, message)
+            raise GatewayError(response.status_code, error_message(response))
         return (
             response.json()
             if response.headers.get("content-type", "").startswith("application/json")
