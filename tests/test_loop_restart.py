@@ -87,7 +87,7 @@ def test_cancel_ends_the_open_tasks_of_a_prefix_and_late_results_change_nothing(
         store.close()
 
 
-def _ids(lease: tasks.Lease | None) -> tuple[str, str]:
+def _ids(lease: tasks.Claim | None) -> tuple[str, str]:
     assert lease is not None
     return lease.attempt.id, lease.episode.id
 

@@ -138,7 +138,7 @@ def test_a_lease_expiring_while_its_episode_finishes_never_grows_the_group(store
 
         results, errors = at_once(2, race)
         assert all(isinstance(e, EpisodeConflictError) for e in errors), (round_, errors)
-        claimed = next((r for r in results if isinstance(r, tasks.Lease)), None)
+        claimed = next((r for r in results if isinstance(r, tasks.Claim)), None)
         while claimed is not None:  # the requeued attempt runs again, to its end
             _unit(store, tasks.complete, claimed.attempt.id, claimed.episode.id, reward=0.5)
             claimed = _unit(store, tasks.claim, "other", 30)

@@ -43,7 +43,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from flywheel.agents.transitions import to_transitions
 from flywheel.gateway.export import episode_trajectory, trajectory_group
 from flywheel.gateway.recorder import Gateway
-from flywheel.store import EpisodeRecord, EpisodeStatus, episodes
+from flywheel.gateway.schemas import Episode, EpisodeRecord, EpisodeStatus
+from flywheel.store import episodes
 from flywheel.store.arms import RESERVED_META_PREFIX
 from flywheel.store.costs import Usage, usage
 from flywheel.store.feedback import add_feedback, feedback_of
@@ -127,8 +128,8 @@ def episode_url(root: str, episode_id: str) -> str:
     return f"{root}/episodes/{episode_id}/v1"
 
 
-def episode_body(episode: EpisodeRecord, root: str, used: Usage) -> dict[str, Any]:
-    return episode.model_dump(mode="json") | {"base_url": episode_url(root, episode.id), "usage": used.model_dump()}
+def episode_body(episode: EpisodeRecord, root: str, used: Usage) -> Episode:
+    return Episode.of(episode, episode_url(root, episode.id), used)
 
 
 def root_url(request: Request) -> str:
@@ -145,7 +146,7 @@ def episode_router(gateway: Gateway) -> APIRouter:
     router = APIRouter(tags=["episodes"])
     run = gateway.store.run
 
-    async def body_of(episode: EpisodeRecord, request: Request) -> dict[str, Any]:
+    async def body_of(episode: EpisodeRecord, request: Request) -> Episode:
         """An episode as the API returns it: with its usage, priced at the gateway's prices."""
         used = (await run(usage, [episode.id], gateway.prices))[episode.id]
         return episode_body(episode, root_url(request), used)

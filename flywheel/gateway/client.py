@@ -21,13 +21,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable, Sequence
-from datetime import datetime
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel
 
-from flywheel.types import Trajectory, TrajectoryGroup, Usage
+from flywheel.gateway.schemas import Attempt, Episode, Lease, Task, TaskSpec
+from flywheel.types import Trajectory, TrajectoryGroup
 
 TextOnly = Literal["refuse", "allow"]  # episodes with text-only calls: refused (for RL) or allowed (SFT, evaluation)
 
@@ -47,21 +46,6 @@ class GatewayError(RuntimeError):
     def __init__(self, status: int, message: str):
         super().__init__(f"{status}: {message}")
         self.status = status
-
-
-class Episode(BaseModel):
-    id: str
-    task_id: str
-    split: str
-    model: str | None
-    status: str
-    reward: float | None
-    metrics: dict[str, Any]
-    meta: dict[str, Any]
-    created_at: datetime
-    finished_at: datetime | None
-    base_url: str  # point the agent's OpenAI client here
-    usage: Usage | None = None  # its calls, tokens, latency and cost (None: from a gateway that predates it)
 
 
 class EpisodeClient:
@@ -174,61 +158,6 @@ class EpisodeClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-class Attempt(BaseModel):
-    """One of a queued task's ``group_size`` runs (``status``: queued, leased, finished or failed)."""
-
-    id: str
-    task_id: str
-    index: int
-    status: str
-    tries: int  # tries that ended without a result
-    runner: str | None
-    episode_id: str | None
-    lease_seconds: float | None
-    lease_expires_at: datetime | None
-    error: str | None
-    created_at: datetime
-    finished_at: datetime | None
-    base_url: str | None
-
-
-class Lease(Attempt):
-    """A claimed attempt: run the agent on ``payload`` against ``base_url``, heartbeat before ``lease_expires_at``,
-    then complete (or fail) it."""
-
-    episode_id: str
-    base_url: str
-    lease_expires_at: datetime
-    payload: dict[str, Any]
-    model: str | None  # the name the agent should call
-    split: str
-
-
-class Task(BaseModel):
-    id: str
-    payload: dict[str, Any]
-    group_size: int
-    split: str
-    model: str | None
-    max_tries: int
-    created_at: datetime
-    status: str  # open (attempts queued or leased), complete (group_size finished) or failed
-    counts: dict[str, int]  # attempts by status
-    complete: bool
-    attempts: list[Attempt] = []  # given by ``QueueClient.task`` only
-
-
-class TaskSpec(BaseModel):
-    """A task to enqueue: ``group_size`` runs of an agent on ``payload``, whose episodes form the group ``task_id``."""
-
-    task_id: str
-    payload: dict[str, Any]
-    group_size: int
-    split: str = "train"
-    model: str | None = None
-    max_tries: int = 3
 
 
 class TaskFailedError(RuntimeError):

@@ -29,34 +29,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flywheel.gateway.api import Outcome, episode_url, refuse_personal_id, root_url
 from flywheel.gateway.recorder import Gateway
+from flywheel.gateway.schemas import Attempt, AttemptRecord, Lease, Task, TaskSpec, TaskStatus
 from flywheel.openai_api import ErrorDetail, ErrorResponse
 from flywheel.store import tasks
-from flywheel.store.tasks import (
-    MAX_GROUP_SIZE,
-    AttemptRecord,
-    LeaseLostError,
-    TaskConflictError,
-    TaskStatus,
-    UnknownAttemptError,
-    UnknownTaskError,
-)
+from flywheel.store.tasks import LeaseLostError, TaskConflictError, UnknownAttemptError, UnknownTaskError
 
 MAX_LEASE_SECONDS = 24 * 3600
 LeaseSeconds = Annotated[float, Field(gt=0, le=MAX_LEASE_SECONDS, description="How long the lease lasts unrenewed.")]
 EpisodeId = Annotated[str, Field(min_length=1, max_length=64, description="The episode the lease was claimed with.")]
-
-
-class NewTask(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    task_id: str = Field(
-        min_length=1, max_length=256, pattern=r"^[^/]+$", description="The group key its episodes carry (no '/')."
-    )
-    payload: dict[str, Any] = Field(description="What each attempt's agent is given.")
-    group_size: int = Field(ge=1, le=MAX_GROUP_SIZE, description="Attempts, i.e. finished episodes in the group.")
-    split: str = Field("train", min_length=1, max_length=32)
-    model: str | None = Field(None, max_length=256, description="The model name the agent should call.")
-    max_tries: int = Field(3, ge=1, le=100, description="Tries an attempt gets (expired or failed) before it fails.")
 
 
 class ClaimRequest(BaseModel):
@@ -109,9 +89,8 @@ def _refusals(route: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[A
     return answer
 
 
-def attempt_body(attempt: AttemptRecord, root: str) -> dict[str, Any]:
-    base_url = episode_url(root, attempt.episode_id) if attempt.episode_id else None
-    return {"object": "attempt"} | attempt.model_dump(mode="json") | {"base_url": base_url}
+def sent(attempt: AttemptRecord, root: str) -> Attempt:
+    return Attempt.of(attempt, episode_url(root, attempt.episode_id) if attempt.episode_id else None)
 
 
 def queue_router(gateway: Gateway) -> APIRouter:
@@ -120,7 +99,7 @@ def queue_router(gateway: Gateway) -> APIRouter:
 
     @router.post("/tasks", status_code=201)
     @_refusals
-    async def enqueue(body: NewTask):
+    async def enqueue(body: TaskSpec):
         refuse_personal_id(gateway, "task_id", body.task_id, body.split)  # its episodes' group key: never redacted
         task, new = await run(
             tasks.enqueue,
@@ -131,7 +110,7 @@ def queue_router(gateway: Gateway) -> APIRouter:
             model=body.model,
             max_tries=body.max_tries,
         )
-        return JSONResponse({"object": "task"} | task.model_dump(mode="json"), status_code=201 if new else 200)
+        return JSONResponse(Task.of(task).model_dump(mode="json"), status_code=201 if new else 200)
 
     @router.get("/tasks")
     async def list_(
@@ -140,16 +119,14 @@ def queue_router(gateway: Gateway) -> APIRouter:
         offset: Annotated[int, Query(ge=0)] = 0,
     ):
         found = await run(tasks.list_tasks, status=status, limit=limit, offset=offset)
-        return {"object": "list", "data": [{"object": "task"} | t.model_dump(mode="json") for t in found]}
+        return {"object": "list", "data": [Task.of(t).model_dump(mode="json") for t in found]}
 
     @router.get("/tasks/{task_id}")
     @_refusals
     async def get(task_id: str, request: Request):
         task, attempts = await run(tasks.get_task, task_id)
         root = root_url(request)
-        return (
-            {"object": "task"} | task.model_dump(mode="json") | {"attempts": [attempt_body(a, root) for a in attempts]}
-        )
+        return Task.of(task, [sent(a, root) for a in attempts])
 
     @router.post("/tasks/claim")
     async def claim(body: ClaimRequest, request: Request):
@@ -157,15 +134,15 @@ def queue_router(gateway: Gateway) -> APIRouter:
         lease = await run(tasks.claim, body.runner, body.lease_seconds)
         if lease is None:
             return Response(status_code=204)
-        task = {"payload": lease.payload, "model": lease.model, "split": lease.split}
-        return attempt_body(lease.attempt, root_url(request)) | task
+        url = episode_url(root_url(request), lease.episode.id)
+        return Lease.of(lease.attempt, url, payload=lease.payload, model=lease.model, split=lease.split)
 
     @router.post("/attempts/{attempt_id}/heartbeat")
     @_refusals
     async def heartbeat(attempt_id: str, body: Heartbeat, request: Request):
         await gateway.settled(body.episode_id, generating=False)  # a call being generated must not hold it up
         attempt = await run(tasks.heartbeat, attempt_id, body.episode_id, body.lease_seconds)
-        return attempt_body(attempt, root_url(request))
+        return sent(attempt, root_url(request))
 
     @router.post("/attempts/{attempt_id}/complete")
     @_refusals
@@ -181,7 +158,7 @@ def queue_router(gateway: Gateway) -> APIRouter:
             call_rewards=body.call_rewards,
         )
         gateway.forget(episode)
-        return attempt_body(attempt, root_url(request))
+        return sent(attempt, root_url(request))
 
     @router.post("/attempts/{attempt_id}/fail")
     @_refusals
@@ -190,6 +167,6 @@ def queue_router(gateway: Gateway) -> APIRouter:
         reason = gateway.redact(body.reason)[0]  # an agent's exception text, often quoting what it was given
         attempt, episode = await run(tasks.fail, attempt_id, body.episode_id, reason)
         gateway.forget(episode)
-        return attempt_body(attempt, root_url(request))
+        return sent(attempt, root_url(request))
 
     return router

@@ -20,9 +20,9 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from flywheel.gateway.schemas import Timestamp, _utc
 from flywheel.store import audit
 from flywheel.store.deployments import parse_alias
-from flywheel.store.episodes import Timestamp, _utc
 from flywheel.store.schema import Approval, ToolPolicy
 
 MAX_TIMEOUT_S = 86_400.0  # a day: a call waits at most this long for a person

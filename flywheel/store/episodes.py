@@ -11,24 +11,18 @@ import math
 import secrets
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
-from enum import StrEnum
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
+from flywheel.gateway.schemas import EpisodeRecord, EpisodeStatus, Timestamp
 from flywheel.store.db import storable, write_lock
 from flywheel.store.schema import Call, Episode
 
 CALLS = Call.__table__
 LOST_CALLS = "flywheel_lost_calls"  # meta: how many calls it lost (answered, never recorded)
-
-
-class EpisodeStatus(StrEnum):
-    open = "open"
-    finished = "finished"
-    abandoned = "abandoned"
 
 
 class UnknownEpisodeError(LookupError):
@@ -39,13 +33,6 @@ class UnknownEpisodeError(LookupError):
 
 class EpisodeConflictError(RuntimeError):
     """An outcome for an episode that already has another one (finished or abandoned)."""
-
-
-def _utc(value: datetime) -> datetime:
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value  # SQLite keeps no time zone: it was UTC
-
-
-Timestamp = Annotated[datetime, AfterValidator(_utc)]
 
 
 class CallRecord(BaseModel):
@@ -69,21 +56,6 @@ class CallRecord(BaseModel):
     upstream: str | None = None  # the upstream that answered it, if not the local engine
     text_only: bool = False  # no token ids recorded: not for RL
     deployment: str | None = None  # the alias it was asked as (calc@production), if any: step is what it meant
-
-
-class EpisodeRecord(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
-    id: str
-    task_id: str
-    split: str
-    model: str | None
-    status: EpisodeStatus
-    reward: float | None
-    metrics: dict[str, Any]
-    meta: dict[str, Any]
-    created_at: Timestamp
-    finished_at: Timestamp | None
 
 
 def _now() -> datetime:

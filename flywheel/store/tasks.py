@@ -17,34 +17,27 @@ from __future__ import annotations
 
 import secrets
 from datetime import UTC, datetime, timedelta
-from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, computed_field
+from pydantic import BaseModel
 from sqlalchemy import case, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from flywheel.gateway.schemas import (
+    MAX_GROUP_SIZE,
+    AttemptRecord,
+    AttemptStatus,
+    EpisodeRecord,
+    EpisodeStatus,
+    TaskRecord,
+    TaskStatus,
+)
 from flywheel.store import episodes
 from flywheel.store.db import write_lock
-from flywheel.store.episodes import EpisodeRecord, EpisodeStatus, Timestamp
 from flywheel.store.schema import Attempt, Episode, Task
 
-MAX_GROUP_SIZE = 1024
 LEASE_EXPIRED = "lease expired"
-
-
-class AttemptStatus(StrEnum):
-    queued = "queued"
-    leased = "leased"
-    finished = "finished"
-    failed = "failed"
-
-
-class TaskStatus(StrEnum):
-    open = "open"  # attempts are still queued or leased
-    complete = "complete"  # all group_size attempts finished
-    failed = "failed"  # none left to run and some failed: the group will not be complete
 
 
 class UnknownTaskError(LookupError):
@@ -65,42 +58,9 @@ class LeaseLostError(RuntimeError):
     """A heartbeat, result or failure for a lease that is no longer the attempt's: nothing was changed."""
 
 
-class AttemptRecord(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
-    id: str
-    task_id: str
-    index: int
-    status: AttemptStatus
-    tries: int
-    runner: str | None
-    episode_id: str | None
-    lease_seconds: float | None
-    lease_expires_at: Timestamp | None
-    error: str | None
-    created_at: Timestamp
-    finished_at: Timestamp | None
-
-
-class TaskRecord(BaseModel):
-    id: str
-    payload: dict[str, Any]
-    group_size: int
-    split: str
-    model: str | None
-    max_tries: int
-    created_at: Timestamp
-    status: TaskStatus
-    counts: dict[AttemptStatus, int]  # attempts in each state
-
-    @computed_field
-    @property
-    def complete(self) -> bool:
-        return self.status == TaskStatus.complete
-
-
-class Lease(BaseModel):
-    """A claimed attempt and what its runner needs: the task's payload and the episode to run it in."""
+class Claim(BaseModel):
+    """A claimed attempt and what its runner needs: the task's payload and the episode to run it in (the queue
+    sends it as a ``Lease``)."""
 
     attempt: AttemptRecord
     payload: dict[str, Any]
@@ -292,7 +252,7 @@ def list_tasks(s: Session, *, status: TaskStatus | None = None, limit: int = 100
     return [_task_record(row) for row in s.execute(query)]
 
 
-def claim(s: Session, runner: str, lease_seconds: float) -> Lease | None:
+def claim(s: Session, runner: str, lease_seconds: float) -> Claim | None:
     """Lease the oldest queued attempt to ``runner`` for ``lease_seconds``, with a new episode for it to run in;
     None when nothing is queued. Leases due are expired first, so their attempts may be the ones claimed."""
     if not lease_seconds > 0:
@@ -319,7 +279,7 @@ def claim(s: Session, runner: str, lease_seconds: float) -> Lease | None:
     row.lease_seconds, row.lease_expires_at = lease_seconds, now + timedelta(seconds=lease_seconds)
     s.flush()
     attempt = AttemptRecord.model_validate(row)
-    return Lease(attempt=attempt, payload=task.payload, model=task.model, split=task.split, episode=episode)
+    return Claim(attempt=attempt, payload=task.payload, model=task.model, split=task.split, episode=episode)
 
 
 def _attempt(s: Session, attempt_id: str) -> Attempt:
