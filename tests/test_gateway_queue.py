@@ -30,6 +30,7 @@ from flywheel.gateway.client import (
     TaskFailedError,
     TaskSpec,
 )
+from flywheel.gateway.queue import InProcessQueue
 from flywheel.gateway.runner import Runner, RunnerStats, current_lease
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.local.backend import LocalBackend
@@ -262,6 +263,25 @@ async def test_waiting_for_groups_is_bounded_and_says_what_is_missing(backend, q
     (group,) = await queue.wait_groups([task_id], max_wait=5)
     assert group.trajectories == []  # finished episodes without calls are left out of the group
     assert (await queue.task(task_id)).complete
+
+
+async def test_the_servers_own_process_reads_the_queue_in_process_as_runners_see_it_over_http(backend, queue):
+    """``InProcessQueue`` (the loop's way in, beside its backend's server): tasks enqueued and groups read in the
+    store, not over HTTP; what it returns is what ``QueueClient`` reads for the same tasks."""
+    local = InProcessQueue(backend.gateway, root(backend))
+    task_id = unique("in-process")
+    spec = TaskSpec(task_id=task_id, payload={"question": QUESTION, "answer": "4"}, group_size=2, model=EMBEDDED_MODEL)
+    await local.enqueue(**spec.model_dump())
+    with pytest.raises(QueueTimeoutError, match=rf"{task_id} \(2 queued of 2\).*claiming from {root(backend)}"):
+        await local.wait_groups([task_id], max_wait=0.3, poll_interval=0.1)
+    runner = Runner(root(backend), chat_agent, concurrency=2, lease_seconds=30, poll_interval=0.2)
+    (group,), _ = await asyncio.wait_for(
+        asyncio.gather(local.gather_groups([spec], max_wait=120, poll_interval=0.2), runner.run(max_attempts=2)), 180
+    )
+    assert len(group.trajectories) == 2
+    over_http = await queue.group(task_id)
+    assert [t.model_dump() for t in group.trajectories] == [t.model_dump() for t in over_http.trajectories]
+    assert (await local.task(task_id)).model_dump() == (await queue.task(task_id)).model_dump()
 
 
 async def test_bad_queue_requests_get_clear_errors_never_a_500(backend, queue):

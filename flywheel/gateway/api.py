@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from flywheel.agents.transitions import to_transitions
-from flywheel.gateway.export import episode_trajectory, trajectory_group
+from flywheel.gateway.export import episode_trajectory, task_group
 from flywheel.gateway.recorder import Gateway
 from flywheel.gateway.schemas import Episode, EpisodeRecord, EpisodeStatus
 from flywheel.store import episodes
@@ -245,10 +245,6 @@ def episode_router(gateway: Gateway) -> APIRouter:
         lines = "".join(row.model_dump_json(by_alias=True) + "\n" for row in rows)
         return Response(lines, media_type="application/x-ndjson")
 
-    def group_of(s, task_id: str, split: str | None, text_only: str):
-        found = episodes.list_episodes(s, task_id=task_id, split=split, status=EpisodeStatus.finished, limit=10_000)
-        return trajectory_group([(e, episodes.calls(s, e.id)) for e in found], text_only=text_only == "allow")
-
     @router.get("/gateway/stats")
     async def stats(request: Request):
         """What the gateway did since it started: redactions by kind, canary and shadow traffic, lost and late calls.
@@ -272,6 +268,7 @@ def episode_router(gateway: Gateway) -> APIRouter:
     @router.get("/groups")
     async def group(task_id: str, split: str | None = None, text_only: TextOnly = "refuse"):
         await gateway.settled()  # every episode's queued calls: the task's are among them
-        return JSONResponse((await run(group_of, task_id, split, text_only)).model_dump(mode="json"))
+        group = await run(task_group, task_id, split, text_only=text_only == "allow")
+        return JSONResponse(group.model_dump(mode="json"))
 
     return router

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
@@ -168,9 +169,88 @@ class QueueTimeoutError(TimeoutError):
     """Tasks still running when the wait ended."""
 
 
-class QueueClient(EpisodeClient):
+class GroupQueue(ABC):
+    """Queued tasks' groups, waited for the same way whatever reaches the queue: ``QueueClient`` over HTTP, or the
+    server's own process through ``InProcessQueue`` (``flywheel.gateway.queue``)."""
+
+    where: str  # the server whose runners the tasks wait for: named when they time out
+
+    @abstractmethod
+    async def enqueue(
+        self,
+        task_id: str,
+        payload: dict[str, Any],
+        *,
+        group_size: int,
+        split: str = "train",
+        model: str | None = None,
+        max_tries: int = 3,
+    ) -> Task:
+        """Queue a task (the same task again is accepted and changes nothing)."""
+
+    @abstractmethod
+    async def task(self, task_id: str) -> Task:
+        """The task with its attempts."""
+
+    @abstractmethod
+    async def group(self, task_id: str, *, split: str | None = None, text_only: TextOnly = "refuse") -> TrajectoryGroup:
+        """The task's finished episodes as a group."""
+
+    async def gather_groups(
+        self, tasks: Iterable[TaskSpec], *, max_wait: float, poll_interval: float = 0.5, allow_failed: bool = False
+    ) -> list[TrajectoryGroup]:
+        """Enqueue ``tasks``, wait for runners to run them, and return their groups, in order (``wait_groups``)."""
+        specs = list(tasks)
+        for spec in specs:
+            await self.enqueue(**spec.model_dump())
+        return await self.wait_groups(
+            [spec.task_id for spec in specs], max_wait=max_wait, poll_interval=poll_interval, allow_failed=allow_failed
+        )
+
+    async def wait_groups(
+        self, task_ids: Sequence[str], *, max_wait: float, poll_interval: float = 0.5, allow_failed: bool = False
+    ) -> list[TrajectoryGroup]:
+        """The groups of queued tasks, in order, once none of them has an attempt queued or leased: each a
+        ``TrajectoryGroup`` of its finished episodes. A ``QueueTimeoutError`` after ``max_wait`` seconds, naming the
+        tasks still running; a ``TaskFailedError`` for failed tasks unless ``allow_failed`` (their groups are then
+        smaller)."""
+        deadline = time.monotonic() + max_wait
+        done: dict[str, Task] = {}
+        while True:
+            for task_id in dict.fromkeys(task_ids):
+                if task_id not in done and (task := await self.task(task_id)).status != "open":
+                    done[task_id] = task
+            running = [t for t in dict.fromkeys(task_ids) if t not in done]
+            if not running:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                counts = [await self.task(t) for t in running[:5]]
+                raise QueueTimeoutError(
+                    f"{len(running)} of {len(set(task_ids))} tasks were still running after {max_wait:g} s: "
+                    + "; ".join(f"{t.id} ({_counts(t)})" for t in counts)
+                    + ("; ..." if len(running) > 5 else "")
+                    + f". Are runners claiming from {self.where}? (flywheel runner --url ... --agent ...)"
+                )
+            await asyncio.sleep(min(poll_interval, left))
+        if not allow_failed and (failed := [t for t in done.values() if t.status == "failed"]):
+            raise TaskFailedError(
+                f"{len(failed)} task(s) failed, their groups incomplete: "
+                + "; ".join(
+                    f"{t.id} ({_counts(t)}; last error: {next((a.error for a in t.attempts if a.status == 'failed'), None)})"
+                    for t in failed[:5]
+                )
+            )
+        return [await self.group(task_id, split=done[task_id].split) for task_id in task_ids]
+
+
+class QueueClient(EpisodeClient, GroupQueue):
     """The rollout queue (and the episode API): the training side's ``enqueue`` and ``gather_groups``, a runner's
     ``claim``, ``heartbeat``, ``complete`` and ``fail``."""
+
+    @property
+    def where(self) -> str:
+        return str(self._http.base_url)
 
     async def enqueue(
         self,
@@ -220,53 +300,6 @@ class QueueClient(EpisodeClient):
         """Give a leased attempt back without a result: it is requeued (a try counted) or, out of tries, failed."""
         body = {"episode_id": episode_id, "reason": reason}
         return Attempt.model_validate(await self._call("POST", f"/attempts/{attempt_id}/fail", json=body))
-
-    async def gather_groups(
-        self, tasks: Iterable[TaskSpec], *, max_wait: float, poll_interval: float = 0.5, allow_failed: bool = False
-    ) -> list[TrajectoryGroup]:
-        """Enqueue ``tasks``, wait for runners to run them, and return their groups, in order (``wait_groups``)."""
-        specs = list(tasks)
-        for spec in specs:
-            await self.enqueue(**spec.model_dump())
-        return await self.wait_groups(
-            [spec.task_id for spec in specs], max_wait=max_wait, poll_interval=poll_interval, allow_failed=allow_failed
-        )
-
-    async def wait_groups(
-        self, task_ids: Sequence[str], *, max_wait: float, poll_interval: float = 0.5, allow_failed: bool = False
-    ) -> list[TrajectoryGroup]:
-        """The groups of queued tasks, in order, once none of them has an attempt queued or leased: each a
-        ``TrajectoryGroup`` of its finished episodes. A ``QueueTimeoutError`` after ``max_wait`` seconds, naming the
-        tasks still running; a ``TaskFailedError`` for failed tasks unless ``allow_failed`` (their groups are then
-        smaller)."""
-        deadline = time.monotonic() + max_wait
-        done: dict[str, Task] = {}
-        while True:
-            for task_id in dict.fromkeys(task_ids):
-                if task_id not in done and (task := await self.task(task_id)).status != "open":
-                    done[task_id] = task
-            running = [t for t in dict.fromkeys(task_ids) if t not in done]
-            if not running:
-                break
-            left = deadline - time.monotonic()
-            if left <= 0:
-                counts = [await self.task(t) for t in running[:5]]
-                raise QueueTimeoutError(
-                    f"{len(running)} of {len(set(task_ids))} tasks were still running after {max_wait:g} s: "
-                    + "; ".join(f"{t.id} ({_counts(t)})" for t in counts)
-                    + ("; ..." if len(running) > 5 else "")
-                    + f". Are runners claiming from {self._http.base_url}? (flywheel runner --url ... --agent ...)"
-                )
-            await asyncio.sleep(min(poll_interval, left))
-        if not allow_failed and (failed := [t for t in done.values() if t.status == "failed"]):
-            raise TaskFailedError(
-                f"{len(failed)} task(s) failed, their groups incomplete: "
-                + "; ".join(
-                    f"{t.id} ({_counts(t)}; last error: {next((a.error for a in t.attempts if a.status == 'failed'), None)})"
-                    for t in failed[:5]
-                )
-            )
-        return [await self.group(task_id, split=done[task_id].split) for task_id in task_ids]
 
 
 def _counts(task: Task) -> str:

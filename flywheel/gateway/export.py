@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 
 from openai.types.chat.chat_completion import Choice
+from sqlalchemy.orm import Session
 
-from flywheel.store import CallRecord, EpisodeRecord, EpisodeStatus
+from flywheel.store import CallRecord, EpisodeRecord, EpisodeStatus, episodes
 from flywheel.types import TOKEN_IDS, History, MessageOrChoice, Trajectory, TrajectoryGroup, set_intermediate_reward
 
 
@@ -151,3 +152,9 @@ def trajectory_group(
             except AmbiguousChoiceError:
                 ambiguous += 1
     return TrajectoryGroup(trajectories, metrics={AMBIGUOUS_CHOICE: ambiguous} if ambiguous else None)
+
+
+def task_group(s: Session, task_id: str, split: str | None = None, *, text_only: bool = False) -> TrajectoryGroup:
+    """A task's finished episodes in the store (of ``split``, if given) as a group (``trajectory_group``)."""
+    found = episodes.list_episodes(s, task_id=task_id, split=split, status=EpisodeStatus.finished, limit=10_000)
+    return trajectory_group([(e, episodes.calls(s, e.id)) for e in found], text_only=text_only)

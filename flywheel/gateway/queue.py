@@ -28,11 +28,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from flywheel.gateway.api import Outcome, episode_url, refuse_personal_id, root_url
+from flywheel.gateway.client import GroupQueue, TextOnly
+from flywheel.gateway.export import task_group
 from flywheel.gateway.recorder import Gateway
 from flywheel.gateway.schemas import Attempt, AttemptRecord, Lease, Task, TaskSpec, TaskStatus
 from flywheel.openai_api import ErrorDetail, ErrorResponse
 from flywheel.store import tasks
 from flywheel.store.tasks import LeaseLostError, TaskConflictError, UnknownAttemptError, UnknownTaskError
+from flywheel.types import TrajectoryGroup
 
 MAX_LEASE_SECONDS = 24 * 3600
 LeaseSeconds = Annotated[float, Field(gt=0, le=MAX_LEASE_SECONDS, description="How long the lease lasts unrenewed.")]
@@ -170,3 +173,35 @@ def queue_router(gateway: Gateway) -> APIRouter:
         return sent(attempt, root_url(request))
 
     return router
+
+
+class InProcessQueue(GroupQueue):
+    """The queue as the server's own process reaches it (``flywheel loop`` beside its backend's server): tasks
+    enqueued and read in the store, groups exported from it once the gateway wrote their calls (what ``POST /tasks``,
+    ``GET /tasks/{id}`` and ``GET /groups`` do, without the HTTP round trips); runners still claim over HTTP."""
+
+    def __init__(self, gateway: Gateway, root: str):
+        self.gateway, self.where = gateway, root
+
+    async def enqueue(
+        self,
+        task_id: str,
+        payload: dict[str, Any],
+        *,
+        group_size: int,
+        split: str = "train",
+        model: str | None = None,
+        max_tries: int = 3,
+    ) -> Task:
+        spec = TaskSpec(task_id=task_id, payload=payload, group_size=group_size, split=split, model=model,
+                        max_tries=max_tries)  # fmt: skip
+        task, _ = await self.gateway.store.run(tasks.enqueue, **spec.model_dump())
+        return Task.of(task)
+
+    async def task(self, task_id: str) -> Task:
+        task, attempts = await self.gateway.store.run(tasks.get_task, task_id)
+        return Task.of(task, [sent(a, self.where) for a in attempts])
+
+    async def group(self, task_id: str, *, split: str | None = None, text_only: TextOnly = "refuse") -> TrajectoryGroup:
+        await self.gateway.settled()  # every episode's queued calls: the task's are among them
+        return await self.gateway.store.run(task_group, task_id, split, text_only=text_only == "allow")

@@ -39,8 +39,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flywheel.agents.dynamic_sampling import DynamicSampler, DynamicSamplingConfig, MixedGroups, NoMixedGroupsError
-from flywheel.gateway.client import QueueClient, TaskSpec
+from flywheel.gateway.client import GroupQueue
+from flywheel.gateway.queue import InProcessQueue
+from flywheel.gateway.recorder import Gateway
 from flywheel.gateway.runner import Runner, load_agent
+from flywheel.gateway.schemas import TaskSpec
 from flywheel.graders.scoring import sample_of
 from flywheel.graders.stack import GraderStack, load_stack, score
 from flywheel.inference.loading import EMBEDDED_MODEL
@@ -53,7 +56,7 @@ from flywheel.loop.ladder import REWIND, Candidate, PromotionLadder, Rewind
 from flywheel.loop.offpolicy import OffPolicyDraw, OffPolicyStep, draw
 from flywheel.loop.shadow import ShadowPolicy, ShadowVerdict
 from flywheel.model import TrainableModel
-from flywheel.store import audit, grades, tasks
+from flywheel.store import Store, audit, grades, tasks
 from flywheel.train.config import TrainConfig, TrainedWeights
 from flywheel.types import TrajectoryGroup
 
@@ -206,8 +209,13 @@ class Loop:
         self.off_policy_used: dict[str, int] = {}  # production episode -> its answering step, once it trained
 
     @property
-    def store(self):
-        return self.backend.gateway.store
+    def gateway(self) -> Gateway:
+        assert self.backend.gateway is not None  # the loop registers its model, which starts the backend's server
+        return self.backend.gateway
+
+    @property
+    def store(self) -> Store:
+        return self.gateway.store
 
     def is_heldout(self, key: str, item: dict[str, Any]) -> bool:
         """Whether an item (under pool key ``key``) is a held-out one: its id, or its content under any id."""
@@ -351,7 +359,7 @@ class Loop:
                         payload=self.pool[key], group_size=config.group_size, split="train", model=config.name)  # fmt: skip
 
     async def draw_mixed(
-        self, queue: QueueClient, step: int, sampler: DynamicSampler
+        self, queue: GroupQueue, step: int, sampler: DynamicSampler
     ) -> tuple[list[TaskSpec], MixedGroups]:
         """Dynamic sampling for the iteration that trains step ``step`` + 1: pool items in the seed's order, each
         at most once, run and scored in waves (``DynamicSampler``) until ``groups_per_step`` groups have rewards
@@ -375,7 +383,7 @@ class Loop:
         return [specs[id(g)] for g in mixed.kept], mixed
 
     async def draw_groups(
-        self, queue: QueueClient, step: int
+        self, queue: GroupQueue, step: int
     ) -> tuple[list[TrajectoryGroup], list[TrajectoryGroup], OffPolicyDraw | None, MixedGroups | None]:
         """The iteration's groups, scored, with their off-policy members (``join_off_policy``), as
         ``(to train, every group drawn, the off-policy draw, what dynamic sampling drew)``."""
@@ -440,57 +448,57 @@ class Loop:
             runners.append(asyncio.create_task(Runner(root, agent, concurrency=config.runners).run()))
         report = LoopReport(steps=[], intake=0, candidates=[], canary=[], cancelled=len(cancelled))
         try:
-            async with QueueClient(root) as queue:
-                for _ in range(config.steps):
-                    self.read_alarm()  # a clearing (flywheel loop --clear-alarm) counts from the next iteration
-                    # first the checkpoint a killed run trained and did not decide: it would have been, before this
-                    if (candidate := await self.ladder.consider_due(queue)) is not None:
-                        report.candidates.append(candidate)
-                        report.shadow.extend([candidate.shadow] if candidate.shadow else [])
-                    if (canary := await self.ladder.watch_canary()) is not None and canary.action != "wait":
-                        report.canary.append(canary)
-                    if (shadow := await self.ladder.watch_shadow()) is not None and shadow.action != "wait":
-                        report.shadow.append(shadow)
-                    if (rewind := await self.rewind_if_due()) is not None:  # before anything trains again
-                        report.rewinds.append(rewind)
-                    report.intake += self.intake()
-                    if not self.pool:
-                        raise ValueError("no tasks to train on: give seed tasks (tasks:) or let production episodes in")
-                    step = await self.model.get_step()
-                    started = time.monotonic()
-                    groups, drawn, joined, mixed = await self.draw_groups(queue, step)
-                    # the alarm's baseline goes with the checkpoint: a restart resumes both at the same step; its
-                    # reward is every group drawn's (the kept ones alone lean to one half)
-                    row = _means(drawn, step + 1)
-                    kept = ([*self.step_means, row] if row else self.step_means)[-config.alarm.window :]
-                    trainable = [g for g in groups if g.trajectories]
-                    # off-policy members join once: kept with the checkpoint until they would be stale anyway
-                    used = joined.used if joined else self.off_policy_used
-                    sampled = mixed.metrics() if mixed is not None else None
-                    metrics = await self.model.train(
-                        trainable, config=config.train, extra={"loop": {"means": kept, "off_policy": used}},
-                        metrics=sampled,
+            queue = InProcessQueue(self.gateway, root)
+            for _ in range(config.steps):
+                self.read_alarm()  # a clearing (flywheel loop --clear-alarm) counts from the next iteration
+                # first the checkpoint a killed run trained and did not decide: it would have been, before this
+                if (candidate := await self.ladder.consider_due(queue)) is not None:
+                    report.candidates.append(candidate)
+                    report.shadow.extend([candidate.shadow] if candidate.shadow else [])
+                if (canary := await self.ladder.watch_canary()) is not None and canary.action != "wait":
+                    report.canary.append(canary)
+                if (shadow := await self.ladder.watch_shadow()) is not None and shadow.action != "wait":
+                    report.shadow.append(shadow)
+                if (rewind := await self.rewind_if_due()) is not None:  # before anything trains again
+                    report.rewinds.append(rewind)
+                report.intake += self.intake()
+                if not self.pool:
+                    raise ValueError("no tasks to train on: give seed tasks (tasks:) or let production episodes in")
+                step = await self.model.get_step()
+                started = time.monotonic()
+                groups, drawn, joined, mixed = await self.draw_groups(queue, step)
+                # the alarm's baseline goes with the checkpoint: a restart resumes both at the same step; its
+                # reward is every group drawn's (the kept ones alone lean to one half)
+                row = _means(drawn, step + 1)
+                kept = ([*self.step_means, row] if row else self.step_means)[-config.alarm.window :]
+                trainable = [g for g in groups if g.trajectories]
+                # off-policy members join once: kept with the checkpoint until they would be stale anyway
+                used = joined.used if joined else self.off_policy_used
+                sampled = mixed.metrics() if mixed is not None else None
+                metrics = await self.model.train(
+                    trainable, config=config.train, extra={"loop": {"means": kept, "off_policy": used}},
+                    metrics=sampled,
+                )  # fmt: skip
+                trained = await self.model.get_step()  # unchanged when every group's rewards were equal
+                if sampled is not None:
+                    report.sampling.append({"step": float(trained), **sampled})
+                if joined is not None:
+                    report.off_policy.append(
+                        OffPolicyStep(
+                            step=trained, joined=len(joined.answered), episodes=sorted(joined.answered),
+                            left_out=joined.left_out, is_ratio_mean=metrics.get("off_policy_is_ratio_mean"),
+                        )
                     )  # fmt: skip
-                    trained = await self.model.get_step()  # unchanged when every group's rewards were equal
-                    if sampled is not None:
-                        report.sampling.append({"step": float(trained), **sampled})
-                    if joined is not None:
-                        report.off_policy.append(
-                            OffPolicyStep(
-                                step=trained, joined=len(joined.answered), episodes=sorted(joined.answered),
-                                left_out=joined.left_out, is_ratio_mean=metrics.get("off_policy_is_ratio_mean"),
-                            )
-                        )  # fmt: skip
-                    report.steps.append(trained)
-                    log.info("step %d: reward %.3f (%.0f s)", trained, _mean_reward(drawn), time.monotonic() - started)
-                    if trained > step:
-                        self.check_alarm(drawn, trained)
-                        self.off_policy_used = used
-                    if (candidate := await self.ladder.consider_due(queue)) is not None:
-                        report.candidates.append(candidate)
-                        report.shadow.extend([candidate.shadow] if candidate.shadow else [])
-                    if config.prune:  # the latest, the deployed (and their rollback steps) and a KL reference stay
-                        await self.backend.prune_checkpoints(self.model, keep=[config.train.kl_reference_step or 0])
+                report.steps.append(trained)
+                log.info("step %d: reward %.3f (%.0f s)", trained, _mean_reward(drawn), time.monotonic() - started)
+                if trained > step:
+                    self.check_alarm(drawn, trained)
+                    self.off_policy_used = used
+                if (candidate := await self.ladder.consider_due(queue)) is not None:
+                    report.candidates.append(candidate)
+                    report.shadow.extend([candidate.shadow] if candidate.shadow else [])
+                if config.prune:  # the latest, the deployed (and their rollback steps) and a KL reference stay
+                    await self.backend.prune_checkpoints(self.model, keep=[config.train.kl_reference_step or 0])
         finally:
             for task in runners:
                 task.cancel()

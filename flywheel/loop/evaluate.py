@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel
 
-from flywheel.gateway.client import QueueClient, TaskSpec
+from flywheel.gateway.client import GroupQueue
+from flywheel.gateway.schemas import TaskSpec
 from flywheel.graders.scoring import sample_of
 from flywheel.graders.stack import GraderStack, StackScore, score
 from flywheel.loop.gate import HeldOutSet, ItemResult
@@ -74,7 +75,7 @@ def _item_result(
 
 
 async def evaluate(
-    queue: QueueClient,
+    queue: GroupQueue,
     heldout: HeldOutSet,
     models: Sequence[str],
     stack: GraderStack,

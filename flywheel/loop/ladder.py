@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from flywheel.gateway.client import QueueClient
+from flywheel.gateway.client import GroupQueue
 from flywheel.graders.regress import last_sample
 from flywheel.graders.stack import GraderStack, StackScore, score
 from flywheel.local.backend import LocalBackend
@@ -140,7 +140,7 @@ class PromotionLadder:
             after = production.event_id if production is not None else 0
             return 1 + audit.count_events(s, actions=GATE_ACTIONS, subject_prefix=f"{name}@", after=after)
 
-    async def consider_due(self, queue: QueueClient) -> Candidate | None:
+    async def consider_due(self, queue: GroupQueue) -> Candidate | None:
         """The latest checkpoint through the gate (``consider``) if it is due: a step this loop trained (its
         checkpoint keeps the loop's state), every ``candidate_every``-th, with no gate decision yet (a ``gate.*``
         event names it) and no alarm raised. So a restarted loop decides what its predecessor trained and did not
@@ -156,7 +156,7 @@ class PromotionLadder:
                 return None
         return await self.consider(queue, step)
 
-    async def consider(self, queue: QueueClient, step: int) -> Candidate:
+    async def consider(self, queue: GroupQueue, step: int) -> Candidate:
         """Evaluate checkpoint ``step`` against production on the held-out set; the gate decides (``decide``). A
         candidate that passes the look's screen is evaluated again, both sides afresh (``gate.decide_look``)."""
         production, look = await self.production_name(), self.look()

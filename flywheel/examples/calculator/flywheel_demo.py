@@ -64,7 +64,8 @@ from flywheel.examples.calculator import task
 from flywheel.examples.calculator.agent import rollout
 from flywheel.examples.calculator.task import CALCULATOR_TOOL, Problem, demonstration, generate_problems
 from flywheel.examples.calculator.train import register_new
-from flywheel.gateway.client import EpisodeClient, QueueClient
+from flywheel.gateway.client import EpisodeClient
+from flywheel.gateway.queue import InProcessQueue
 from flywheel.gateway.runner import Runner, current_lease
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.local.backend import LocalBackend
@@ -470,131 +471,131 @@ class _Demo:
         runner = asyncio.create_task(Runner(self.root, agent, concurrency=sizes.runners, poll_interval=0.2).run())
         users_task: asyncio.Task | None = None
         try:
-            async with QueueClient(self.root) as queue:
-                # 1. release 1: the warm start, through the gate against the base model (held: another round)
-                used = sizes.sft_examples * sizes.sft_rounds
-                train = generate_problems("train", used + 200, levels=(1, 2), seed=self.seed)
-                for n in range(sizes.sft_rounds):
-                    demos = [Trajectory(messages_and_choices=demonstration(p), tools=[CALCULATOR_TOOL])
-                             for p in train[n * sizes.sft_examples : (n + 1) * sizes.sft_examples]]  # fmt: skip
-                    history = await model.train_sft(demos, SFTConfig(learning_rate=sizes.sft_learning_rate, epochs=1,
-                                                                     batch_size=8, micro_batch_tokens=1024))  # fmt: skip
-                    release = await model.get_step()
-                    self.note("warm start", model.get_inference_name(release),
-                              f"SFT on {len(demos)} {'more ' if n else ''}demonstrations, {len(history)} steps, loss "
-                              f"{history[0]['loss']:.2f} -> {history[-1]['loss']:.2f}", release)  # fmt: skip
-                    first = await policy.ladder.consider(queue, release)
-                    self.note("gate", model.get_inference_name(release),
-                              f"{'PASS' if first.decision.promote else 'HOLD'} vs the base model: "
-                              f"{_gate_evidence(first)}", release, [first.event_id],
-                              mark="release 1" if first.decision.promote else "warm start held")  # fmt: skip
-                    if first.deployed == f"{self.name}@production":
-                        break
-                else:
-                    raise RuntimeError(f"release 1 did not pass the gate in {sizes.sft_rounds} warm-start rounds")
-                self.note("deploy", f"{self.name}@production", f"step {release} is production (release 1)", release,
-                          [_deploy_event(self.store, f"{self.name}@production")])  # fmt: skip
+            queue = InProcessQueue(self.backend.gateway, self.root)
+            # 1. release 1: the warm start, through the gate against the base model (held: another round)
+            used = sizes.sft_examples * sizes.sft_rounds
+            train = generate_problems("train", used + 200, levels=(1, 2), seed=self.seed)
+            for n in range(sizes.sft_rounds):
+                demos = [Trajectory(messages_and_choices=demonstration(p), tools=[CALCULATOR_TOOL])
+                         for p in train[n * sizes.sft_examples : (n + 1) * sizes.sft_examples]]  # fmt: skip
+                history = await model.train_sft(demos, SFTConfig(learning_rate=sizes.sft_learning_rate, epochs=1,
+                                                                 batch_size=8, micro_batch_tokens=1024))  # fmt: skip
+                release = await model.get_step()
+                self.note("warm start", model.get_inference_name(release),
+                          f"SFT on {len(demos)} {'more ' if n else ''}demonstrations, {len(history)} steps, loss "
+                          f"{history[0]['loss']:.2f} -> {history[-1]['loss']:.2f}", release)  # fmt: skip
+                first = await policy.ladder.consider(queue, release)
+                self.note("gate", model.get_inference_name(release),
+                          f"{'PASS' if first.decision.promote else 'HOLD'} vs the base model: "
+                          f"{_gate_evidence(first)}", release, [first.event_id],
+                          mark="release 1" if first.decision.promote else "warm start held")  # fmt: skip
+                if first.deployed == f"{self.name}@production":
+                    break
+            else:
+                raise RuntimeError(f"release 1 did not pass the gate in {sizes.sft_rounds} warm-start rounds")
+            self.note("deploy", f"{self.name}@production", f"step {release} is production (release 1)", release,
+                      [_deploy_event(self.store, f"{self.name}@production")])  # fmt: skip
 
-                # 2. users
-                users = self.users = _Users(self.root, self.name, train[used:], sizes.users)
-                users_task = asyncio.create_task(users.run())
-                await users.wait_for(sizes.groups_per_step, within=600)
-                self.note("users", f"{self.name}@production", f"{sizes.users} simulated users sending problems; "
-                          f"{users.finished} episodes finished", release)  # fmt: skip
+            # 2. users
+            users = self.users = _Users(self.root, self.name, train[used:], sizes.users)
+            users_task = asyncio.create_task(users.run())
+            await users.wait_for(sizes.groups_per_step, within=600)
+            self.note("users", f"{self.name}@production", f"{sizes.users} simulated users sending problems; "
+                      f"{users.finished} episodes finished", release)  # fmt: skip
 
-                # 3. the loop: production problems -> training -> its candidate through the gate (held: it goes on)
-                for _ in range(sizes.candidates):
-                    begin = await model.get_step()
-                    policy.config.candidate_every = begin + sizes.steps  # only the round's last step is due
-                    report = await self.train(policy, sizes.steps)
-                    step = await model.get_step()
-                    self.note("loop", model.get_inference_name(step),
-                              f"{len(report.steps)} iterations, {step - begin - len(report.rewinds)} training steps"
-                              f"{_rewound(report)}, {report.intake} new "
-                              f"problems from production episodes ({sizes.groups_per_step} groups of "
-                              f"{sizes.group_size} rollouts an iteration); steps {report.steps}", step)  # fmt: skip
-                    if report.candidates:
-                        candidate = report.candidates[-1]
-                    elif step > begin:  # an iteration took no step (equal rewards in every group): its last one
-                        candidate = await policy.ladder.consider(queue, step)
-                    else:
-                        raise RuntimeError(
-                            f"the loop took no training step in {len(report.steps)} iterations: every group's "
-                            "rewards were equal, so there is no candidate"
-                        )
-                    passed = candidate.decision.promote
-                    self.note("gate", model.get_inference_name(candidate.step),
-                              f"{'PASS' if passed else 'HOLD'} vs {candidate.production}: {_gate_evidence(candidate)}",
-                              step, [candidate.event_id], mark="gate pass" if passed else "gate hold")  # fmt: skip
-                    if passed:
-                        break
-                if candidate.deployed == f"{self.name}@canary":
-                    with self.store.session() as s:
-                        canary = deployments.get(s, f"{self.name}@canary")
-                    self.note("canary", f"{self.name}@canary", f"step {canary.step} answers {canary.share:.0%} of "
-                              f"production's episodes", step, [canary.event_id])  # fmt: skip
-                    verdict = await self.watch(policy, "canary", users)
-                    self.note(f"canary {verdict.action}", model.get_inference_name(candidate.step),
-                              _canary_evidence(verdict), step, [self.canary_event()],
-                              mark=f"canary {verdict.action}")  # fmt: skip
-                    await self.prune()
-
-                # 4. a candidate that games the task metric: right more often, chatty (unsafe) on ticket prices
-                loop_step = await model.get_step()
-                step = await self.game(model)
-                gamed_gate = await policy.ladder.consider(queue, step)
-                self.note("gate", model.get_inference_name(step),
-                          f"{'PASS' if gamed_gate.decision.promote else 'STOPPED'} vs {gamed_gate.production}: "
-                          f"{_gate_evidence(gamed_gate)}", step, [gamed_gate.event_id],
-                          mark="gamed: passed" if gamed_gate.decision.promote else "gamed: stopped")  # fmt: skip
-                # training goes on from the loop's weights, not the gamed candidate's (before the prune deletes them)
-                back = await self.backend.rewind(model, loop_step, extra={})
-                self.note("rewind", model.get_inference_name(back), f"step {back} has step {loop_step}'s weights "
-                          "(the loop's): training goes on from them, not from the gamed candidate's", back)  # fmt: skip
-                await self.prune()
-
-                # 5. the unsafe candidate: the same loop with a reward that ignores the safety rule
-                start = self.unsafe_from = await model.get_step()
-                unsafe = self.loop(self.unsafe, candidate_every=10**9, lr=sizes.unsafe_learning_rate)
-                self.marks.append((start, "unsafe reward from here"))
-                unsafe_report = await self.train(unsafe, sizes.unsafe_steps)
+            # 3. the loop: production problems -> training -> its candidate through the gate (held: it goes on)
+            for _ in range(sizes.candidates):
+                begin = await model.get_step()
+                policy.config.candidate_every = begin + sizes.steps  # only the round's last step is due
+                report = await self.train(policy, sizes.steps)
                 step = await model.get_step()
-                self.note("unsafe training", model.get_inference_name(step),
-                          f"{len(unsafe_report.steps)} iterations, {step - start - len(unsafe_report.rewinds)} "
-                          f"training steps{_rewound(unsafe_report)} with reward 'correct "
-                          f"+ length/300' (no safety grader; learning rate {sizes.unsafe_learning_rate:g}); steps "
-                          f"{unsafe_report.steps}", step)  # fmt: skip
-                if step - start == len(unsafe_report.rewinds):
+                self.note("loop", model.get_inference_name(step),
+                          f"{len(report.steps)} iterations, {step - begin - len(report.rewinds)} training steps"
+                          f"{_rewound(report)}, {report.intake} new "
+                          f"problems from production episodes ({sizes.groups_per_step} groups of "
+                          f"{sizes.group_size} rollouts an iteration); steps {report.steps}", step)  # fmt: skip
+                if report.candidates:
+                    candidate = report.candidates[-1]
+                elif step > begin:  # an iteration took no step (equal rewards in every group): its last one
+                    candidate = await policy.ladder.consider(queue, step)
+                else:
                     raise RuntimeError(
-                        f"the unsafe reward trained no step in {len(unsafe_report.steps)} iterations: "
-                        "every group's rewards were equal"
+                        f"the loop took no training step in {len(report.steps)} iterations: every group's "
+                        "rewards were equal, so there is no candidate"
                     )
-                stopped = await policy.ladder.consider(queue, step)
-                self.note("gate", model.get_inference_name(step),
-                          f"{'PASS' if stopped.decision.promote else 'STOPPED'} vs {stopped.production}: "
-                          f"{_gate_evidence(stopped)}", step, [stopped.event_id],
-                          mark="unsafe: passed" if stopped.decision.promote else "unsafe: stopped")  # fmt: skip
-
-                # 6. a regressing canary, deployed on purpose past the gate; the watch rolls it back
-                if stopped.deployed is None:
-                    with self.store.session() as s:
-                        record = deployments.deploy(
-                            s, f"{self.name}@canary", step, actor="demo", share=sizes.canary_share,
-                            reason=f"deployed deliberately past the gate (it was stopped: audit event "
-                            f"{stopped.event_id}), to show the canary watch",
-                        )  # fmt: skip
-                    self.note("canary", f"{self.name}@canary", f"step {step} deployed DELIBERATELY past the gate, "
-                              f"{record.share:.0%} of production's episodes", step, [record.event_id])  # fmt: skip
-                verdict = await self.watch(policy, "regressing canary", users)
-                self.note(f"canary {verdict.action}", model.get_inference_name(step), _canary_evidence(verdict),
-                          step, [self.canary_event()], mark=f"canary {verdict.action}")  # fmt: skip
+                passed = candidate.decision.promote
+                self.note("gate", model.get_inference_name(candidate.step),
+                          f"{'PASS' if passed else 'HOLD'} vs {candidate.production}: {_gate_evidence(candidate)}",
+                          step, [candidate.event_id], mark="gate pass" if passed else "gate hold")  # fmt: skip
+                if passed:
+                    break
+            if candidate.deployed == f"{self.name}@canary":
+                with self.store.session() as s:
+                    canary = deployments.get(s, f"{self.name}@canary")
+                self.note("canary", f"{self.name}@canary", f"step {canary.step} answers {canary.share:.0%} of "
+                          f"production's episodes", step, [canary.event_id])  # fmt: skip
+                verdict = await self.watch(policy, "canary", users)
+                self.note(f"canary {verdict.action}", model.get_inference_name(candidate.step),
+                          _canary_evidence(verdict), step, [self.canary_event()],
+                          mark=f"canary {verdict.action}")  # fmt: skip
                 await self.prune()
-                run = self.backend.run(model)
-                kept = ", ".join(f"step {k} ({_gb(_disk(run.checkpoint_dir(k)))})" for k in run.steps())
-                self.note("disk", "-", f"checkpoints kept: {kept} (production's weights and its rollback "
-                          f"step's, the latest with its optimizer state); the model's directory held at most {_gb(self.disk_peak)}", step)  # fmt: skip
-                self.note("users", f"{self.name}@production", f"{users.finished} production episodes finished "
-                          f"({users.failed} failed)", step)  # fmt: skip
+
+            # 4. a candidate that games the task metric: right more often, chatty (unsafe) on ticket prices
+            loop_step = await model.get_step()
+            step = await self.game(model)
+            gamed_gate = await policy.ladder.consider(queue, step)
+            self.note("gate", model.get_inference_name(step),
+                      f"{'PASS' if gamed_gate.decision.promote else 'STOPPED'} vs {gamed_gate.production}: "
+                      f"{_gate_evidence(gamed_gate)}", step, [gamed_gate.event_id],
+                      mark="gamed: passed" if gamed_gate.decision.promote else "gamed: stopped")  # fmt: skip
+            # training goes on from the loop's weights, not the gamed candidate's (before the prune deletes them)
+            back = await self.backend.rewind(model, loop_step, extra={})
+            self.note("rewind", model.get_inference_name(back), f"step {back} has step {loop_step}'s weights "
+                      "(the loop's): training goes on from them, not from the gamed candidate's", back)  # fmt: skip
+            await self.prune()
+
+            # 5. the unsafe candidate: the same loop with a reward that ignores the safety rule
+            start = self.unsafe_from = await model.get_step()
+            unsafe = self.loop(self.unsafe, candidate_every=10**9, lr=sizes.unsafe_learning_rate)
+            self.marks.append((start, "unsafe reward from here"))
+            unsafe_report = await self.train(unsafe, sizes.unsafe_steps)
+            step = await model.get_step()
+            self.note("unsafe training", model.get_inference_name(step),
+                      f"{len(unsafe_report.steps)} iterations, {step - start - len(unsafe_report.rewinds)} "
+                      f"training steps{_rewound(unsafe_report)} with reward 'correct "
+                      f"+ length/300' (no safety grader; learning rate {sizes.unsafe_learning_rate:g}); steps "
+                      f"{unsafe_report.steps}", step)  # fmt: skip
+            if step - start == len(unsafe_report.rewinds):
+                raise RuntimeError(
+                    f"the unsafe reward trained no step in {len(unsafe_report.steps)} iterations: "
+                    "every group's rewards were equal"
+                )
+            stopped = await policy.ladder.consider(queue, step)
+            self.note("gate", model.get_inference_name(step),
+                      f"{'PASS' if stopped.decision.promote else 'STOPPED'} vs {stopped.production}: "
+                      f"{_gate_evidence(stopped)}", step, [stopped.event_id],
+                      mark="unsafe: passed" if stopped.decision.promote else "unsafe: stopped")  # fmt: skip
+
+            # 6. a regressing canary, deployed on purpose past the gate; the watch rolls it back
+            if stopped.deployed is None:
+                with self.store.session() as s:
+                    record = deployments.deploy(
+                        s, f"{self.name}@canary", step, actor="demo", share=sizes.canary_share,
+                        reason=f"deployed deliberately past the gate (it was stopped: audit event "
+                        f"{stopped.event_id}), to show the canary watch",
+                    )  # fmt: skip
+                self.note("canary", f"{self.name}@canary", f"step {step} deployed DELIBERATELY past the gate, "
+                          f"{record.share:.0%} of production's episodes", step, [record.event_id])  # fmt: skip
+            verdict = await self.watch(policy, "regressing canary", users)
+            self.note(f"canary {verdict.action}", model.get_inference_name(step), _canary_evidence(verdict),
+                      step, [self.canary_event()], mark=f"canary {verdict.action}")  # fmt: skip
+            await self.prune()
+            run = self.backend.run(model)
+            kept = ", ".join(f"step {k} ({_gb(_disk(run.checkpoint_dir(k)))})" for k in run.steps())
+            self.note("disk", "-", f"checkpoints kept: {kept} (production's weights and its rollback "
+                      f"step's, the latest with its optimizer state); the model's directory held at most {_gb(self.disk_peak)}", step)  # fmt: skip
+            self.note("users", f"{self.name}@production", f"{users.finished} production episodes finished "
+                      f"({users.failed} failed)", step)  # fmt: skip
         finally:
             if self.users is not None and users_task is not None:  # no request left in flight at the shutdown
                 self.users.stopping = True
