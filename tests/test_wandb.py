@@ -1,5 +1,6 @@
 """Weights & Biases logging (flywheel/local/wandb_log.py), as ART does it: a training step's and ``model.log``'s metrics
-reach a W&B run named after the model, in W&B's offline mode (no network), read back from the run's own ``.wandb`` file;
+and trajectory tables reach a W&B run named after the model, in W&B's offline mode (no network), read back from the
+run's own ``.wandb`` file and its table files;
 a restarted backend logs to the same run id; without wandb installed, one warning and no error."""
 
 from __future__ import annotations
@@ -86,6 +87,14 @@ async def test_a_training_step_and_model_log_reach_an_offline_wandb_run_resumed_
     assert ident == run_id("tests", "wandb/agent") and "/" not in ident
     assert logged[1]["train/loss"] == pytest.approx(rows[0]["loss"])
     assert logged[1]["val/reward"] == pytest.approx(0.5) and logged[1]["val/accuracy"] == 0.5
+    trained = backend.run(model).trajectories("train", 1)
+    for split in ("train", "val"):  # the step's two trajectories, one group; model.log's val split the same two
+        assert logged[1][f"{split}/trajectories/_type"] == "table-file"  # a table's fields are nested keys
+        table = json.loads((first.parent / "files" / logged[1][f"{split}/trajectories/path"]).read_text())
+        assert table["columns"] == ["step", "group", "reward", "messages"]
+        assert table["data"] == [
+            [1, 0, t.reward, f"user: Name a fruit.\nassistant: {t.messages()[-1]['content']}"] for t in trained
+        ]
 
     # a restarted process continues the same run (offline, W&B writes a new directory under the same id)
     again = art.LocalBackend(path=tmp_path / "home", serve_http=False)

@@ -350,6 +350,9 @@ class LocalBackend:
             self.run(model).save_trajectories("train", trainer.step, trajectories)  # first: the row commits them
             await self._after_step(model, trainer, [row], "train", config.model_dump(), save, extra)
             step = trainer.step
+            await asyncio.to_thread(
+                self.loggers.log_trajectories, model.project, model.name, "train", step, trajectories
+            )
             self._trained[(model.project, model.name)] = (step, {t.id for t in trajectories})
         if verbose:
             print(f"{model.name} step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(step_metrics.items())))
@@ -464,6 +467,7 @@ class LocalBackend:
             row = {"time": time.time(), "step": step, "split": split, **metrics}
             await asyncio.to_thread(run.append, [row])
             await asyncio.to_thread(self.loggers.log, model.project, model.name, [row])
+            await asyncio.to_thread(self.loggers.log_trajectories, model.project, model.name, split, step, trajectories)
         return metrics
 
     async def delete_checkpoints(

@@ -1,7 +1,10 @@
 """MLflow logging: every metric row the backend records also goes to MLflow, one run per model (experiment = the
 model's project, run name = its name), found again by its ``flywheel.model`` tag so that a restarted training
 continues the same run. The tracking store is ``MLFLOW_TRACKING_URI`` (a server, or ``sqlite:///path``), else a
-SQLite store under the backend's home (``<home>/mlflow.db``: ``mlflow ui --backend-store-uri sqlite:///...``).
+SQLite store under the backend's home (``<home>/mlflow.db``: ``mlflow ui --backend-store-uri sqlite:///...``, its
+artifacts in ``<home>/mlflow-artifacts``). Each step's trajectory table is a JSON artifact of the run,
+``trajectories/<split>/step_<step>.json`` (``{"columns": [...], "data": [[...], ...]}``, the layout of MLflow's own
+``log_table``, which would need pandas).
 ``mlflow`` is an optional extra (``pip install flywheel-rl[mlflow]``, the ``mlflow-skinny`` client), imported when
 logging starts; without it, one warning, and the rows stay in the model's own files."""
 
@@ -20,11 +23,18 @@ from flywheel.train.config import warn_once
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
+    from flywheel.local.loggers import TrajectoryTable
+
 TAG = "flywheel.model"  # the run's model name: how a restarted backend finds its run
 
 
 def tracking_uri(home: Path) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{home.absolute() / 'mlflow.db'}"
+
+
+def table_path(split: str, step: int) -> str:
+    """Where a step's trajectory table goes among the run's artifacts."""
+    return f"trajectories/{split}/step_{step}.json"
 
 
 class MlflowLog:
@@ -33,6 +43,10 @@ class MlflowLog:
 
     def __init__(self, home: Path) -> None:
         self.uri = tracking_uri(home)
+        # the default store's artifacts beside it (MLflow's default is ./mlruns in the working directory)
+        self.artifacts = (
+            None if os.environ.get("MLFLOW_TRACKING_URI") else (home.absolute() / "mlflow-artifacts").as_uri()
+        )
         self._client: MlflowClient | None = None
         self._runs: dict[tuple[str, str], str | None] = {}  # run ids; None: MLflow could not start for this model
         self._lock = threading.Lock()
@@ -60,6 +74,19 @@ class MlflowLog:
             except Exception as e:  # the store went away: its trouble must not stop training
                 warn_once(f"mlflow.log:{project}/{name}", f"MLflow did not take model '{name}''s metrics: {e}")
 
+    def log_table(self, project: str, name: str, table: TrajectoryTable) -> None:
+        """Save a step's trajectory table as the run's JSON artifact ``table_path``."""
+        with self._lock:
+            if (run := self._run(project, name)) is None:
+                return
+            assert self._client is not None
+            try:
+                self._client.log_dict(
+                    run, {"columns": table.columns, "data": table.rows}, table_path(table.split, table.step)
+                )
+            except Exception as e:  # an artifact store that cannot be written
+                warn_once(f"mlflow.table:{project}/{name}", f"MLflow did not take model '{name}''s trajectories: {e}")
+
     def _run(self, project: str, name: str) -> str | None:
         key = (project, name)
         if key in self._runs:
@@ -77,7 +104,7 @@ class MlflowLog:
         try:
             self._client = self._client or MlflowClient(tracking_uri=self.uri)
             found = self._client.get_experiment_by_name(project)
-            experiment = found.experiment_id if found else self._client.create_experiment(project)
+            experiment = found.experiment_id if found else self._client.create_experiment(project, self.artifacts)
             quoted = name.replace("'", "\\'")
             earlier = self._client.search_runs([experiment], filter_string=f"tags.`{TAG}` = '{quoted}'", max_results=1)
             run = earlier[0] if earlier else self._client.create_run(experiment, run_name=name, tags={TAG: name})

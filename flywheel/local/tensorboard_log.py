@@ -1,7 +1,8 @@
 """TensorBoard logging: every metric row the backend records also goes to TensorBoard event files, one directory
 per model: ``FLYWHEEL_TENSORBOARD_DIR/<project>/<name>`` when that is set, else ``tensorboard/`` in the model's own
 directory (``tensorboard --logdir`` either). Scalars are named as W&B's are (``<split>/<name>``) at their steps; a
-restarted training appends new event files to the same directory. The writer is torch's ``SummaryWriter``, which
+restarted training appends new event files to the same directory. Each step's trajectory table is a text summary
+``<split>/trajectories`` (a Markdown table, in TensorBoard's Text tab). The writer is torch's ``SummaryWriter``, which
 needs the ``tensorboard`` package (``pip install flywheel-rl[tensorboard]``); without it, one warning."""
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from flywheel.train.config import warn_once
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
+
+    from flywheel.local.loggers import TrajectoryTable
 
 DIR = "FLYWHEEL_TENSORBOARD_DIR"
 
@@ -46,6 +49,14 @@ class TensorBoardLog:
             for row in rows:
                 for key, value in wandb_metrics(row).items():
                     writer.add_scalar(key, value, global_step=int(row["step"]))
+            writer.flush()
+
+    def log_table(self, project: str, name: str, table: TrajectoryTable) -> None:
+        """Write a step's trajectory table as the text summary ``<split>/trajectories`` at its step."""
+        with self._lock:
+            if (writer := self._writer(project, name)) is None:
+                return
+            writer.add_text(table.key, table.markdown(), global_step=table.step)
             writer.flush()
 
     def _writer(self, project: str, name: str) -> SummaryWriter | None:

@@ -1,5 +1,5 @@
 """Weights & Biases logging, as ART does it: every metric row the backend records (train and SFT steps,
-``model.log`` splits) also goes to W&B when ``WANDB_API_KEY`` is set (or ``WANDB_MODE=offline``), one run per model
+``model.log`` splits), and each step's trajectory table (a ``wandb.Table``), also goes to W&B when ``WANDB_API_KEY`` is set (or ``WANDB_MODE=offline``), one run per model
 (W&B project = the model's project, run name = its name), resumed by a stable id so a restarted training continues
 the same run. ``wandb`` is an optional extra (``pip install flywheel-rl[wandb]``), imported only when logging starts;
 without it the rows are still written to the model's own files and a warning says what to install."""
@@ -16,6 +16,8 @@ from flywheel.train.config import warn_once
 
 if TYPE_CHECKING:
     from wandb.sdk.wandb_run import Run
+
+    from flywheel.local.loggers import TrajectoryTable
 
 ROW_FIELDS = {"time", "step", "split", "checkpoint"}  # a history row's bookkeeping, not metrics
 
@@ -64,6 +66,17 @@ class WandbLog:
                 return
             for row in rows:
                 run.log(wandb_metrics(row), step=int(row["step"]))
+
+    def log_table(self, project: str, name: str, table: TrajectoryTable) -> None:
+        """Log a step's trajectories as a ``wandb.Table`` named ``<split>/trajectories``, at its step."""
+        if not enabled():
+            return
+        with self._lock:
+            if (run := self._run(project, name)) is None:
+                return
+            import wandb  # installed: _run imported it
+
+            run.log({table.key: wandb.Table(columns=table.columns, data=table.rows)}, step=table.step)
 
     def _run(self, project: str, name: str) -> Run | None:
         key = (project, name)
