@@ -9,6 +9,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import openai
+import pytest
 from alembic import command
 from alembic.config import Config
 from openai.types.chat import ChatCompletionMessage
@@ -221,3 +223,14 @@ def fuzz_routes(
         except hypothesis.errors.Unsatisfiable:  # a route with nothing its schema forbids to send (no negative case)
             assert mode == schemathesis.GenerationMode.NEGATIVE, operation.label
     return called, len(operations)
+
+
+async def refused_both_ways(client: openai.AsyncOpenAI, **request: Any) -> list[openai.APIStatusError]:
+    """The HTTP errors a chat completion ``request`` gets unstreamed and streamed (``stream=True``), in that order: a
+    streamed call that fails before its first token must be refused as the unstreamed one is, not answered 200."""
+    errors = []
+    for stream in (False, True):
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(stream=stream, **request)
+        errors.append(caught.value)
+    return errors

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 
+import httpx
 import openai
 import pytest
 import torch
@@ -19,6 +20,7 @@ from flywheel.gateway.client import EpisodeClient
 from flywheel.gateway.recorder import Gateway
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.loading import EMBEDDED_MODEL, load_model, resolve_model
+from flywheel.inference.protocol import SamplerUnavailableError
 from flywheel.inference.registry import ModelRegistry
 from flywheel.inference.sampling import SamplingParams
 from flywheel.inference.vllm_engine import COMPLETIONS, GENERATE, VLLMEngine, VLLMPool, VLLMRefusedError
@@ -30,6 +32,8 @@ from flywheel.train.batch import trajectory_sequences
 from flywheel.train.config import TrainConfig
 from flywheel.train.trainer import Trainer
 from flywheel.types import sampled_tokens
+
+from helpers import refused_both_ways
 
 CALC = {
     "type": "function",
@@ -215,6 +219,69 @@ async def test_faults_of_the_vllm_server_are_a_502_naming_it_and_its_refusals_a_
     assert caught.value.status_code == status and words in caught.value.message
     if status == 502:
         assert setup.shim_url in caught.value.message
+
+
+@pytest.mark.parametrize(("fault", "status"), [({"status": 503}, 502), ({"status": 400}, 400)])
+async def test_a_streamed_call_that_fails_before_its_first_token_is_refused_as_an_unstreamed_one(
+    setup, faults, fault, status
+):
+    for name, value in fault.items():
+        setattr(faults, name, value)
+    plain, streamed = await refused_both_ways(setup.client, model="vllm", messages=QUESTION, max_tokens=8, seed=1)
+    assert plain.status_code == streamed.status_code == status and plain.body == streamed.body
+
+
+async def test_a_stopped_vllm_server_is_a_502_streamed_or_not(setup, faults):
+    shim = BackgroundServer(create_shim(setup.engine, "smol")).start()
+    url = shim.base_url.removesuffix("/v1")
+    setup.registry.add("vllm-gone", VLLMEngine(await VLLMPool([url], resolve_model(EMBEDDED_MODEL).path).start()))
+    shim.stop()  # nothing listens on its port now
+    plain, streamed = await refused_both_ways(setup.client, model="vllm-gone", messages=QUESTION, max_tokens=8)
+    assert plain.status_code == streamed.status_code == 502 and plain.body == streamed.body
+    assert streamed.code == "sampler_unavailable" and url in streamed.message
+
+
+async def test_a_stream_the_vllm_server_drops_after_its_first_token_ends_with_an_error_event(setup, faults):
+    faults.drop_after_chunks = 1  # one token sent, then the connection is cut
+    stream = await setup.client.chat.completions.create(
+        model="vllm", messages=QUESTION, max_tokens=8, seed=1, stream=True, logprobs=True
+    )  # the status line is sent once the first token is drawn: a 200, so the fault comes in the stream
+    tokens = 0
+    with pytest.raises(openai.APIError) as caught:
+        async for chunk in stream:
+            tokens += sum(len(c.logprobs.content) for c in chunk.choices if c.logprobs)
+    assert tokens == 1 and not isinstance(caught.value, openai.APIStatusError)
+    assert setup.shim_url in caught.value.message
+
+
+async def test_the_engine_refuses_a_top_p_below_1_saying_why(setup, faults):
+    kwargs = dict(messages=QUESTION, max_tokens=4, seed=1, top_p=0.9)
+    plain, streamed = await refused_both_ways(setup.client, model="vllm", **kwargs)
+    assert plain.status_code == streamed.status_code == 400 and plain.body == streamed.body
+    assert "top_p=0.9" in plain.message and "nucleus" in plain.message and "importance ratio" in plain.message
+    assert (await setup.client.chat.completions.create(model="local", **kwargs)).choices  # the embedded engine takes it
+
+
+async def test_the_shim_refuses_a_model_it_does_not_serve_as_vllm_does(setup, faults):
+    ids = setup.engine.tokenizer.encode("Hi", add_special_tokens=False)
+    requests = {
+        "/tokenize": {"model": "calc-7b", "prompt": "Hi"},
+        GENERATE: {"model": "calc-7b", "token_ids": ids, "sampling_params": {"max_tokens": 1}},
+        COMPLETIONS: {"model": "calc-7b", "prompt": ids, "max_tokens": 1},
+    }
+    async with httpx.AsyncClient(base_url=setup.shim_url) as http:
+        for path, body in requests.items():
+            refused = await http.post(path, json=body)
+            assert refused.status_code == 404 and refused.json() == {
+                "error": {"message": "The model `calc-7b` does not exist. Valid aliases: smol.",
+                          "type": "NotFoundError", "param": "model", "code": 404}
+            }, path  # fmt: skip
+            assert (await http.post(path, json=body | {"model": "smol"})).status_code == 200, path
+    # so an engine that sent another name than the one it was started with would fail: a 502 naming the answer
+    pool = await setup.new_pool().start()
+    pool.model = "calc-7b"
+    with pytest.raises(SamplerUnavailableError, match="HTTP 404: The model `calc-7b` does not exist"):
+        await VLLMEngine(pool).generate(ids, SamplingParams(max_tokens=1))
 
 
 async def test_a_vllm_server_that_does_not_answer_in_time_is_a_502(setup, faults):

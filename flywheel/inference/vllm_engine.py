@@ -14,6 +14,10 @@ and turned into ``TokenEvent``s; the text is decoded here, by the embedded engin
 default reports T=1's), one that does not serve the model. A guided request (``Guide``) sends its Lark grammar as
 vLLM's structured output (``--structured-outputs-config '{"backend": "guidance"}'``, llguidance as here).
 
+A request with a top-p below 1 is refused (a ``ValueError``, the API's 400): vLLM's processed log-probs are then the
+renormalised nucleus's (``vllm/v1/sample/ops/topk_topp_sampler.py``: the top-k/top-p mask, then ``log_softmax``),
+where the embedded engine records, and the trainer scores, the untruncated distribution's (``sampling.py``).
+
 Faults of a server (a 5xx, a timeout, a dropped stream, a refused connection) become ``SamplerUnavailableError``
 (the API's 502, naming the URL); a request vLLM refuses (4xx) stays the client's error (``VLLMRequestError``, 400).
 Requests are routed by a hash of their first 512 prompt ids (a group's attempts and an episode's turns share one
@@ -45,6 +49,12 @@ ROUTE_PREFIX = 512  # prompt ids hashed to pick a server
 BUSY_SLACK = 8  # requests in flight beyond the least busy server's before the hashed server is passed over
 PROBE_TEXT = 'Flywheel probe: 12 * 7 = 84; ünïcödé ✓ 漢字 <tool_call>{"name": "calc"}</tool_call>\n'
 PROBE_GAP = 1e-3  # nats: the least difference between the T=0.5 and T=1 log-probs of a processed server
+TOP_P_REFUSED = (
+    "top_p={top_p}: a model sampled on vLLM takes only top_p = 1. vLLM's processed log-probs at a top-p below 1 are "
+    "the nucleus's, renormalised (log p - log of the nucleus's mass), while the trainer scores the untruncated "
+    "softmax(logits / T), as the embedded engine records it: every importance ratio would be the nucleus's mass, "
+    "not the policies'. Leave top_p at 1 (the default), or sample on the embedded engine."
+)
 
 
 class VLLMRequestError(ValueError):
@@ -416,6 +426,8 @@ class VLLMEngine:
             raise EngineClosedError("The vLLM engine is closed: it accepts no new requests.")
         if not prompt:
             raise ValueError("The prompt is empty.")
+        if params.top_p < 1.0:
+            raise ValueError(TOP_P_REFUSED.format(top_p=params.top_p))
         self.check_fits(len(prompt), params.max_tokens)
         choices = [_Choice() for _ in range(params.n)]
         server = self.pool.pick(prompt)

@@ -47,7 +47,13 @@ from flywheel.gateway.splice import tokenizer_key
 from flywheel.gateway.traffic import SHADOW_IN_FLIGHT, Route, TrafficPolicy
 from flywheel.gateway.upstream import Relay, Upstream, without_logprobs
 from flywheel.inference.chat import parse_tool_calls, partial_tool_call, render_prompt
-from flywheel.inference.engine import Completion, ContextOverflowError, EngineClosedError, InferenceEngine
+from flywheel.inference.engine import (
+    Completion,
+    ContextOverflowError,
+    EngineClosedError,
+    InferenceEngine,
+    TokenEvent,
+)
 from flywheel.inference.guided import (
     GrammarError,
     Guide,
@@ -511,8 +517,11 @@ def create_app(
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             on_done = (lambda results: record(body(results))) if splice is not None else None
+            # the first token drawn before the status line is sent: a sampler that fails before it (a vLLM server
+            # down, a request it refuses, a closed engine) answers with the error's status, as without stream
+            tokens = await _primed(engine.stream(prompt, params))
             events = _stream(
-                engine, prompt, params, completion_id, created, req.model, bool(tools), forced, include_usage, req.logprobs,
+                engine, tokens, prompt, params, completion_id, created, req.model, bool(tools), forced, include_usage, req.logprobs,
                 on_done, screen if policy is not None else None,
             )  # fmt: skip
             return StreamingResponse(events, media_type="text/event-stream", background=_after(req, episode_id, route))
@@ -541,8 +550,22 @@ async def _screened(
     return full | {"choices": list(await asyncio.gather(*(one(c) for c in full["choices"])))}
 
 
+async def _primed(events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
+    """``events`` with its first event already drawn: an error before it is raised here, where the route can still
+    answer with the error's status; the events, the first included, then follow from the returned iterator."""
+    first = await anext(events)
+
+    async def chained() -> AsyncIterator[TokenEvent]:
+        yield first
+        async for event in events:
+            yield event
+
+    return chained()
+
+
 async def _stream(
     engine: InferenceEngine,
+    tokens: AsyncIterator[TokenEvent],
     prompt: list[int],
     params: SamplingParams,
     completion_id: str,
@@ -555,10 +578,12 @@ async def _stream(
     on_done: Callable[[list[Completion]], Awaitable[None]] | None = None,
     screen: Callable[[ChatCompletionMessage, str], Awaitable[tuple[ChatCompletionMessage, str]]] | None = None,
 ) -> AsyncIterator[str]:
-    """Server-sent events. With tools, text is held until the end because a tool call is only known then.
-    ``show_logprobs``: send the log-probs ``params`` computes; ``on_done``: given every choice once all ended
-    (the gateway records the call; its error is reported in-band); ``screen``: what a reply with tool calls
-    becomes before it is sent (a deployment's tool policy)."""
+    """Server-sent events of ``tokens`` (``engine``'s stream of ``prompt``, its first event drawn: ``_primed``).
+    With tools, text is held until the end because a tool call is only known then. ``show_logprobs``: send the
+    log-probs ``params`` computes; ``on_done``: given every choice once all ended (the gateway records the call);
+    ``screen``: what a reply with tool calls becomes before it is sent (a deployment's tool policy). An error once
+    the status line is sent (the sampler failing after the first token, ``on_done``'s) is one error event, and the
+    stream ends there (no ``[DONE]``; the openai SDK raises ``APIError`` with its message)."""
 
     def chunk(choices: list[ChunkChoice], usage: CompletionUsage | None = None) -> str:
         body = ChatCompletionChunk(
@@ -571,7 +596,7 @@ async def _stream(
     held: dict[int, Completion] = {i: Completion(i, "", [], [], [], "") for i in range(params.n)}
     completion_tokens = 0
     try:
-        async for ev in engine.stream(prompt, params):
+        async for ev in tokens:
             completion_tokens += len(ev.token_ids)
             c = held[ev.index]
             c.text += ev.text_delta

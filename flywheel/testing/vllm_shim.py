@@ -6,7 +6,9 @@ model's (at the sampling temperature, as vLLM's ``--logprobs-mode processed_logp
 It is also the fault injector (``ShimFaults``, changed by a test while the app serves): a status for every sampling
 request (a 5xx), a delay before answering (a timeout), a stream dropped after some chunks, T=1 log-probs (vLLM's
 default ``raw_logprobs``), a tokenizer that disagrees, no token-in route (vLLM without ``--enable-scale-out``).
-The contract test (tests/test_vllm_contract.py) checks the same behaviour against the real vLLM."""
+Like vLLM, it refuses a request for a model it does not serve (a 404 naming it), so a wrong name sent by the engine
+fails the tests. Its log-probs at a top-p below 1 are the embedded engine's (before the cut) where vLLM's are the
+renormalised nucleus's: ``VLLMEngine`` never sends one. The contract test (tests/test_vllm_contract.py) checks the same behaviour against the real vLLM."""
 
 from __future__ import annotations
 
@@ -77,15 +79,22 @@ class _Tokenize(BaseModel):
     add_special_tokens: bool = True
 
 
-def _error(status: int, message: str) -> JSONResponse:
+def _error(status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> JSONResponse:
     """vLLM's error shape."""
-    return JSONResponse({"error": {"message": message, "type": "BadRequestError", "code": status}}, status_code=status)
+    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
 
 
 def create_shim(engine: InferenceEngine, model: str, faults: ShimFaults | None = None) -> FastAPI:
     """The shim app over ``engine``, serving it as ``model``; ``app.state.faults`` is the ``ShimFaults`` it obeys."""
     app = FastAPI(title="Flywheel's vLLM stand-in")
     app.state.faults = faults = faults or ShimFaults()
+
+    def unserved(name: str | None) -> JSONResponse | None:
+        """vLLM's answer to a request for a model it does not serve (none named: its own)."""
+        if not name or name == model:
+            return None
+        return _error(404, f"The model `{name}` does not exist. Valid aliases: {model}.", "NotFoundError", "model")
 
     def params(sp: _Sampling) -> SamplingParams:
         guide = None
@@ -193,6 +202,8 @@ def create_shim(engine: InferenceEngine, model: str, faults: ShimFaults | None =
 
     @app.post("/tokenize")
     async def tokenize(body: _Tokenize):
+        if (refused := unserved(body.model)) is not None:
+            return refused
         ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         ids = [t + faults.tokenize_shift for t in ids]
         return {"count": len(ids), "max_model_len": engine.context_length, "tokens": ids}
@@ -201,10 +212,14 @@ def create_shim(engine: InferenceEngine, model: str, faults: ShimFaults | None =
     async def generate(body: _Generate):
         if not faults.generate_route:
             return _error(403, "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out.")
+        if (refused := unserved(body.model)) is not None:
+            return refused
         return await answer(body.token_ids, body.sampling_params, body.stream, generate_choice)
 
     @app.post("/v1/completions")
     async def completions(body: _Completions):
+        if (refused := unserved(body.model)) is not None:
+            return refused
         return await answer(body.prompt, body, body.stream, completion_choice)
 
     @app.exception_handler(ValueError)
