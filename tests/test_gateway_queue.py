@@ -271,7 +271,7 @@ async def test_the_servers_own_process_reads_the_queue_in_process_as_runners_see
     local = InProcessQueue(backend.gateway, root(backend))
     task_id = unique("in-process")
     spec = TaskSpec(task_id=task_id, payload={"question": QUESTION, "answer": "4"}, group_size=2, model=EMBEDDED_MODEL)
-    await local.enqueue(**spec.model_dump())
+    await local.submit(spec)
     with pytest.raises(QueueTimeoutError, match=rf"{task_id} \(2 queued of 2\).*claiming from {root(backend)}"):
         await local.wait_groups([task_id], max_wait=0.3, poll_interval=0.1)
     runner = Runner(root(backend), chat_agent, concurrency=2, lease_seconds=30, poll_interval=0.2)

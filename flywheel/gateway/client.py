@@ -176,16 +176,7 @@ class GroupQueue(ABC):
     where: str  # the server whose runners the tasks wait for: named when they time out
 
     @abstractmethod
-    async def enqueue(
-        self,
-        task_id: str,
-        payload: dict[str, Any],
-        *,
-        group_size: int,
-        split: str = "train",
-        model: str | None = None,
-        max_tries: int = 3,
-    ) -> Task:
+    async def submit(self, spec: TaskSpec) -> Task:
         """Queue a task (the same task again is accepted and changes nothing)."""
 
     @abstractmethod
@@ -202,7 +193,7 @@ class GroupQueue(ABC):
         """Enqueue ``tasks``, wait for runners to run them, and return their groups, in order (``wait_groups``)."""
         specs = list(tasks)
         for spec in specs:
-            await self.enqueue(**spec.model_dump())
+            await self.submit(spec)
         return await self.wait_groups(
             [spec.task_id for spec in specs], max_wait=max_wait, poll_interval=poll_interval, allow_failed=allow_failed
         )
@@ -263,8 +254,12 @@ class QueueClient(EpisodeClient, GroupQueue):
         max_tries: int = 3,
     ) -> Task:
         """Queue a task (the same task again is accepted and changes nothing)."""
-        body = {"task_id": task_id, "payload": payload, "group_size": group_size, "split": split, "model": model}
-        return Task.model_validate(await self._call("POST", "/tasks", json=body | {"max_tries": max_tries}))
+        spec = TaskSpec(task_id=task_id, payload=payload, group_size=group_size, split=split, model=model,
+                        max_tries=max_tries)  # fmt: skip
+        return await self.submit(spec)
+
+    async def submit(self, spec: TaskSpec) -> Task:
+        return Task.model_validate(await self._call("POST", "/tasks", json=spec.model_dump()))
 
     async def task(self, task_id: str) -> Task:
         return Task.model_validate(await self._call("GET", f"/tasks/{task_id}"))

@@ -183,18 +183,7 @@ class InProcessQueue(GroupQueue):
     def __init__(self, gateway: Gateway, root: str):
         self.gateway, self.where = gateway, root
 
-    async def enqueue(
-        self,
-        task_id: str,
-        payload: dict[str, Any],
-        *,
-        group_size: int,
-        split: str = "train",
-        model: str | None = None,
-        max_tries: int = 3,
-    ) -> Task:
-        spec = TaskSpec(task_id=task_id, payload=payload, group_size=group_size, split=split, model=model,
-                        max_tries=max_tries)  # fmt: skip
+    async def submit(self, spec: TaskSpec) -> Task:
         task, _ = await self.gateway.store.run(tasks.enqueue, **spec.model_dump())
         return Task.of(task)
 
