@@ -64,7 +64,8 @@ def trajectory(question: str, member: int, reward: float) -> Trajectory:
 
 
 def train_row(step: int) -> dict:
-    """A training step's row with the trainer's metric names; the KL of step 2 is NaN."""
+    """A training step's row with the trainer's metric names; the KL of step 2 is NaN, step 2 was skipped (no group
+    had reward variance), and one metric is no chart's."""
     return {
         "time": 1000.0 + 10 * step,
         "step": step,
@@ -74,7 +75,21 @@ def train_row(step: int) -> dict:
         "kl": float("nan") if step == 2 else 0.01 * step,
         "entropy": 2.0 - 0.1 * step,
         "clip_fraction": 0.0,
-        "skipped": 0.0,
+        "is_ratio_mean": 1.0,
+        "is_ratio_max": 1.5 + step,
+        "is_clipped_fraction": 0.01,
+        "sampler_logprob_gap": 0.004,
+        "rollout_seconds": 6.0,
+        "score_seconds": 1.0,
+        "train_seconds": 2.0,
+        "tokens_trained": 100 * step,
+        "groups_drawn": 4,
+        "groups_kept": 2,
+        "groups_dropped": 2,
+        "zero_variance_fraction": 0.5,
+        "my_metric": 7.0,
+        "skipped": 1.0 if step == 2 else 0.0,
+        **({"skip_reason": 1.0} if step == 2 else {}),
         "checkpoint": True,
     }
 
@@ -280,11 +295,32 @@ def test_the_page_in_chromium(browser, served: str):
     size(1280, 800)
     browser.get(f"{served}/ui/")
     click(NAME)  # the runs table links to the run
-    loss = wait.until(seen.visibility_of_element_located((By.CSS_SELECTOR, 'figure[data-metric="loss"] canvas')))
-    charts = {f.get_attribute("data-metric"): f for f in browser.find_elements(By.CSS_SELECTOR, "figure.chart")}
-    assert list(charts)[:6] == ["reward_mean", "val/reward", "loss", "kl", "entropy", "clip_fraction"]
-    assert charts["loss"].get_attribute("data-points") == str(STEPS)
-    assert charts["kl"].get_attribute("data-points") == str(STEPS - 1)  # its NaN is no point
+    loss = wait.until(seen.visibility_of_element_located((By.CSS_SELECTOR, 'figure[data-chart="loss"] canvas')))
+    sections = [s.get_attribute("data-section") for s in browser.find_elements(By.CSS_SELECTOR, "section.curves")]
+    assert sections == ["reward", "policy", "importance", "time", "sampling", "other"]  # no staleness metric: none
+    charts = {f.get_attribute("data-chart"): f for f in browser.find_elements(By.CSS_SELECTOR, "figure.chart")}
+
+    def points(chart: str) -> dict[str, int]:
+        legend = charts[chart].find_elements(By.CSS_SELECTOR, "li[data-series]")
+        return {li.get_attribute("data-series"): int(li.get_attribute("data-points")) for li in legend}
+
+    assert points("reward") == {"reward_mean": STEPS, "val/reward": STEPS}  # train and validation rows, one chart
+    assert points("is_ratio") == {"is_ratio_mean": STEPS, "is_ratio_max": STEPS}
+    assert points("seconds") == {"rollout_seconds": STEPS, "score_seconds": STEPS, "train_seconds": STEPS}
+    assert points("tokens_per_second") == {"tokens_per_second": STEPS}  # derived: tokens_trained / train_seconds
+    assert points("groups") == {"groups_drawn": STEPS, "groups_kept": STEPS, "groups_dropped": STEPS}
+    assert points("loss") == {"loss": STEPS} and points("kl") == {"kl": STEPS - 1}  # its NaN is no point
+    other = browser.find_element(By.CSS_SELECTOR, 'section[data-section="other"]')
+    assert [f.get_attribute("data-chart") for f in other.find_elements(By.CSS_SELECTOR, "figure")] == [
+        "my_metric",
+        "val/n",
+    ]
+    label = charts["reward"].get_attribute("aria-label")
+    assert "reward_mean 3 points" in label and "val/reward 3 points, last 0.5" in label
+    assert charts["reward"].get_attribute("data-skipped") == "2" and "skipped steps 2" in label  # the marker
+    assert "skipped: step 2" in charts["reward"].text
+    assert browser.find_element(By.ID, "skipped").text == "1"  # and the count in the facts
+    assert charts["loss"].get_attribute("data-skipped") is None
     assert loss.size["width"] > 200
     best = browser.find_element(By.CSS_SELECTOR, ".badge.best").find_element(By.XPATH, "./ancestor::tr")
     assert best.text.startswith("2 ") and f"{NAME}@production" in best.text

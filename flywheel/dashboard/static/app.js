@@ -16,7 +16,6 @@ const POLL_MS = 4000;
 const PAGE = 50; // the API's page size (flywheel/dashboard/common.py)
 const KEY = "flywheel-api-key"; // an admin key, when the server has keys (kept for this tab only)
 const REVIEWER = "flywheel-reviewer"; // who decides approvals in this browser (the audit events' actor)
-const FIRST = ["reward_mean", "val/reward", "loss", "kl", "entropy", "clip_fraction"]; // the curves shown first
 
 const view = document.getElementById("view");
 const live = document.getElementById("live");
@@ -123,36 +122,131 @@ async function runsView() {
   };
 }
 
-function metricNames(rows) {
-  const names = new Set();
-  for (const row of rows) for (const [k, v] of Object.entries(row.metrics)) if (v !== null || names.has(k)) names.add(k);
-  const first = FIRST.filter((k) => names.has(k));
-  return [...first, ...[...names].filter((k) => !first.includes(k)).sort()];
+// A run's curves, in sections as RL people read them. Each chart draws the series of its metrics that the rows
+// have (a chart, and a section, with none is left out); every metric no chart names gets its own under "Other".
+// A series ``{ name, of, label }`` is derived from a row's metrics (``of``) rather than read from them.
+const perSecond = (m) => (m.tokens_trained != null && m.train_seconds > 0 ? m.tokens_trained / m.train_seconds : null);
+const SECTIONS = [
+  { id: "reward", title: "Reward", charts: [
+    { id: "reward", title: "Reward (train mean, validation)", series: ["reward_mean", "val/reward", "drawn_reward_mean"], skipped: true },
+    { id: "reward_std", title: "Reward spread within a step", series: ["reward_std"] },
+  ] },
+  { id: "policy", title: "Policy", charts: [
+    { id: "loss", title: "Loss", series: ["loss"] },
+    { id: "kl", title: "KL to the reference", series: ["kl"] },
+    { id: "entropy", title: "Entropy", series: ["entropy"] },
+    { id: "clip_fraction", title: "Clip fraction", series: ["clip_fraction"] },
+    { id: "grad_norm", title: "Gradient norm", series: ["grad_norm"] },
+  ] },
+  { id: "importance", title: "Importance sampling: is the served policy the trained one?", charts: [
+    { id: "is_ratio", title: "Importance ratio", series: ["is_ratio_mean", "is_ratio_max", "off_policy_is_ratio_mean"] },
+    { id: "is_clipped", title: "Clipped share of tokens", series: ["is_clipped_fraction", "off_policy_is_clipped_fraction"] },
+    { id: "logprob_gap", title: "Sampler/trainer log-prob gap", series: ["sampler_logprob_gap"] },
+  ] },
+  { id: "time", title: "Step time and throughput", charts: [
+    { id: "seconds", title: "Seconds per step: sampling, scoring, training", series: ["rollout_seconds", "score_seconds", "train_seconds"] },
+    { id: "tokens_per_second", title: "Tokens trained per second", series: [{ name: "tokens_per_second", of: perSecond, label: "tokens_trained / train_seconds" }] },
+    { id: "tokens", title: "Tokens trained", series: ["tokens_trained", "tokens_without_sampler_logprobs"] },
+  ] },
+  { id: "sampling", title: "Dynamic sampling", charts: [
+    { id: "groups", title: "Groups drawn, kept, dropped", series: ["groups_drawn", "groups_kept", "groups_dropped", "groups"] },
+    { id: "zero_variance", title: "Zero-variance share", series: ["zero_variance_fraction"] },
+  ] },
+  { id: "staleness", title: "Staleness (off-policy members)", charts: [
+    { id: "staleness", title: "Staleness", series: ["staleness", "off_policy_members"] },
+    { id: "off_policy_tokens", title: "Off-policy tokens", series: ["off_policy_tokens"] },
+  ] },
+];
+const SKIPPED = "skipped";
+const SKIP_REASONS = { 1: "no group had reward variance", 2: "no optimizer step (a non-finite gradient)" };
+const CONSUMED = new Set([SKIPPED, "skip_reason"]); // shown as the reward chart's markers and a count in the facts
+
+// The steps of ``rows`` and one value per step of each series (the last row's of that step: train and validation
+// rows of a step are one point on the x axis); a metric a step's rows lack is ``undefined`` (spanned over), a NaN
+// is null (a gap). ``points``: the finite values of each series.
+function seriesOf(chart, rows) {
+  const steps = [...new Set(rows.map((r) => r.step))].sort((a, b) => a - b);
+  const at = new Map(steps.map((s, i) => [s, i]));
+  const out = [];
+  for (const spec of chart.series) {
+    const { name, of, label } = typeof spec === "string" ? { name: spec, of: null, label: spec } : spec;
+    const ys = new Array(steps.length).fill(undefined);
+    let seen = false;
+    for (const r of rows) {
+      const v = of ? of(r.metrics) : r.metrics[name];
+      if (v === undefined || (of && v === null)) continue;
+      ys[at.get(r.step)] = v;
+      seen = true;
+    }
+    if (seen) out.push({ name, label, ys, points: ys.filter((y) => y !== null && y !== undefined).length });
+  }
+  return { steps, series: out };
 }
 
-function chartOf(name, rows) {
-  const points = rows.filter((r) => name in r.metrics);
-  const xs = points.map((r) => r.step);
-  const ys = points.map((r) => r.metrics[name]);
-  const finite = ys.filter((y) => y !== null).length;
-  const last = ys.filter((y) => y !== null).at(-1);
+function skippedSteps(rows) {
+  return rows.filter((r) => r.metrics[SKIPPED] === 1).map((r) => ({ step: r.step, reason: SKIP_REASONS[r.metrics.skip_reason] ?? null }));
+}
+
+function chartFigure(chart, rows, skipped) {
+  const { steps, series } = seriesOf(chart, rows);
+  if (!series.length) return null;
+  const marks = chart.skipped ? skipped : [];
+  const last = (s) => s.ys.filter((y) => y !== null && y !== undefined).at(-1);
+  const said = series.map((s) => `${s.label} ${s.points} points, last ${num(last(s), 4)}`);
+  if (marks.length) said.push(`skipped steps ${marks.map((m) => m.step).join(", ")}`);
   const box = h(
     "figure",
-    { class: "chart", "data-metric": name, "data-points": finite, role: "img", "aria-label": `${name}: ${finite} points, last ${num(last, 4)}` },
-    h("h3", {}, name, " ", h("span", { class: "last" }, num(last, 4))),
+    { class: "chart", tabindex: "0", "data-chart": chart.id, "data-skipped": marks.map((m) => m.step).join(",") || null, role: "img", "aria-label": `${chart.title}: ${said.join("; ")}` },
+    h("h3", {}, chart.title),
+    h(
+      "ul",
+      { class: "legend", "aria-hidden": "true" },
+      series.map((s, i) => h("li", { "data-series": s.name, "data-points": s.points }, h("span", { class: `swatch s${i}` }), `${s.label} `, h("span", { class: "last" }, num(last(s), 4)))),
+      marks.length ? h("li", { class: "skipped-mark", title: marks.map((m) => `step ${m.step}${m.reason ? `: ${m.reason}` : ""}`).join("; ") }, h("span", { class: "swatch skip" }), `skipped: step ${marks.map((m) => m.step).join(", ")}`) : null,
+    ),
   );
-  charts.push({ box, xs, ys, name });
+  charts.push({ box, steps, series, marks: marks.map((m) => m.step) });
   return box;
+}
+
+function curves(rows) {
+  const skipped = skippedSteps(rows);
+  const named = new Set(SECTIONS.flatMap((s) => s.charts.flatMap((c) => c.series.map((x) => (typeof x === "string" ? x : null)))));
+  const other = new Set();
+  for (const row of rows) for (const k of Object.keys(row.metrics)) if (!named.has(k) && !CONSUMED.has(k)) other.add(k);
+  const sections = [...SECTIONS, { id: "other", title: "Other", charts: [...other].sort().map((k) => ({ id: k, title: k, series: [k] })) }];
+  return sections.map((section) => {
+    const figures = section.charts.map((c) => chartFigure(c, rows, skipped)).filter(Boolean);
+    return figures.length
+      ? h("section", { class: "curves", "data-section": section.id, "aria-labelledby": `curves-${section.id}` }, h("h3", { id: `curves-${section.id}`, class: "section" }, section.title), h("div", { class: "charts" }, figures))
+      : null;
+  });
 }
 
 function drawCharts() {
   const style = getComputedStyle(document.documentElement);
-  const fg = style.getPropertyValue("--muted").trim();
-  const grid = style.getPropertyValue("--line").trim();
-  const stroke = style.getPropertyValue("--accent").trim();
+  const color = (name) => style.getPropertyValue(name).trim();
+  const fg = color("--muted");
+  const grid = color("--line");
+  const skip = color("--bad");
   for (const c of charts) {
     const width = Math.max(240, c.box.clientWidth - 16);
     const axis = { stroke: fg, grid: { stroke: grid, width: 1 }, ticks: { stroke: grid, width: 1 } };
+    const marks = (u) => {
+      const ctx = u.ctx;
+      ctx.save();
+      ctx.strokeStyle = skip;
+      ctx.setLineDash([4, 4]);
+      ctx.lineWidth = 1.5 * devicePixelRatio;
+      for (const step of c.marks) {
+        const x = Math.round(u.valToPos(step, "x", true));
+        ctx.beginPath();
+        ctx.moveTo(x, u.bbox.top);
+        ctx.lineTo(x, u.bbox.top + u.bbox.height);
+        ctx.stroke();
+      }
+      ctx.restore();
+    };
     new uPlot(
       {
         width,
@@ -161,9 +255,13 @@ function drawCharts() {
         cursor: { drag: { x: false, y: false } },
         scales: { x: { time: false } },
         axes: [{ ...axis, label: "step", labelSize: 18 }, { ...axis, size: 56 }],
-        series: [{}, { label: c.name, stroke, width: 2, spanGaps: false, points: { show: true, size: 5, fill: stroke } }],
+        series: [{}, ...c.series.map((s, i) => {
+          const stroke = color(`--s${i}`);
+          return { label: s.label, stroke, width: 2, spanGaps: false, points: { show: true, size: 5, fill: stroke } };
+        })],
+        hooks: c.marks.length ? { draw: [marks] } : {},
       },
-      [c.xs, c.ys],
+      [c.steps, ...c.series.map((s) => s.ys)],
       c.box,
     );
   }
@@ -178,6 +276,7 @@ async function runView(project, name, params) {
   ]);
   const r = history.run;
   const rows = history.rows;
+  const skipped = skippedSteps(rows);
   return {
     data: { history, checkpoints },
     draw: () => [
@@ -191,10 +290,11 @@ async function runView(project, name, params) {
         h("li", {}, "best validation ", h("strong", {}, r.best_val_reward === null ? "–" : `${num(r.best_val_reward)} at step ${r.best_val_step}`)),
         h("li", {}, "wall time ", h("strong", {}, duration(r.wall_seconds))),
         h("li", {}, "rows ", h("strong", {}, r.rows)),
+        h("li", { title: skipped.map((m) => `step ${m.step}${m.reason ? `: ${m.reason}` : ""}`).join("; ") || null }, "skipped steps ", h("strong", { id: "skipped" }, skipped.length)),
         h("li", {}, h("a", { href: `#/run/${runPath(project, name)}/rollouts${query}` }, "Rollouts →")),
       ),
       h("h2", {}, "Curves"),
-      rows.length ? h("div", { class: "charts" }, metricNames(rows).map((m) => chartOf(m, rows))) : h("p", { class: "muted" }, "No rows yet."),
+      rows.length ? curves(rows) : h("p", { class: "muted" }, "No rows yet."),
       h("h2", {}, "Checkpoints"),
       checkpoints.directory === null
         ? h("p", { class: "muted" }, "This run's directory is not under this dashboard's home: its checkpoints are elsewhere.")
