@@ -52,8 +52,8 @@ PROBE_GAP = 1e-3  # nats: the least difference between the T=0.5 and T=1 log-pro
 TOP_P_REFUSED = (
     "top_p={top_p}: a model sampled on vLLM takes only top_p = 1. vLLM's processed log-probs at a top-p below 1 are "
     "the nucleus's, renormalised (log p - log of the nucleus's mass), while the trainer scores the untruncated "
-    "softmax(logits / T), as the embedded engine records it: every importance ratio would be the nucleus's mass, "
-    "not the policies'. Leave top_p at 1 (the default), or sample on the embedded engine."
+    "softmax(logits / T), as the embedded engine records it: every importance ratio would be off by the factor of "
+    "the nucleus's mass. Leave top_p at 1 (the default), or sample on the embedded engine."
 )
 
 
