@@ -17,6 +17,8 @@ import pytest
 import torch
 import uvicorn
 from fastapi.testclient import TestClient
+from openai.types.chat.chat_completion import Choice, ChoiceLogprobs
+from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob
 
 from flywheel.checkpoints.layout import model_path
 from flywheel.checkpoints.run import RunStore
@@ -38,14 +40,27 @@ STEPS = 3
 QUESTIONS = ["What is 2+3?", "What is 7*6?"]
 REWARDS = [0.2, 0.9, 0.5]  # a group's members in the order saved: ranked, the second comes first
 VAL_REWARDS = [0.3, 0.7, 0.5]  # step 2 is the best checkpoint
+LOGPROBS = [-0.01, -0.3, -1.2, -4.0]  # the answer's tokens: sure, fairly sure, unsure, a guess
 SYSTEM = {"role": "system", "content": "You answer with the calculator's result."}
 ADMIN, AGENT = "admin-key-0123456789", "agent-key-0123456789"
 DOCS_IMAGE = Path(__file__).parent.parent / "docs" / "images" / "dashboard-run.png"
 
 
+def answer(member: int) -> Choice:
+    """The sampled answer with the per-token log-probs the server returns when asked (``logprobs: true``)."""
+    choice = sampled(None, [1, 2, 3, 4, 5], list(range(6, 6 + len(LOGPROBS))))
+    texts = ["The", " answer", " is", f" {member}."]
+    choice.message.content = "".join(texts)
+    choice.logprobs = ChoiceLogprobs(
+        content=[ChatCompletionTokenLogprob(token=t, logprob=lp, top_logprobs=[]) for t, lp in zip(texts, LOGPROBS)]
+    )
+    return choice
+
+
 def trajectory(question: str, member: int, reward: float) -> Trajectory:
-    """A tool agent's episode as run_agent records it: a sampled tool call, its result, the sampled answer; a
-    grader's score and RULER's line about it as flywheel.graders.scoring and flywheel.rewards.ruler record them."""
+    """A tool agent's episode as run_agent records it: a sampled tool call (no log-probs asked), its result, a reply
+    the agent edited (given as text: retokenized), the sampled answer with its log-probs; a grader's score and
+    RULER's line about it as flywheel.graders.scoring and flywheel.rewards.ruler record them."""
     call = sampled(None, [1, 2], [3, 4], call=f"call-{member}")
     set_intermediate_reward(call, 0.25)
     return Trajectory(
@@ -54,7 +69,9 @@ def trajectory(question: str, member: int, reward: float) -> Trajectory:
             {"role": "user", "content": question},
             call,
             {"role": "tool", "tool_call_id": f"call-{member}", "content": "5"},
-            sampled(f"The answer is {member}.", [1, 2, 3, 4, 5], [6]),
+            {"role": "assistant", "content": "The calculator says 5."},
+            {"role": "user", "content": "And the answer?"},
+            answer(member),
         ],
         tools=[{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}],
         reward=reward,
@@ -214,6 +231,11 @@ def test_rollouts_paged_groups_ranked_and_one_trajectory(client: TestClient):
     assert (result["role"], result["tool_call_id"], result["content"]) == ("tool", "call-1", "5")
     assert one["graders"] == {"grader/exact/reward": 0.9, "ruler_score": 0.9}
     assert one["judge"] == ["RULER (judge) score 0.900: answer 1 explained"] and one["tools"] == ["calc"]
+    edited, last = one["messages"][4], one["messages"][6]
+    assert call["tokens"] is None and not call["retokenized"]  # sampled without log-probs: none to show
+    assert edited["retokenized"] and not edited["sampled"] and edited["tokens"] is None
+    assert [(t["text"], t["logprob"]) for t in last["tokens"]] == list(zip(["The", " answer", " is", " 1."], LOGPROBS))
+    assert not any(m["retokenized"] for m in one["messages"] if m["role"] != "assistant")
 
 
 @pytest.mark.parametrize(
@@ -348,6 +370,21 @@ def test_the_page_in_chromium(browser, served: str):
     assert call.text == '→ calc({"e": "2+3"})'
     assert browser.find_element(By.ID, "reward").text == "0.9"
     assert "result of call-1" in browser.find_element(By.CSS_SELECTOR, ".msg.tool").text
+    badges = browser.find_elements(By.CSS_SELECTOR, ".badge.retokenized")
+    assert len(badges) == 1 and badges[0].find_element(By.XPATH, "./ancestor::article").text.endswith("says 5.")
+    assert browser.find_element(By.ID, "retokenized").text == "1"
+    assert not browser.find_elements(By.CSS_SELECTOR, ".tok")  # uncoloured until asked
+    browser.find_element(By.ID, "by-logprob").click()  # the toggle colours the sampled tokens
+    spans = wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, ".msg pre.tokens .tok"))
+    assert [float(t.get_attribute("data-logprob")) for t in spans] == LOGPROBS
+    assert [t.get_attribute("class") for t in spans] == ["tok lp0", "tok lp1", "tok lp2", "tok lp4"]
+    assert (
+        spans[2].get_attribute("title") == '" is": log-prob -1.2, p 0.301'
+        and spans[3].get_attribute("textContent") == " 1."
+    )
+    assert len(browser.find_elements(By.CSS_SELECTOR, ".tokens-legend li")) == 5
+    unsaved = browser.find_elements(By.CSS_SELECTOR, ".no-logprobs")  # the tool call asked for none: said, not faked
+    assert len(unsaved) == 1 and unsaved[0].find_element(By.XPATH, "./ancestor::article").text.count("→ calc") == 1
     browser.save_screenshot(str(shots / "trajectory-1280.png"))
     size(390, 844)
     browser.save_screenshot(str(shots / "trajectory-phone.png"))

@@ -1,5 +1,6 @@
 """The dashboard's HTTP API, under ``/ui/api``: runs, a run's history rows and checkpoints, its rollouts by step and
-split (paged), a step's groups ranked by reward, one trajectory as a chat. Read-only, over the store (runs' history
+split (paged), a step's groups ranked by reward, one trajectory as a chat (its sampled turns' tokens with their
+log-probs where it saved them, its retokenized turns marked). Read-only, over the store (runs' history
 rows and trajectories: ``flywheel.store.history``; deployments and gate decisions) and the model directories under a
 home (``flywheel.checkpoints.layout``). A checkpoint says where it is deployed and what the gate decided on it, in the
 loop API's shapes (``loop_api.py``, which serves the rest of the loop under ``/ui/api/loop``).
@@ -141,6 +142,11 @@ class ToolCallOut(BaseModel):
     arguments: str
 
 
+class TokenOut(BaseModel):
+    text: str
+    logprob: Number  # the sampler's log-probability of the token it drew
+
+
 class MessageOut(BaseModel):
     role: str
     content: str | None
@@ -148,6 +154,13 @@ class MessageOut(BaseModel):
     tool_call_id: str | None
     sampled: bool  # the model sampled it (a trained turn), rather than a message given to it
     reward: Number  # a sampled turn's intermediate reward, if it has one
+    # a sampled turn's tokens with their log-probs, as the sampler returned them; None when it saved none (the
+    # request did not ask for log-probs, or the turn is not sampled)
+    tokens: list[TokenOut] | None
+    # an assistant turn given as text rather than as the tokens sampled: trained on as context, tokenized again
+    # from its text (what the gateway counts as ``retokenized_turns``: a reply the agent edited, or one a lost call
+    # never recorded)
+    retokenized: bool
 
 
 class TrajectoryOut(BaseModel):
@@ -485,14 +498,22 @@ def _message_out(item: Any) -> MessageOut:
         )
         for call in message.get("tool_calls") or []
     ]
+    role = str(message.get("role", ""))
     return MessageOut(
-        role=str(message.get("role", "")),
+        role=role,
         content=_text(message.get("content")),
         tool_calls=calls,
         tool_call_id=message.get("tool_call_id"),
         sampled=sampled,
         reward=finite(intermediate_reward(item)) if sampled else None,
+        tokens=_tokens(item) if sampled else None,
+        retokenized=role == "assistant" and not sampled,
     )
+
+
+def _tokens(choice: Choice) -> list[TokenOut] | None:
+    content = choice.logprobs.content if choice.logprobs else None
+    return [TokenOut(text=t.token, logprob=finite(t.logprob)) for t in content] if content else None
 
 
 def _trajectory_out(

@@ -16,11 +16,13 @@ const POLL_MS = 4000;
 const PAGE = 50; // the API's page size (flywheel/dashboard/common.py)
 const KEY = "flywheel-api-key"; // an admin key, when the server has keys (kept for this tab only)
 const REVIEWER = "flywheel-reviewer"; // who decides approvals in this browser (the audit events' actor)
+const BY_LOGPROB = "flywheel-by-logprob"; // a trajectory's tokens coloured by their log-probs (kept for this tab)
 
 const view = document.getElementById("view");
 const live = document.getElementById("live");
 let shown = ""; // the data of the view on screen (JSON), to redraw only on a change
 let charts = [];
+let byLogprob = sessionStorage.getItem(BY_LOGPROB) === "1";
 
 // ---- helpers -----------------------------------------------------------------------------------------------------
 
@@ -378,7 +380,39 @@ async function groupsView(project, name, params) {
   };
 }
 
-function chat(t) {
+// Tokens coloured by the probability the sampler drew them with: from sure (uncoloured) to a guess.
+const CONFIDENCE = [
+  [0.9, "p ≥ 0.9"],
+  [0.5, "0.5 ≤ p < 0.9"],
+  [0.2, "0.2 ≤ p < 0.5"],
+  [0.05, "0.05 ≤ p < 0.2"],
+  [0, "p < 0.05"],
+];
+const RETOKENIZED = "Given as text, not as the tokens sampled: trained on as context, tokenized again from its text (an edited reply, or one whose call was never recorded)";
+
+function confidence(logprob) {
+  const p = Math.exp(logprob);
+  return CONFIDENCE.findIndex(([low]) => p >= low);
+}
+
+function tokens(m) {
+  return h(
+    "pre",
+    { class: "tokens" },
+    m.tokens.map((t) =>
+      t.logprob === null
+        ? h("span", { class: "tok", title: "no log-prob (not finite)" }, t.text)
+        : h("span", { class: `tok lp${confidence(t.logprob)}`, "data-logprob": t.logprob, title: `${JSON.stringify(t.text)}: log-prob ${num(t.logprob, 4)}, p ${num(Math.exp(t.logprob), 3)}` }, t.text),
+    ),
+  );
+}
+
+function confidenceLegend() {
+  return h("ul", { class: "legend tokens-legend", "aria-label": "Token colours: the probability the sampler drew each token with" }, CONFIDENCE.map(([, label], i) => h("li", {}, h("span", { class: `tok lp${i}` }, label))));
+}
+
+// A trajectory's messages as a chat; ``colour``: its sampled turns' tokens coloured by their log-probs.
+function chat(t, colour = false) {
   return h(
     "div",
     { class: "chat" },
@@ -386,12 +420,30 @@ function chat(t) {
       h(
         "article",
         { class: `msg ${m.role}` },
-        h("div", { class: "role" }, m.role, m.sampled ? " · sampled" : "", m.reward !== null ? ` · turn reward ${num(m.reward)}` : "", m.tool_call_id ? ` · result of ${m.tool_call_id}` : ""),
-        m.content ? h("pre", {}, m.content) : null,
+        h("div", { class: "role" }, m.role, m.sampled ? " · sampled" : "", m.reward !== null ? ` · turn reward ${num(m.reward)}` : "", m.tool_call_id ? ` · result of ${m.tool_call_id}` : "", m.retokenized ? [" ", h("span", { class: "badge retokenized", title: RETOKENIZED }, "retokenized")] : null),
+        colour && m.tokens ? tokens(m) : m.content ? h("pre", {}, m.content) : null,
+        colour && m.sampled && !m.tokens ? h("p", { class: "muted no-logprobs" }, "No per-token log-probs were saved for this turn (its request did not ask for them).") : null,
         m.tool_calls.map((c) => h("div", { class: "call", "data-tool": c.name }, `→ ${c.name}(${c.arguments})`)),
       ),
     ),
   );
+}
+
+function colourToggle(t) {
+  if (!t.messages.some((m) => m.sampled)) return null;
+  if (!t.messages.some((m) => m.tokens)) return h("p", { class: "muted", id: "no-logprobs" }, "No sampled turn of this trajectory saved per-token log-probs (its requests did not ask for logprobs), so there are none to colour.");
+  return [
+    h(
+      "p",
+      {},
+      h("label", {}, h("input", { type: "checkbox", id: "by-logprob", checked: byLogprob, onchange: (event) => {
+        byLogprob = event.target.checked;
+        sessionStorage.setItem(BY_LOGPROB, byLogprob ? "1" : "");
+        refresh(true, false);
+      } }), " Colour sampled tokens by their log-prob (hover a token for its value)"),
+    ),
+    byLogprob ? confidenceLegend() : null,
+  ];
 }
 
 function scores(t) {
@@ -425,6 +477,7 @@ async function groupView(project, name, params) {
 
 async function trajectoryView(id) {
   const t = await api(`/trajectories/${enc(id)}`);
+  const retokenized = t.messages.filter((m) => m.retokenized).length;
   const runLink = `#/run/${runPath(t.project, t.name)}?run=${enc(t.run)}`;
   return {
     data: t,
@@ -439,10 +492,12 @@ async function trajectoryView(id) {
         h("li", {}, "step ", h("strong", {}, t.step)),
         t.branch ? h("li", {}, "abandoned branch ", h("strong", {}, t.branch)) : null,
         t.tools.length ? h("li", {}, "tools ", h("strong", {}, t.tools.join(", "))) : null,
+        retokenized ? h("li", { title: RETOKENIZED }, "retokenized turns ", h("strong", { id: "retokenized" }, retokenized)) : null,
       ),
       scores(t),
       h("h2", {}, "Chat"),
-      chat(t),
+      colourToggle(t),
+      chat(t, byLogprob),
       Object.keys(t.metrics).length
         ? [h("h2", {}, "Metrics"), table("", ["Metric", "Value"], Object.entries(t.metrics).map(([k, v]) => h("tr", {}, h("td", {}, k), h("td", {}, num(v, 4)))))]
         : null,
