@@ -36,6 +36,7 @@ from flywheel.types import Trajectory, set_intermediate_reward
 from helpers import emulate, sampled
 
 PROJECT, NAME = "dash", "calc-agent"
+BASE = "Qwen/Qwen3-0.6B"
 STEPS = 3
 QUESTIONS = ["What is 2+3?", "What is 7*6?"]
 REWARDS = [0.2, 0.9, 0.5]  # a group's members in the order saved: ranked, the second comes first
@@ -119,7 +120,8 @@ def write_run(home: Path) -> RunStore:
         groups = [trajectory(q, j, r) for q in QUESTIONS for j, r in enumerate(REWARDS)]
         run.save_trajectories("train", step, groups)
         state = CheckpointState(step=step, trained_weights=TrainedWeights(), rows=[train_row(step)])
-        run.write(Checkpoint(state=state, weights={"w": torch.zeros(2)}))
+        adapter = {"peft_type": "LORA", "base_model_name_or_path": BASE}  # as the trainer writes a LoRA checkpoint's
+        run.write(Checkpoint(state=state, weights={"w": torch.zeros(2)}, adapter_config=adapter))
         run.save_trajectories("val", step, [trajectory(QUESTIONS[0], 0, VAL_REWARDS[step - 1])])
         reward = VAL_REWARDS[step - 1]
         run.append([{"time": 1005.0 + 10 * step, "step": step, "split": "val", "val/reward": reward, "val/n": 1}])
@@ -160,7 +162,10 @@ def test_runs_their_status_and_best_validation(client: TestClient, home: Path):
     assert ours["status"] == "stopped" and ours["last_step"] == STEPS and ours["rows"] == 2 * STEPS
     assert (ours["best_val_reward"], ours["best_val_step"]) == (0.7, 2)
     assert ours["wall_seconds"] == (1005.0 + 10 * STEPS) - 1010.0
+    assert ours["base_model"] == BASE  # from its latest checkpoint's adapter config
+    assert (ours["tokens_trained"], ours["step_seconds"]) == (100 * (1 + 2 + 3), STEPS * (6.0 + 1.0 + 2.0))
     assert runs[0]["status"] == "elsewhere" and runs[0]["best_val_reward"] is None
+    assert (runs[0]["base_model"], runs[0]["tokens_trained"], runs[0]["step_seconds"]) == (None, None, None)
     held = RunStore(model_path(home, PROJECT, NAME))
     held.lock()  # a backend has the model registered
     try:
@@ -316,6 +321,13 @@ def test_the_page_in_chromium(browser, served: str):
 
     size(1280, 800)
     browser.get(f"{served}/ui/")
+    ours = wait.until(seen.visibility_of_element_located((By.XPATH, f"//tr[td/a[text()='{NAME}']]")))
+    assert ours.find_element(By.CSS_SELECTOR, ".base-model").text == BASE
+    assert ours.find_element(By.CSS_SELECTOR, ".cost").text == "600 tokens trained · 27s in steps"
+    far = browser.find_element(By.XPATH, "//tr[td/a[text()='far-away']]")
+    unknown = "\N{EN DASH}"  # what the page shows for what the store does not know
+    assert [far.find_element(By.CSS_SELECTOR, c).text for c in (".base-model", ".cost")] == [unknown, unknown]
+    browser.save_screenshot(str(shots / "runs-1280.png"))
     click(NAME)  # the runs table links to the run
     loss = wait.until(seen.visibility_of_element_located((By.CSS_SELECTOR, 'figure[data-chart="loss"] canvas')))
     sections = [s.get_attribute("data-section") for s in browser.find_elements(By.CSS_SELECTOR, "section.curves")]

@@ -36,6 +36,8 @@ from flywheel.store.history import RunKey, RunSummary
 from flywheel.types import Trajectory, choice_to_message, intermediate_reward
 
 VALIDATION = "val"  # the split of validation rows (``backend.log(..., split="val")``)
+TRAINING = ("train", "sft")  # the splits of training steps' rows (LocalBackend's RL and SFT steps)
+STEP_SECONDS = ("rollout_seconds", "score_seconds", "train_seconds")  # what a step's time is spent on
 VALIDATION_REWARD = "val/reward"  # their mean reward: what "best" means for a checkpoint
 PREVIEW = 200  # characters of an answer shown in a list
 JUDGE = "RULER ("  # how a trajectory's log line from RULER starts (flywheel.rewards.ruler): the judge's explanation
@@ -61,12 +63,17 @@ class UnknownTrajectoryError(LookupError):
 class RunOut(BaseModel):
     """A run in the runs table. ``status``: training (a backend on this machine has the model registered: its
     directory's lock is held), stopped, or elsewhere (its directory is not under this home: trained on another
-    machine, or deleted). ``wall_seconds``: from its first row's time to its last's."""
+    machine, or deleted). ``wall_seconds``: from its first row's time to its last's. What it cost, as far as its
+    rows say (no prices): ``tokens_trained`` and ``step_seconds`` (sampling, scoring and training) summed over its
+    training rows (``train`` and ``sft``), None when no row has them."""
 
     project: str
     name: str
     run: str
     status: Status
+    base_model: str | None  # from its latest checkpoint's adapter config (LoRA); None without one under this home
+    tokens_trained: int | None
+    step_seconds: Number
     last_step: int
     best_val_reward: Number
     best_val_step: int | None
@@ -200,7 +207,8 @@ def dashboard_router(store: Store, home: Path) -> APIRouter:
         with store.session() as s:
             summaries = history.runs(s)
             best = _best_validation(history.split_rows(s, VALIDATION))
-        return [_run_out(home, summary, best.get(summary.key)) for summary in summaries]
+            costs = _costs([pair for split in TRAINING for pair in history.split_rows(s, split)])
+        return [_run_out(home, summary, best.get(summary.key), costs.get(summary.key)) for summary in summaries]
 
     @router.get("/runs/{project}/{name}/history")
     def run_history(project: str, name: str, run: Run = None) -> HistoryOut:
@@ -208,7 +216,8 @@ def dashboard_router(store: Store, home: Path) -> APIRouter:
             summary = _summary(s, home, project, name, run)
             rows = history.rows(s, summary.key)
         best = _best_validation([(summary.key, r) for r in rows if r.get("split") == VALIDATION])
-        return HistoryOut(run=_run_out(home, summary, best.get(summary.key)), rows=[_row_out(r) for r in rows])
+        cost = _costs([(summary.key, r) for r in rows if r.get("split") in TRAINING]).get(summary.key)
+        return HistoryOut(run=_run_out(home, summary, best.get(summary.key), cost), rows=[_row_out(r) for r in rows])
 
     @router.get("/runs/{project}/{name}/checkpoints")
     def run_checkpoints(project: str, name: str, run: Run = None) -> CheckpointsOut:
@@ -370,13 +379,47 @@ def _best_validation(rows: list[tuple[RunKey, dict[str, Any]]]) -> dict[RunKey, 
     return best
 
 
-def _run_out(home: Path, summary: RunSummary, best: tuple[float, int] | None) -> RunOut:
+def _costs(rows: list[tuple[RunKey, dict[str, Any]]]) -> dict[RunKey, tuple[int | None, float | None]]:
+    """Each run's tokens trained and step seconds summed over ``rows`` (None: no row has them; NaN rows skipped)."""
+    sums: dict[RunKey, tuple[int | None, float | None]] = {}
+    for key, row in rows:
+        tokens, seconds = sums.get(key, (None, None))
+        if (n := finite(row.get("tokens_trained"))) is not None:
+            tokens = (tokens or 0) + int(n)
+        for name in STEP_SECONDS:
+            if (t := finite(row.get(name))) is not None:
+                seconds = (seconds or 0.0) + t
+        sums[key] = (tokens, seconds)
+    return sums
+
+
+def _base_model(home: Path, key: RunKey) -> str | None:
+    """The base model named in the run's latest checkpoint's adapter config (a LoRA checkpoint's, as the trainer
+    writes it), if its directory is under this home and has one."""
+    directory = layout.model_path(home, key.project, key.model)
+    if _directory_run(directory) != key.run or (step := layout.latest(directory)) is None:
+        return None
+    try:
+        config = json.loads((layout.checkpoint_dir(directory, step) / layout.ADAPTER_CONFIG).read_text())
+    except (OSError, ValueError):  # full fine-tuning writes none; an unreadable one names nothing
+        return None
+    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    return base if isinstance(base, str) else None
+
+
+def _run_out(
+    home: Path, summary: RunSummary, best: tuple[float, int] | None, cost: tuple[int | None, float | None] | None
+) -> RunOut:
     first, last = summary.first_time, summary.last_time
+    tokens, seconds = cost or (None, None)
     return RunOut(
         project=summary.key.project,
         name=summary.key.model,
         run=summary.key.run,
         status=_status(home, summary.key),
+        base_model=_base_model(home, summary.key),
+        tokens_trained=tokens,
+        step_seconds=seconds,
         last_step=summary.last_step,
         best_val_reward=best[0] if best else None,
         best_val_step=best[1] if best else None,

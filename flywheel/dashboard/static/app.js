@@ -93,6 +93,19 @@ async function api(path, body) {
 
 // ---- views -------------------------------------------------------------------------------------------------------
 
+const COST = "What the run's training rows say it cost (no prices): tokens trained, and seconds its steps spent sampling, scoring and training";
+
+function tokenCount(n) {
+  return n < 1000 ? String(n) : n < 1e6 ? `${num(n / 1000, 1)}k` : `${num(n / 1e6, 2)}M`;
+}
+
+function cost(r) {
+  const parts = [];
+  if (r.tokens_trained !== null) parts.push(`${tokenCount(r.tokens_trained)} tokens trained`);
+  if (r.step_seconds !== null) parts.push(`${duration(r.step_seconds)} in steps`);
+  return parts.join(" · ") || "–";
+}
+
 async function runsView() {
   const runs = await api("/runs");
   return {
@@ -103,17 +116,19 @@ async function runsView() {
         ? h("p", { class: "muted" }, "No runs in this store yet: train a model (its history rows appear here).")
         : table(
             `${runs.length} run(s), the latest first`,
-            ["Model", "Project", "Status", "Step", "Best validation", "Wall time", "Rows", "Updated", "Run id"],
+            ["Model", "Base model", "Project", "Status", "Step", "Best validation", "Wall time", "Cost", "Rows", "Updated", "Run id"],
             runs.map((r) =>
               h(
                 "tr",
-                {},
+                { "data-run": r.run },
                 h("td", {}, h("a", { href: `#/run/${runPath(r.project, r.name)}?run=${enc(r.run)}` }, r.name)),
+                h("td", { class: "base-model" }, r.base_model ?? "–"),
                 h("td", {}, r.project),
                 h("td", {}, h("span", { class: `badge ${r.status}` }, r.status)),
                 h("td", {}, r.last_step),
                 h("td", {}, r.best_val_reward === null ? "–" : `${num(r.best_val_reward)} (step ${r.best_val_step})`),
                 h("td", {}, duration(r.wall_seconds)),
+                h("td", { class: "cost", title: COST }, cost(r)),
                 h("td", {}, r.rows),
                 h("td", {}, ago(r.updated)),
                 h("td", { class: "muted" }, r.run.slice(0, 8) || "(none)"),
@@ -290,7 +305,9 @@ async function runView(project, name, params) {
         h("li", {}, "status ", h("span", { class: `badge ${r.status}` }, r.status)),
         h("li", {}, "step ", h("strong", {}, r.last_step)),
         h("li", {}, "best validation ", h("strong", {}, r.best_val_reward === null ? "–" : `${num(r.best_val_reward)} at step ${r.best_val_step}`)),
+        h("li", {}, "base model ", h("strong", {}, r.base_model ?? "–")),
         h("li", {}, "wall time ", h("strong", {}, duration(r.wall_seconds))),
+        h("li", { title: COST }, "cost ", h("strong", {}, cost(r))),
         h("li", {}, "rows ", h("strong", {}, r.rows)),
         h("li", { title: skipped.map((m) => `step ${m.step}${m.reason ? `: ${m.reason}` : ""}`).join("; ") || null }, "skipped steps ", h("strong", { id: "skipped" }, skipped.length)),
         h("li", {}, h("a", { href: `#/run/${runPath(project, name)}/rollouts${query}` }, "Rollouts →")),
