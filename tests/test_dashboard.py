@@ -398,8 +398,11 @@ def test_the_page_in_chromium(browser, served: str):
     unsaved = browser.find_elements(By.CSS_SELECTOR, ".no-logprobs")  # the tool call asked for none: said, not faked
     assert len(unsaved) == 1 and unsaved[0].find_element(By.XPATH, "./ancestor::article").text.count("→ calc") == 1
     browser.save_screenshot(str(shots / "trajectory-1280.png"))
-    size(390, 844)
-    browser.save_screenshot(str(shots / "trajectory-phone.png"))
+    size(390, 844, dark=True)  # the coloured tokens at a phone's width, in the dark
+    wait.until(seen.staleness_of(spans[0]))  # drawn again
+    coloured = browser.find_element(By.CSS_SELECTOR, ".msg pre.tokens")
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", coloured)
+    browser.save_screenshot(str(shots / "trajectory-phone-dark.png"))
     assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     print(f"screenshots: {shots}")
     if os.environ.get("FLYWHEEL_DOCS_SCREENSHOT"):  # FLYWHEEL_DOCS_SCREENSHOT=1 refreshes the docs' picture

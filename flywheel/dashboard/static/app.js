@@ -439,7 +439,7 @@ function chat(t, colour = false) {
         { class: `msg ${m.role}` },
         h("div", { class: "role" }, m.role, m.sampled ? " · sampled" : "", m.reward !== null ? ` · turn reward ${num(m.reward)}` : "", m.tool_call_id ? ` · result of ${m.tool_call_id}` : "", m.retokenized ? [" ", h("span", { class: "badge retokenized", title: RETOKENIZED }, "retokenized")] : null),
         colour && m.tokens ? tokens(m) : m.content ? h("pre", {}, m.content) : null,
-        colour && m.sampled && !m.tokens ? h("p", { class: "muted no-logprobs" }, "No per-token log-probs were saved for this turn (its request did not ask for them).") : null,
+        colour && m.sampled && !m.tokens ? h("p", { class: "muted no-logprobs" }, "No per-token log-probs were saved for this turn (its request did not ask for them, or the gateway redacted the call).") : null,
         m.tool_calls.map((c) => h("div", { class: "call", "data-tool": c.name }, `→ ${c.name}(${c.arguments})`)),
       ),
     ),
@@ -448,7 +448,7 @@ function chat(t, colour = false) {
 
 function colourToggle(t) {
   if (!t.messages.some((m) => m.sampled)) return null;
-  if (!t.messages.some((m) => m.tokens)) return h("p", { class: "muted", id: "no-logprobs" }, "No sampled turn of this trajectory saved per-token log-probs (its requests did not ask for logprobs), so there are none to colour.");
+  if (!t.messages.some((m) => m.tokens)) return h("p", { class: "muted", id: "no-logprobs" }, "No sampled turn of this trajectory saved per-token log-probs (its requests did not ask for logprobs, or the gateway redacted its calls), so there are none to colour.");
   return [
     h(
       "p",
