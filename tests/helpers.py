@@ -25,11 +25,14 @@ from flywheel.store import episodes
 from flywheel.store.db import MIGRATIONS, _engine
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from flywheel.local.backend import LocalBackend
     from flywheel.loop.evaluate import HeldOutRun
     from flywheel.model import TrainableModel
     from flywheel.store import Store
     from flywheel.train.trainer import Trainer
+    from flywheel.types import Trajectory
 
 
 def sampled(content: str | None, prompt: list[int], tokens: list[int], call: str | None = None) -> Choice:
@@ -107,9 +110,24 @@ def at_revision(url: str, revision: str, inserts: list[tuple[str, list[dict]]]) 
 async def train_a_step_and_log(backend: LocalBackend, model: TrainableModel) -> None:
     """Register ``model``, train one RL step on two sampled answers (rewards 0 and 1) and ``model.log`` them as a
     ``val`` split with ``accuracy`` 0.5: the rows a logger under test should receive (steps 1, train and val)."""
+    await model.register(backend)
+    trajectories = await train_a_step(backend, model)
+    await model.log(trajectories, split="val", metrics={"accuracy": 0.5})
+
+
+async def lora_checkpoint(backend: LocalBackend, model: TrainableModel) -> Path:
+    """A real Flywheel LoRA checkpoint: ``model`` (LoRA) registered, its B matrices drawn off zero (so the adapter
+    changes every answer) and one RL step trained; checkpoint 1's directory."""
+    await model.register(backend)
+    lora_b_off_zero(backend.trainer(model), std=0.02, seeded=True)
+    await train_a_step(backend, model)
+    return backend.run(model).checkpoint_dir(1)
+
+
+async def train_a_step(backend: LocalBackend, model: TrainableModel) -> list[Trajectory]:
+    """One RL step of a registered ``model`` on two sampled answers (rewards 0 and 1); those trajectories."""
     from flywheel.types import Trajectory, TrajectoryGroup
 
-    await model.register(backend)
     client = model.openai_client()
     prompt = [{"role": "user", "content": "Name a fruit."}]
     trajectories = []
@@ -120,7 +138,7 @@ async def train_a_step_and_log(backend: LocalBackend, model: TrainableModel) -> 
         trajectories.append(Trajectory(messages_and_choices=[*prompt, r.choices[0]], reward=reward))
     result = await backend.train(model, [TrajectoryGroup(trajectories)], learning_rate=1e-4)
     assert result.step == 1 and result.metrics["skipped"] == 0
-    await model.log(trajectories, split="val", metrics={"accuracy": 0.5})
+    return trajectories
 
 
 def emulate(browser: Any, width: int, height: int, dark: bool = False) -> None:

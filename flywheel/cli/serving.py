@@ -142,7 +142,8 @@ def serve(
         typer.Option(
             help="vLLM servers (URL[,URL]) that sample --model instead of the embedded engine, token ids in and out;"
             " started with --enable-scale-out --logprobs-mode processed_logprobs (docs/user-guide.md). Needs"
-            " --vllm-model-dir."
+            " --vllm-model-dir. A request for NAME@k of a LoRA model under $FLYWHEEL_HOME loads checkpoint k into"
+            " them as the adapter NAME@k (vLLM started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)."
         ),
     ] = None,
     vllm_model_dir: Annotated[
@@ -200,7 +201,7 @@ def serve(
 
     if (vllm is None) != (vllm_model_dir is None):
         fail("--vllm and --vllm-model-dir go together: the servers' URLs and the model directory they serve.")
-    sampler = None
+    sampler = pool = None
     if vllm is not None and vllm_model_dir is not None:
         from flywheel.inference.vllm_engine import VLLMPool, VLLMRefusedError
 
@@ -233,7 +234,15 @@ def serve(
         service = FineTuning(
             store, default_home(), [model], aliases, backend_options=options, max_tokens=fine_tune_max_tokens
         ).start()
-    registry = ModelRegistry(loader=service.serve if service else None)
+    fallback = service.serve if service else None
+    if pool is None:
+        registry = ModelRegistry(loader=fallback)
+    else:  # NAME@k of a LoRA model under the home: its checkpoint loaded into the vLLM servers as an adapter
+        from flywheel.home import default_home
+        from flywheel.inference.vllm_adapters import CheckpointAdapters
+
+        registry = ModelRegistry(loader=lambda name: adapters(name))
+        adapters = CheckpointAdapters(pool, registry, default_home(), fallback)
     try:  # the base model sampled by vLLM (--vllm), else by the embedded engine; fine-tuning stays embedded
         engine = sampler or InferenceEngine(hf_model, tokenizer, max_batch=max_batch, compile=compile)  # type: ignore[arg-type]
     except ValueError as exc:  # --compile where it cannot run

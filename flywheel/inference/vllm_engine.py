@@ -21,7 +21,14 @@ where the embedded engine records, and the trainer scores, the untruncated distr
 Faults of a server (a 5xx, a timeout, a dropped stream, a refused connection) become ``SamplerUnavailableError``
 (the API's 502, naming the URL); a request vLLM refuses (4xx) stays the client's error (``VLLMRequestError``, 400).
 Requests are routed by a hash of their first 512 prompt ids (a group's attempts and an episode's turns share one
-server's prefix cache), unless that server has ``BUSY_SLACK`` more requests in flight than the least busy one."""
+server's prefix cache), unless that server has ``BUSY_SLACK`` more requests in flight than the least busy one.
+
+LoRA adapters (vLLM started with ``--enable-lora --max-loras N --max-lora-rank R`` and the environment variable
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``): ``VLLMPool.load_adapter`` loads a peft adapter directory into every server
+under a name (``/v1/load_lora_adapter``), ``view(name, step)`` is the engine whose requests name that adapter, and
+``unload_adapter`` closes the view, waits until none of its requests is in flight and unloads it from every server.
+A refused load or unload is ``VLLMAdapterError``, naming the server and vLLM's message. Versioned names and their
+retirement are ``flywheel.inference.vllm_adapters``'s."""
 
 from __future__ import annotations
 
@@ -47,6 +54,8 @@ GENERATE = "/inference/v1/generate"
 COMPLETIONS = "/v1/completions"
 ROUTE_PREFIX = 512  # prompt ids hashed to pick a server
 BUSY_SLACK = 8  # requests in flight beyond the least busy server's before the hashed server is passed over
+LOAD_ADAPTER, UNLOAD_ADAPTER = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+IDLE_POLL_S = 0.05  # how often an unload looks whether its adapter's last request has finished
 PROBE_TEXT = 'Flywheel probe: 12 * 7 = 84; ünïcödé ✓ 漢字 <tool_call>{"name": "calc"}</tool_call>\n'
 PROBE_GAP = 1e-3  # nats: the least difference between the T=0.5 and T=1 log-probs of a processed server
 TOP_P_REFUSED = (
@@ -63,6 +72,11 @@ class VLLMRequestError(ValueError):
 
 class VLLMRefusedError(RuntimeError):
     """A vLLM server failed a start-up probe: it would record data the trainer cannot use. Names the URL."""
+
+
+class VLLMAdapterError(SamplerUnavailableError):
+    """A vLLM server refused (or did not answer) a LoRA adapter's load or unload: names the server, the adapter and
+    vLLM's message (the API's 502: the fault is not the client's)."""
 
 
 # ---- the wire: what vLLM 0.32 sends (only the fields used; the rest are ignored) --------------------------------
@@ -195,6 +209,7 @@ class VLLMPool:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids: frozenset[int] = frozenset(eos)  # the embedded engine's rule
         self.context_length = 0
+        self._views: dict[str | None, VLLMEngine] = {}  # one engine per served name: its requests counted together
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # one client per event loop: its connections belong to the loop that opened them (the server's, a test's)
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
@@ -221,7 +236,80 @@ class VLLMPool:
         return self
 
     def engine(self) -> VLLMEngine:
-        return VLLMEngine(self)
+        """The engine of the base model."""
+        return self.view(None)
+
+    def view(self, lora_name: str | None, step: int | None = None) -> VLLMEngine:
+        """The engine whose requests name the adapter ``lora_name`` (None: the base model), loaded by
+        ``load_adapter``; one per name while it is open, so that its requests in flight are counted together.
+        ``step``: the checkpoint step the adapter holds, for whoever records what answered."""
+        view = self._views.get(lora_name)
+        if view is None or view.closed:
+            view = self._views[lora_name] = VLLMEngine(self, lora_name, step)
+        return view
+
+    async def load_adapter(self, lora_name: str, path: Path) -> None:
+        """Load the peft adapter directory ``path`` into every server as ``lora_name``. A version is never changed
+        in place: a server that holds ``lora_name`` from ``path`` already (loaded by an earlier process) keeps it,
+        one that holds it from another directory is refused. If a server refuses, those that loaded it here
+        unload it again, and ``VLLMAdapterError`` says which server refused and why."""
+        body = {"lora_name": lora_name, "lora_path": str(path)}  # as the servers see it: give it absolute
+        done: list[VLLMServer] = []
+        try:
+            for server in self.servers:
+                held = await self._adapter_path(server, lora_name)
+                if held == str(path):
+                    continue
+                if held is not None:
+                    raise VLLMAdapterError(
+                        server.url,
+                        f"it serves the adapter '{lora_name}' from {held} already, not from {path}: a version is "
+                        "never changed in place (unload it first: POST /v1/unload_lora_adapter)",
+                    )
+                await self._adapter_call(server, LOAD_ADAPTER, body, f"load the adapter '{lora_name}' from {path}")
+                done.append(server)
+        except VLLMAdapterError:
+            for server in done:
+                await self._adapter_call(server, UNLOAD_ADAPTER, {"lora_name": lora_name}, "unload it again")
+            raise
+
+    async def unload_adapter(self, lora_name: str) -> None:
+        """Unload ``lora_name`` from every server once none of its requests is in flight: its view takes no new
+        requests from now on (``EngineClosedError``), those in flight finish first. An adapter a server does not
+        hold (404) is gone there already."""
+        view = self._views.pop(lora_name, None)
+        if view is not None:
+            view.close()
+            # polled, not an Event: its requests may run on another thread's event loop (the server's)
+            while view.in_flight:  # noqa: ASYNC110
+                await asyncio.sleep(IDLE_POLL_S)
+        for server in self.servers:
+            await self._adapter_call(
+                server, UNLOAD_ADAPTER, {"lora_name": lora_name}, f"unload the adapter '{lora_name}'", missing_ok=True
+            )
+
+    async def _adapter_path(self, server: VLLMServer, lora_name: str) -> str | None:
+        """The directory ``server`` serves the adapter ``lora_name`` from (vLLM lists it as the adapter's root), or
+        None if it does not serve it."""
+        try:
+            body = await self._get_json(server, "/v1/models")
+        except VLLMRefusedError as exc:
+            raise VLLMAdapterError(server.url, str(exc)) from exc
+        cards = [m for m in body.get("data", []) if isinstance(m, dict) and m.get("id") == lora_name]
+        return str(cards[0].get("root")) if cards else None
+
+    async def _adapter_call(
+        self, server: VLLMServer, path: str, body: dict, what: str, *, missing_ok: bool = False
+    ) -> None:
+        try:
+            response = await self._client.post(server.url + path, json=body)
+        except httpx.HTTPError as exc:
+            raise VLLMAdapterError(server.url, f"it did not answer the request to {what}: {exc!r}") from exc
+        if response.status_code == 200 or (missing_ok and response.status_code == 404):
+            return
+        raise VLLMAdapterError(
+            server.url, f"it refused to {what} (HTTP {response.status_code}): {self._message(response)}"
+        )
 
     async def aclose(self) -> None:
         """Close this event loop's connections."""
@@ -301,7 +389,11 @@ class VLLMPool:
         least = min(s.in_flight for s in self.servers)
         return next(s for s in ranked if s.in_flight <= least + BUSY_SLACK)
 
-    def _request_body(self, server: VLLMServer, prompt: list[int], params: SamplingParams, *, stream: bool) -> dict:
+    def _request_body(
+        self, server: VLLMServer, prompt: list[int], params: SamplingParams, *, stream: bool, model: str | None = None
+    ) -> dict:
+        """vLLM's request body; ``model``: the served name asked for (an adapter's), else the base model's."""
+        model = model or self.model
         sampling: dict[str, Any] = {
             "n": params.n,
             "temperature": params.temperature,
@@ -319,18 +411,20 @@ class VLLMPool:
         if params.guide is not None:
             sampling["structured_outputs"] = {"grammar": params.guide.grammar}
         if server.route == GENERATE:
-            return {"model": self.model, "token_ids": prompt, "sampling_params": sampling, "stream": stream}
+            return {"model": model, "token_ids": prompt, "sampling_params": sampling, "stream": stream}
         sampling.pop("structured_outputs", None)
         extra = {"structured_outputs": {"grammar": params.guide.grammar}} if params.guide is not None else {}
         return {
-            "model": self.model, "prompt": prompt, **sampling, **extra, "stream": stream, "return_token_ids": True,
+            "model": model, "prompt": prompt, **sampling, **extra, "stream": stream, "return_token_ids": True,
             "return_tokens_as_token_ids": True, "skip_special_tokens": False,
         }  # fmt: skip
 
-    async def _deltas(self, server: VLLMServer, prompt: list[int], params: SamplingParams) -> AsyncIterator[_Delta]:
+    async def _deltas(
+        self, server: VLLMServer, prompt: list[int], params: SamplingParams, model: str | None = None
+    ) -> AsyncIterator[_Delta]:
         """The streamed answer's chunks as deltas; a fault of the server's is ``SamplerUnavailableError``."""
         parse = _from_generate if server.route == GENERATE else _from_completions
-        body = self._request_body(server, prompt, params, stream=True)
+        body = self._request_body(server, prompt, params, stream=True, model=model)
         server.in_flight += 1
         finished: set[int] = set()
         try:
@@ -408,14 +502,20 @@ class VLLMPool:
 
 class VLLMEngine:
     """A ``SamplingEngine`` over a started ``VLLMPool``: token events with the server's log-probs (at the sampling
-    temperature: the probe saw to it), text decoded here by the embedded engine's rules."""
+    temperature: the probe saw to it), text decoded here by the embedded engine's rules. ``lora_name``: the adapter
+    its requests name (``VLLMPool.view``), None for the base model; ``in_flight``: its requests not finished yet."""
 
-    def __init__(self, pool: VLLMPool):
+    def __init__(self, pool: VLLMPool, lora_name: str | None = None, step: int | None = None):
         if not pool.context_length:
             raise ValueError("Start the vLLM pool (await pool.start()) before making an engine of it.")
-        self.pool = pool
+        self.pool, self.lora_name, self.step = pool, lora_name, step
         self.tokenizer, self.eos_ids, self.context_length = pool.tokenizer, pool.eos_ids, pool.context_length
+        self.in_flight = 0
         self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         if prompt_tokens + max_tokens > self.context_length:
@@ -423,7 +523,8 @@ class VLLMEngine:
 
     async def stream(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
         if self._closed:
-            raise EngineClosedError("The vLLM engine is closed: it accepts no new requests.")
+            what = f"the adapter '{self.lora_name}'" if self.lora_name else "the vLLM engine"
+            raise EngineClosedError(f"{what[0].upper()}{what[1:]} is closed (unloaded): it accepts no new requests.")
         if not prompt:
             raise ValueError("The prompt is empty.")
         if params.top_p < 1.0:
@@ -431,10 +532,14 @@ class VLLMEngine:
         self.check_fits(len(prompt), params.max_tokens)
         choices = [_Choice() for _ in range(params.n)]
         server = self.pool.pick(prompt)
-        async for delta in self.pool._deltas(server, prompt, params):
-            if not 0 <= delta.index < params.n or choices[delta.index].finished:
-                raise SamplerUnavailableError(server.url, f"a chunk for choice {delta.index}, which is not open")
-            yield self._event(server, choices[delta.index], delta, params)
+        self.in_flight += 1  # until the last chunk is read or the stream given up: an unload waits for it
+        try:
+            async for delta in self.pool._deltas(server, prompt, params, self.lora_name):
+                if not 0 <= delta.index < params.n or choices[delta.index].finished:
+                    raise SamplerUnavailableError(server.url, f"a chunk for choice {delta.index}, which is not open")
+                yield self._event(server, choices[delta.index], delta, params)
+        finally:
+            self.in_flight -= 1
 
     def _event(self, server: VLLMServer, choice: _Choice, delta: _Delta, params: SamplingParams) -> TokenEvent:
         """The delta as a token event: the embedded engine's text rules (``InferenceEngine._accept``), vLLM's ids."""

@@ -8,7 +8,14 @@ request (a 5xx), a delay before answering (a timeout), a stream dropped after so
 default ``raw_logprobs``), a tokenizer that disagrees, no token-in route (vLLM without ``--enable-scale-out``).
 Like vLLM, it refuses a request for a model it does not serve (a 404 naming it), so a wrong name sent by the engine
 fails the tests. Its log-probs at a top-p below 1 are the embedded engine's (before the cut) where vLLM's are the
-renormalised nucleus's: ``VLLMEngine`` never sends one. The contract test (tests/test_vllm_contract.py) checks the same behaviour against the real vLLM."""
+renormalised nucleus's: ``VLLMEngine`` never sends one.
+
+LoRA adapters, as vLLM serves them with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``:
+``/v1/load_lora_adapter`` loads a peft adapter directory over a fresh copy of the base model (an embedded engine of
+its own), after which a request naming the adapter samples it and ``/v1/models`` lists it;
+``/v1/unload_lora_adapter`` drops it. Refusals have vLLM's statuses and messages: a name loaded already (400), a
+directory without an adapter (404), an adapter that does not fit the model (500), an unknown name to unload (404).
+The contract test (tests/test_vllm_contract.py) checks the same behaviour against the real vLLM."""
 
 from __future__ import annotations
 
@@ -16,14 +23,17 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from flywheel.inference.engine import ContextOverflowError, InferenceEngine, TokenEvent
 from flywheel.inference.guided import GrammarError, compile_lark_guide
+from flywheel.inference.loading import load_model
+from flywheel.inference.lora import fuse_lora_forward
 from flywheel.inference.sampling import SamplingParams
 
 
@@ -79,6 +89,28 @@ class _Tokenize(BaseModel):
     add_special_tokens: bool = True
 
 
+class _LoadAdapter(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str = ""
+    lora_path: str = ""
+
+
+class _UnloadAdapter(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str = ""
+
+
+def _adapter_engine(engine: InferenceEngine, path: str) -> InferenceEngine:
+    """An embedded engine of the base model with the peft adapter in ``path`` (LoRA unmerged, as the trainer's)."""
+    from peft import PeftModel
+
+    base, tokenizer, _ = load_model(engine.model.name_or_path, dtype=engine.model.dtype)
+    PeftModel.from_pretrained(base, path)  # injects the adapter into ``base`` in place
+    fuse_lora_forward(base)
+    base.requires_grad_(False)
+    return InferenceEngine(base, tokenizer)
+
+
 def _error(status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> JSONResponse:
     """vLLM's error shape."""
     body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
@@ -89,12 +121,18 @@ def create_shim(engine: InferenceEngine, model: str, faults: ShimFaults | None =
     """The shim app over ``engine``, serving it as ``model``; ``app.state.faults`` is the ``ShimFaults`` it obeys."""
     app = FastAPI(title="Flywheel's vLLM stand-in")
     app.state.faults = faults = faults or ShimFaults()
+    adapters: dict[str, InferenceEngine] = {}  # loaded LoRA adapters by name, each on an engine of its own
+    adapter_paths: dict[str, str] = {}  # the directory each was loaded from (vLLM lists it as the adapter's root)
 
     def unserved(name: str | None) -> JSONResponse | None:
         """vLLM's answer to a request for a model it does not serve (none named: its own)."""
-        if not name or name == model:
+        if not name or name == model or name in adapters:
             return None
-        return _error(404, f"The model `{name}` does not exist. Valid aliases: {model}.", "NotFoundError", "model")
+        valid = ", ".join([model, *adapters])
+        return _error(404, f"The model `{name}` does not exist. Valid aliases: {valid}.", "NotFoundError", "model")
+
+    def engine_of(name: str | None) -> InferenceEngine:
+        return adapters[name] if name in adapters else engine
 
     def params(sp: _Sampling) -> SamplingParams:
         guide = None
@@ -156,7 +194,7 @@ def create_shim(engine: InferenceEngine, model: str, faults: ShimFaults | None =
             "finish_reason": event.finish_reason,
         }
 
-    async def answer(prompt: list[int], sp: _Sampling, stream: bool, choice) -> Any:
+    async def answer(prompt: list[int], sp: _Sampling, stream: bool, choice, engine: InferenceEngine) -> Any:
         if faults.delay_s:
             await asyncio.sleep(faults.delay_s)
         if faults.status is not None:
@@ -198,7 +236,38 @@ def create_shim(engine: InferenceEngine, model: str, faults: ShimFaults | None =
             "root": model,
             "max_model_len": engine.context_length,
         }
-        return {"object": "list", "data": [card]}
+        cards = [card] + [
+            {"id": name, "object": "model", "owned_by": "vllm", "root": adapter_paths[name], "parent": model}
+            for name in adapters
+        ]
+        return {"object": "list", "data": cards}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_adapter(body: _LoadAdapter):
+        if not body.lora_name or not body.lora_path:
+            return _error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+        if body.lora_name == model or body.lora_name in adapters:
+            what = "conflicts with a served base model" if body.lora_name == model else "has already been loaded"
+            return _error(400, f"The lora adapter '{body.lora_name}' {what}.", "InvalidUserInput")
+        if not (Path(body.lora_path) / "adapter_config.json").is_file():
+            message = f"Loading lora {body.lora_name} failed: No adapter found for {body.lora_path}"
+            return _error(404, message, "NotFoundError")
+        try:
+            adapters[body.lora_name] = await asyncio.to_thread(_adapter_engine, engine, body.lora_path)
+            adapter_paths[body.lora_name] = body.lora_path
+        except (OSError, ValueError, RuntimeError, KeyError) as exc:  # vLLM: any other failure is a 500
+            return _error(500, f"Loading lora {body.lora_name} failed: {exc}", "InternalServerError")
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_adapter(body: _UnloadAdapter):
+        if not body.lora_name:
+            return _error(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput")
+        if (dropped := adapters.pop(body.lora_name, None)) is None:
+            return _error(404, f"The lora adapter '{body.lora_name}' cannot be found.", "NotFoundError")
+        del adapter_paths[body.lora_name]
+        dropped.close(drain=True)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/tokenize")
     async def tokenize(body: _Tokenize):
@@ -214,13 +283,13 @@ def create_shim(engine: InferenceEngine, model: str, faults: ShimFaults | None =
             return _error(403, "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out.")
         if (refused := unserved(body.model)) is not None:
             return refused
-        return await answer(body.token_ids, body.sampling_params, body.stream, generate_choice)
+        return await answer(body.token_ids, body.sampling_params, body.stream, generate_choice, engine_of(body.model))
 
     @app.post("/v1/completions")
     async def completions(body: _Completions):
         if (refused := unserved(body.model)) is not None:
             return refused
-        return await answer(body.prompt, body, body.stream, completion_choice)
+        return await answer(body.prompt, body, body.stream, completion_choice, engine_of(body.model))
 
     @app.exception_handler(ValueError)
     async def _bad(_: Request, exc: ValueError):
