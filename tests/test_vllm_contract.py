@@ -3,7 +3,8 @@ engine loads) from its own virtualenv, ``.venv-vllm`` (``./dev vllm-setup`` buil
 own torch, transformers and FastAPI, so it never shares Flywheel's). The same core assertions as
 tests/test_vllm_engine.py makes on the stand-in: the probes pass, ids round trip on both routes, n=8, log-probs at
 the sampling temperature that the trainer's scoring matches, guided choice and a forced tool call through vLLM's
-guidance backend. Slow (vLLM starts in ~1-2 minutes on 2 cores): ``FLYWHEEL_SLOW_TESTS=1 .venv/bin/python -m
+guidance backend; a Flywheel LoRA checkpoint (a LocalBackend's, trained a step) loads into vLLM as it is
+(``--enable-lora``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``) and answers as the embedded engine serving it. Slow (vLLM starts in ~1-2 minutes on 2 cores): ``FLYWHEEL_SLOW_TESTS=1 .venv/bin/python -m
 pytest tests/test_vllm_contract.py``, or ``-m vllm``."""
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ import torch
 from flywheel.inference.guided import compile_choice_guide, compile_tool_call_guide
 from flywheel.inference.loading import EMBEDDED_MODEL, load_model, resolve_model
 from flywheel.inference.sampling import SamplingParams
+from flywheel.inference.vllm_adapters import AdapterVersions
 from flywheel.inference.vllm_engine import COMPLETIONS, GENERATE, VLLMEngine, VLLMPool
+from flywheel.local.backend import LocalBackend
+from flywheel.model import TrainableModel
+
+from helpers import lora_checkpoint
 
 VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
 PYTHON = VENV / "bin" / "python"
@@ -56,8 +62,9 @@ def vllm_url(tmp_path_factory):
         "--served-model-name", "smol", "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1",
         "--port", str(port), "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
         "--structured-outputs-config", json.dumps({"backend": "guidance"}),
+        "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
     ]  # fmt: skip
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
     start = time.monotonic()
     with log.open("w") as out:
         server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -139,3 +146,39 @@ async def test_the_engine_on_real_vllm(vllm_url, scorer):
         assert matcher.consume_tokens([t for t in c.token_ids if t not in pool.eos_ids]), (c.text, matcher.get_error())
         assert c.finish_reason == "length" or matcher.is_accepting(), c.text
     await pool.aclose()
+
+
+async def test_a_flywheel_lora_checkpoint_loads_into_vllm_as_is(vllm_url, scorer, tmp_path):
+    base_model, tokenizer = scorer
+    backend = LocalBackend(path=tmp_path / "home", dtype=torch.float32)
+    directory = await lora_checkpoint(backend, TrainableModel(name="calc", project="p", base_model=EMBEDDED_MODEL))
+    embedded = backend.registry.get("calc@1").engine  # the embedded engine serving checkpoint 1 (its live weights)
+    pool = await VLLMPool([vllm_url], resolve_model(EMBEDDED_MODEL).path).start()
+    versions = AdapterVersions(pool)
+    started = time.monotonic()
+    view = await versions.publish("calc", 1, directory.resolve())  # the checkpoint directory as it is
+    print(f"adapter loaded in {time.monotonic() - started:.1f} s")
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 12 * 7?"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=24, logprobs=True)
+    remote, local = (await view.generate(prompt, greedy))[0], (await embedded.generate(prompt, greedy))[0]
+    assert remote.token_ids == local.token_ids
+    greedy_gap = max(abs(a - b) for a, b in zip(remote.logprobs, local.logprobs))
+    sampled = await view.generate(prompt, SamplingParams(n=4, temperature=1.0, max_tokens=16, seed=3, logprobs=True))
+    gaps, base_gaps = [], []
+    for c in sampled:  # vLLM's log-probs against the checkpoint's (the trainer's scoring) and the base model's
+        gaps += [abs(a - b) for a, b in zip(c.logprobs, _scored(embedded.model, prompt, c.token_ids, 1.0))]
+        base_gaps += [abs(a - b) for a, b in zip(c.logprobs, _scored(base_model, prompt, c.token_ids, 1.0))]
+    gap, base_gap = sum(gaps) / len(gaps), sum(base_gaps) / len(base_gaps)
+    print(
+        f"LoRA on vLLM vs embedded: greedy {len(remote.token_ids)} ids equal, max greedy log-prob gap "
+        f"{greedy_gap:.2e}; sampled mean gap {gap:.2e} (max {max(gaps):.2e}) over {len(gaps)} tokens, "
+        f"vs the base model's {base_gap:.2e}"
+    )
+    assert greedy_gap < 2e-2 and gap < 2e-2 and base_gap > 5 * gap  # the adapter is applied, and as trained
+    assert await versions.retire("calc", keep=set()) == [1]
+    served = [m["id"] for m in httpx.get(f"{vllm_url}/v1/models").json()["data"]]
+    assert served == ["smol"]
+    await pool.aclose()
+    await backend.close()
