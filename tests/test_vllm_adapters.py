@@ -120,6 +120,8 @@ async def test_names_that_are_not_lora_checkpoints_here_are_refused_clearly(setu
         await setup.client.chat.completions.create(model="calc@9", messages=QUESTION, max_tokens=2)
     with pytest.raises(openai.NotFoundError, match="nobody@1"):
         await setup.client.chat.completions.create(model="nobody@1", messages=QUESTION, max_tokens=2)
+    with pytest.raises(openai.NotFoundError):  # a path is not a model name: nothing outside <home>/*/models/ loads
+        await setup.client.chat.completions.create(model="../p/models/calc@1", messages=QUESTION, max_tokens=2)
     other = setup.home / "p" / "models" / "other" / "checkpoints" / "0001"  # a copy of checkpoint 1, then changed
     shutil.copytree(setup.checkpoint, other)
     config = json.loads((other / "adapter_config.json").read_text())

@@ -79,7 +79,8 @@ class CheckpointAdapters:
 
     def __call__(self, served_name: str) -> ServedModel | None:
         name, _, step = served_name.rpartition("@")
-        found = layout.find_models(self.home, name) if name and step.isdigit() else {}
+        plain = name and "/" not in name and "\\" not in name and not name.startswith(".")  # no path out of the home
+        found = layout.find_models(self.home, name) if plain and step.isdigit() else {}
         if not found:
             return self.fallback(served_name) if self.fallback is not None else None
         if len(found) > 1:
