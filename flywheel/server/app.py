@@ -30,63 +30,45 @@ from openai.types.chat.chat_completion_message_tool_call import ChatCompletionMe
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob, TopLogprob
 from openai.types.completion_usage import CompletionUsage
 from pydantic import ValidationError
-from sqlalchemy.exc import DBAPIError
 from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from flywheel.approvals.desk import ApprovalDesk, ToolNotInScopeError, refuse_out_of_scope
+from flywheel.approvals.desk import ApprovalDesk, refuse_out_of_scope
 from flywheel.approvals.policy import Decision
 from flywheel.approvals.routes import ERRORS as APPROVAL_ERRORS
 from flywheel.approvals.routes import approvals_router
 from flywheel.gateway.api import episode_router
-from flywheel.gateway.auth import ApiKeyAuth, ApiKeys, Role, TokenBudgetError, TokenBudgets, request_role
-from flywheel.gateway.export import NotTrainableError
+from flywheel.gateway.auth import ApiKeyAuth, ApiKeys, Role, TokenBudgets, request_role
 from flywheel.gateway.queue import queue_router
-from flywheel.gateway.recorder import Gateway, GatewayBusyError, transient
+from flywheel.gateway.recorder import Gateway
 from flywheel.gateway.splice import tokenizer_key
 from flywheel.gateway.traffic import SHADOW_IN_FLIGHT, Route, TrafficPolicy
 from flywheel.gateway.upstream import Relay, Upstream, without_logprobs
 from flywheel.inference.chat import parse_tool_calls, partial_tool_call, render_prompt
 from flywheel.inference.engine import (
     Completion,
-    ContextOverflowError,
-    EngineClosedError,
     InferenceEngine,
     TokenEvent,
 )
 from flywheel.inference.guided import (
-    GrammarError,
     Guide,
     compile_choice_guide,
     compile_guide,
     compile_tool_call_guide,
 )
-from flywheel.inference.protocol import SamplerUnavailableError
 from flywheel.inference.registry import ModelRegistry, ServedModel, UnknownModelError
 from flywheel.inference.sampling import SamplingParams
 from flywheel.openai_api import ChatCompletionRequest, JsonSchemaFormat, TextFormat
-from flywheel.server.errors import error_response
 from flywheel.server.graders import graders_router
 from flywheel.server.limits import MAX_BODY_BYTES, BodyLimit
-from flywheel.store import EpisodeConflictError, UnknownEpisodeError, deployments
+from flywheel.server.refusals import ModelNotAllowedError
+from flywheel.server.refusals import install as install_refusals
+from flywheel.store import UnknownEpisodeError, deployments
 from flywheel.store.arms import is_shadow_episode_id
 from flywheel.store.deployments import UnknownDeploymentError, list_deployments
 from flywheel.types import set_sampled_tokens
 
 log = logging.getLogger(__name__)
 APPROVALS = "flywheel_approvals"  # a reply's field: the decisions taken on its tool calls (a deployment's policy)
-
-
-class ModelNotAllowedError(UnknownModelError):
-    """An agent key asked for a model that is not served now and that no deployment points at: having it loaded
-    (which evicts the oldest checkpoint engine: production's or the canary's, maybe) needs a runner key."""
-
-    def __init__(self, name: str, known: list[str]):
-        super().__init__(name, known)
-        self.args = (
-            f"An agent key may ask only for the models served now ({', '.join(known) or 'none'}) and deployment "
-            f"aliases (MODEL@production, ...); '{name}' is neither: loading another checkpoint needs a runner key.",
-        )
 
 
 def _logprob_items(engine: InferenceEngine, c: Completion) -> list[ChatCompletionTokenLogprob]:
@@ -253,62 +235,7 @@ def create_app(
     if auth:  # added last, so it runs first: a refused request's body is never read
         app.add_middleware(ApiKeyAuth, keys=auth)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", []) if p != "body"]
-        where = ".".join(loc) or None
-        message = f"Invalid request: {first.get('msg', 'malformed body')}" + (f" (at '{where}')" if where else "")
-        return error_response(400, message, "invalid_request_error", param=where)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _refused(request: Request, exc: StarletteHTTPException):
-        """FastAPI's own refusals (no such route, a method the route has not, a body that is not JSON), in the
-        same shape as every other error."""
-        message = {
-            404: f"There is no route {request.method} {request.url.path} on this server.",
-            405: f"{request.url.path} does not take {request.method}.",
-            400: f"Invalid request: {exc.detail} (a JSON body is expected)",
-        }.get(exc.status_code, str(exc.detail))
-        response = error_response(exc.status_code, message, "invalid_request_error" if exc.status_code < 500 else "server_error")  # fmt: skip
-        response.headers.update(exc.headers or {})
-        return response
-
-    @app.exception_handler(UnknownModelError)
-    async def _unknown(_: Request, exc: UnknownModelError):
-        return error_response(404, str(exc), "invalid_request_error", param="model", code="model_not_found")
-
-    @app.exception_handler(ModelNotAllowedError)
-    async def _not_allowed(_: Request, exc: ModelNotAllowedError):
-        return error_response(403, str(exc), "invalid_request_error", param="model", code="model_not_allowed")
-
-    @app.exception_handler(TokenBudgetError)
-    async def _over_budget(_: Request, exc: TokenBudgetError):
-        return error_response(400, str(exc), "invalid_request_error", param=exc.param, code="token_budget_exceeded")
-
-    @app.exception_handler(UnknownDeploymentError)
-    async def _unknown_deployment(_: Request, exc: UnknownDeploymentError):
-        return error_response(404, str(exc), "invalid_request_error", param="model", code="model_not_found")
-
-    @app.exception_handler(ContextOverflowError)
-    async def _overflow(_: Request, exc: ContextOverflowError):
-        return error_response(400, str(exc), "invalid_request_error", param="messages", code="context_length_exceeded")
-
-    @app.exception_handler(GrammarError)
-    async def _bad_schema(_: Request, exc: GrammarError):
-        return error_response(400, f"Invalid '{exc.param}': {exc}", "invalid_request_error", param=exc.param)
-
-    @app.exception_handler(EngineClosedError)
-    async def _closed(_: Request, exc: EngineClosedError):  # the backend closed (or shut down) while it ran
-        return error_response(503, str(exc), "server_error", code="engine_closed")
-
-    @app.exception_handler(SamplerUnavailableError)
-    async def _sampler_down(_: Request, exc: SamplerUnavailableError):  # a vLLM server failed: not the client's fault
-        return error_response(502, str(exc), "server_error", code="sampler_unavailable")
-
-    @app.exception_handler(ValueError)
-    async def _bad_value(_: Request, exc: ValueError):
-        return error_response(400, str(exc), "invalid_request_error")
+    install_refusals(app)
 
     @app.get("/v1/models")
     async def list_models():
@@ -335,42 +262,6 @@ def create_app(
         app.include_router(approvals_router(desk))
         for error, handler in APPROVAL_ERRORS.items():
             app.add_exception_handler(error, handler)
-
-    @app.exception_handler(ToolNotInScopeError)
-    async def _out_of_scope(_: Request, exc: ToolNotInScopeError):
-        return error_response(403, str(exc), "invalid_request_error", param="tools", code="tool_not_allowed")
-
-    @app.exception_handler(UnknownEpisodeError)
-    async def _unknown_episode(_: Request, exc: UnknownEpisodeError):
-        return error_response(404, str(exc), "invalid_request_error", param="episode_id", code="episode_not_found")
-
-    @app.exception_handler(EpisodeConflictError)
-    async def _episode_conflict(_: Request, exc: EpisodeConflictError):
-        return error_response(409, str(exc), "invalid_request_error", param="episode_id", code="episode_closed")
-
-    @app.exception_handler(GatewayBusyError)
-    async def _busy(_: Request, exc: GatewayBusyError):  # its calls not written yet: the database is slow or down
-        response = error_response(503, str(exc), "server_error", code="gateway_busy")
-        response.headers["Retry-After"] = str(exc.retry_after)
-        return response
-
-    @app.exception_handler(DBAPIError)
-    async def _store_down(request: Request, exc: DBAPIError):  # a read or an outcome the database could not answer
-        kind = type(exc.orig or exc).__name__
-        if not transient(exc):  # a schema that is not the server's, a constraint: a fault of the server's, logged
-            log.error("%s %s: the store's database refused it", request.method, request.url.path, exc_info=exc)
-            first = str(exc.orig or exc).strip().splitlines()[0][:300] if str(exc.orig or exc).strip() else kind
-            message = (f"The store's database refused this request ({kind}: {first}); retrying will not help. The"
-                       " server's log has the details.")  # fmt: skip
-            return error_response(500, message, "server_error", code="store_error")
-        message = f"The store's database did not answer ({kind}): retry shortly."
-        response = error_response(503, message, "server_error", code="store_unavailable")
-        response.headers["Retry-After"] = "2"
-        return response
-
-    @app.exception_handler(NotTrainableError)
-    async def _not_trainable(_: Request, exc: NotTrainableError):
-        return error_response(409, str(exc), "invalid_request_error", param="episode_id", code="episode_not_trainable")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, x_flywheel_episode: Annotated[str | None, Header()] = None):
