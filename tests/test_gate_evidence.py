@@ -154,10 +154,10 @@ async def test_held_out_items_never_enter_the_training_pool_by_id_or_by_content(
     by_content = production_episode(store, split, {"id": "s1", "question": "refund 7?"})  # a seed's id, held-out text
     loop = Loop(config, backend, actor="test")
     assert sorted(loop.pool) == ["s1"]  # t3 (its id) and copy (its content) are held-out items
-    assert loop.intake() == 1 and sorted(loop.pool) == ["p1", "s1"]
+    assert await loop.intake() == 1 and sorted(loop.pool) == ["p1", "s1"]
     assert loop.off_policy_candidates(["p1", "s1"]) == {"p1": [fresh], "s1": []}
     assert loop.excluded_heldout() == {"seed": 2, "intake": 2, "off_policy": 1}
-    assert loop.intake() == 0 and loop.excluded_heldout()["intake"] == 2  # read again: counted once
+    assert await loop.intake() == 0 and loop.excluded_heldout()["intake"] == 2  # read again: counted once
     assert {by_id, by_content} == loop.excluded["intake"]
 
 

@@ -473,12 +473,12 @@ async def test_the_gate_counts_its_looks_since_production_changed_and_confirms_a
     prod = "looks-agent@production"
     with store.session() as s:
         deployments.deploy(s, prod, 1, actor="test")
-    assert loop.ladder.look() == 1
+    assert await loop.ladder.look() == 1
     better = heldout_run("looks-agent@2", 0.0, scores=[1.0] * 16 + [0.0] * 4)  # +0.8 over production's 20 zeros
     zeros = heldout_run(prod, 0.0, items=20)
     pending = await loop.ladder.decide(2, prod, better, zeros)  # the screen passes: not without its confirmation
     assert pending.decision.needs_confirmation and not pending.decision.promote and pending.deployed is None
-    assert loop.ladder.look() == 2
+    assert await loop.ladder.look() == 2
     flat = heldout_run("looks-agent@3", 0.0, items=20)  # the fresh evaluation: no lift at all
     refused = await loop.ladder.decide(3, prod, better, zeros, again=(flat, zeros))
     assert not refused.decision.promote and refused.decision.look == 2
@@ -492,7 +492,7 @@ async def test_the_gate_counts_its_looks_since_production_changed_and_confirms_a
             ("looks-agent@2", 1), ("looks-agent@3", 2), ("looks-agent@4", 3)]  # fmt: skip
         assert events[-2].details["confirmation"]["mean"] == 0.0 and events[-1].reason.startswith("look 3:")
         deployments.promote(s, "looks-agent", actor="test", reason="as if the canary were promoted")
-    assert loop.ladder.look() == 1  # production changed: a new series of looks
+    assert await loop.ladder.look() == 1  # production changed: a new series of looks
 
 
 async def test_a_newer_candidate_replaces_a_shadow_still_pairing_and_never_a_canary_being_watched(
@@ -659,9 +659,9 @@ async def test_an_alarm_is_audited_once_and_stops_promotions(backend: LocalBacke
         t = Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}], reward=reward, metrics={"stack/holdout/polite": polite})  # fmt: skip
         return TrajectoryGroup([t])
 
-    assert loop.check_alarm([group(0.2, 0.5)]) is None
-    assert "0.200 -> 0.800" in loop.check_alarm([group(0.8, 0.5)])
-    assert loop.check_alarm([group(0.9, 0.5)]) is None and loop.alarm is not None  # raised once
+    assert await loop.check_alarm([group(0.2, 0.5)]) is None
+    assert "0.200 -> 0.800" in await loop.check_alarm([group(0.8, 0.5)])
+    assert await loop.check_alarm([group(0.9, 0.5)]) is None and loop.alarm is not None  # raised once
     with store.session() as s:
         (event,) = [e for e in audit.events(s, subject="alarm-agent") if e.action == "loop.alarm"]
         assert "promotions stopped" in event.reason

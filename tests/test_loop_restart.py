@@ -153,7 +153,7 @@ async def test_a_restarted_loop_keeps_the_alarm_and_cancels_what_its_predecessor
         with store.session() as s:
             assert len(audit.events(s, subject=model.name, actions=("loop.cancel",))) == 1
             alarms.clear(s, model.name, step=step, actor="test", reason="checked")
-        loop.read_alarm()  # what each iteration does first: a clearing counts while the loop runs
+        await loop.read_alarm()  # what each iteration does first: a clearing counts while the loop runs
         assert loop.alarm is None
     finally:
         with store.session() as s:

@@ -6,6 +6,8 @@ held-out set: a paired bootstrap interval on the primary metric's difference, a 
 item, efficiency limits), ``evaluate.py`` runs a held-out set through the gateway's runners, ``driver.py`` the loop
 itself (production items in, groups through runners, grader-stack rewards, training steps), ``ladder.py`` its
 promotion ladder (candidates through the gate to a shadow and a canary deployment, and back to production's weights
-after a rollback); ``flywheel loop`` is ``flywheel.cli.loop``. It talks to the gateway over HTTP like
-any runner's training side, and records what it decided in the store (grades, audit events, deployments).
+after a rollback); ``flywheel loop`` is ``flywheel.cli.loop``. It runs beside its backend's server: it queues its
+tasks and reads their groups in-process (``gateway.queue.InProcessQueue``) while runners claim them over HTTP, and
+records what it decided in the store (grades, audit events, deployments), always through ``await store.run(...)``
+(a unit of work in a worker thread), never a session held on the event loop that in-process runners share.
 """

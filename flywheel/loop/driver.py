@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from sqlalchemy.orm import Session
 
 from flywheel.agents.dynamic_sampling import DynamicSampler, DynamicSamplingConfig, MixedGroups, NoMixedGroupsError
 from flywheel.gateway.client import GroupQueue
@@ -225,12 +226,15 @@ class Loop:
         """How many held-out items were kept out of training, by source (``excluded``)."""
         return {source: len(kept) for source, kept in self.excluded.items()}
 
-    def intake(self) -> int:
+    async def intake(self) -> int:
         """Production episodes' items into the pool, held-out ones excluded (counted and logged); how many were
         new."""
-        with self.store.session() as s:
+
+        def read(s: Session) -> list[tuple[str, dict[str, Any], str]]:
             found = grades.recent_finished(s, split=self.config.intake_split, limit=self.config.intake_limit)
-            items = [(item_id(item, e.task_id), item, e.id) for e in found if (item := grades.item_of(s, e.id))]
+            return [(item_id(item, e.task_id), item, e.id) for e in found if (item := grades.item_of(s, e.id))]
+
+        items = await self.store.run(read)
         self.production = {}
         for k, _, episode_id in items:
             self.production.setdefault(k, []).append(episode_id)
@@ -268,47 +272,44 @@ class Loop:
                 t.metrics.update(result.metrics())
                 recorded.append((str(t.metadata["episode_id"]), result))
 
-        def record() -> None:
-            with self.store.session() as s:
-                for episode_id, result in recorded:
-                    result.record(s, episode_id)
+        def record(s: Session) -> None:
+            for episode_id, result in recorded:
+                result.record(s, episode_id)
 
-        await asyncio.to_thread(record)
+        await self.store.run(record)
 
     @property
     def task_prefixes(self) -> tuple[str, str]:
         """What the ids of the tasks this loop queues start with: its training groups', its held-out evaluations'."""
         return f"train:{self.config.name}:", f"eval:{self.config.name}:"
 
-    def read_alarm(self) -> None:
+    async def read_alarm(self) -> None:
         """The alarm as the audit trail has it (raised, or cleared: ``alarm.state``); the baseline drops the steps
         up to the latest clearing's."""
-        with self.store.session() as s:
-            found = alarms.state(s, self.config.name)
+        found = await self.store.run(alarms.state, self.config.name)
         self.alarm = found.raised
         if found.cleared_at_step is not None:
             self.step_means = [row for row in self.step_means if row["step"] > found.cleared_at_step]
 
-    def check_alarm(self, groups: list[TrajectoryGroup], step: int = 0) -> str | None:
+    async def check_alarm(self, groups: list[TrajectoryGroup], step: int = 0) -> str | None:
         """Record training step ``step``'s reward and holdout means; raise the reward-hacking alarm. Returns the
         alarm when this call raised it."""
         if (row := _means(groups, step)) is None:
             return None
         self.step_means.append(row)
-        return self._raise_alarm()
+        return await self._raise_alarm()
 
-    def _raise_alarm(self) -> str | None:
+    async def _raise_alarm(self) -> str | None:
         """Raise the alarm (once: an audit event) when the recorded steps' reward rises over flat holdout graders."""
         if self.alarm is not None or (message := reward_hacking(self.step_means, self.config.alarm)) is None:
             return None
         self.alarm = message
         window = self.step_means[-self.config.alarm.window :]
-        with self.store.session() as s:
-            audit.append(
-                s, actor=self.actor, action=alarms.RAISED, subject=self.config.name,
-                reason=f"reward hacking suspected: {message}; promotions stopped",
-                details={"message": message, "step": int(window[-1]["step"]), "steps": window},
-            )  # fmt: skip
+        await self.store.run(
+            audit.append, actor=self.actor, action=alarms.RAISED, subject=self.config.name,
+            reason=f"reward hacking suspected: {message}; promotions stopped",
+            details={"message": message, "step": int(window[-1]["step"]), "steps": window},
+        )  # fmt: skip
         log.warning("reward hacking suspected: %s; promotions stopped", message)
         return message
 
@@ -321,10 +322,11 @@ class Loop:
         saved = (await self.model.checkpoint_extra()).get("loop") or {}
         self.step_means = list(saved.get("means", []))
         self.off_policy_used = {k: int(v) for k, v in (saved.get("off_policy") or {}).items()}
-        self.read_alarm()
-        self._raise_alarm()
+        await self.read_alarm()
+        await self._raise_alarm()
         reason = f"cancelled: an earlier run of the loop {name} queued it and stopped before it used its group"
-        with self.store.session() as s:
+
+        def cancel(s: Session) -> list[str]:
             cancelled = [task for prefix in self.task_prefixes for task in tasks.cancel(s, prefix, reason)]
             if cancelled:
                 audit.append(
@@ -332,6 +334,9 @@ class Loop:
                     reason=f"{len(cancelled)} task(s) an earlier run left open cancelled",
                     details={"tasks": cancelled[:100], "count": len(cancelled)},
                 )  # fmt: skip
+            return cancelled
+
+        cancelled = await self.store.run(cancel)
         if cancelled:
             log.info("cancelled %d task(s) an earlier run of %s left open", len(cancelled), name)
         return cancelled
@@ -418,16 +423,16 @@ class Loop:
         keys = [spec.task_id.removeprefix(prefix).rpartition(":")[0] for spec in specs]
         candidates = self.off_policy_candidates(keys)
 
-        def read() -> OffPolicyDraw:
-            with self.store.session() as s:  # staleness along the checkpoints' line: where each rewind went back to
-                events = audit.events(s, subject=config.name, actions=(REWIND,))
-                return draw(
-                    s, candidates, keys, model=config.name, base_model=config.base_model, step=step,
-                    per_group=config.off_policy_members, max_staleness=config.max_staleness_steps,
-                    used=self.off_policy_used, rewinds={e.details["step"]: e.details["to_step"] or 0 for e in events},
-                )  # fmt: skip
+        def read(s: Session) -> OffPolicyDraw:
+            # staleness along the checkpoints' line: where each rewind went back to
+            events = audit.events(s, subject=config.name, actions=(REWIND,))
+            return draw(
+                s, candidates, keys, model=config.name, base_model=config.base_model, step=step,
+                per_group=config.off_policy_members, max_staleness=config.max_staleness_steps,
+                used=self.off_policy_used, rewinds={e.details["step"]: e.details["to_step"] or 0 for e in events},
+            )  # fmt: skip
 
-        found = await asyncio.to_thread(read)
+        found = await self.store.run(read)
         for key, group in zip(keys, groups, strict=True):
             group.trajectories.extend(found.members[key])
         log.info("step %d: %d off-policy member(s) joined; left out: %s", step + 1, len(found.answered),
@@ -438,8 +443,7 @@ class Loop:
         """``steps`` iterations; a run after an earlier one of the same loop (killed or not) first ``resume``s."""
         config = self.config
         await self.model.register(self.backend)
-        with self.store.session() as s:
-            self.stack.register(s, actor=self.actor)
+        await self.store.run(self.stack.register, actor=self.actor)
         cancelled = await self.resume()
         root = self.backend.base_url.removesuffix("/v1")
         runners = []
@@ -450,7 +454,7 @@ class Loop:
         try:
             queue = InProcessQueue(self.gateway, root)
             for _ in range(config.steps):
-                self.read_alarm()  # a clearing (flywheel loop --clear-alarm) counts from the next iteration
+                await self.read_alarm()  # a clearing (flywheel loop --clear-alarm) counts from the next iteration
                 # first the checkpoint a killed run trained and did not decide: it would have been, before this
                 if (candidate := await self.ladder.consider_due(queue)) is not None:
                     report.candidates.append(candidate)
@@ -461,7 +465,7 @@ class Loop:
                     report.shadow.append(shadow)
                 if (rewind := await self.rewind_if_due()) is not None:  # before anything trains again
                     report.rewinds.append(rewind)
-                report.intake += self.intake()
+                report.intake += await self.intake()
                 if not self.pool:
                     raise ValueError("no tasks to train on: give seed tasks (tasks:) or let production episodes in")
                 step = await self.model.get_step()
@@ -492,7 +496,7 @@ class Loop:
                 report.steps.append(trained)
                 log.info("step %d: reward %.3f (%.0f s)", trained, _mean_reward(drawn), time.monotonic() - started)
                 if trained > step:
-                    self.check_alarm(drawn, trained)
+                    await self.check_alarm(drawn, trained)
                     self.off_policy_used = used
                 if (candidate := await self.ladder.consider_due(queue)) is not None:
                     report.candidates.append(candidate)

@@ -16,6 +16,7 @@ import secrets
 from collections.abc import Sequence
 
 from pydantic import BaseModel
+from sqlalchemy.orm import Session
 
 from flywheel.gateway.client import GroupQueue
 from flywheel.gateway.schemas import TaskSpec
@@ -118,15 +119,14 @@ async def evaluate(
             side[item_id] = (trajectories, list(scores))
     if store is not None:
 
-        def record() -> None:
-            with store.session() as s:
-                stack.register(s, actor=actor)
-                for side in scored:
-                    for trajectories, scores in side.values():
-                        for t, result in zip(trajectories, scores, strict=True):
-                            result.record(s, str(t.metadata["episode_id"]))
+        def record(s: Session) -> None:
+            stack.register(s, actor=actor)
+            for side in scored:
+                for trajectories, scores in side.values():
+                    for t, result in zip(trajectories, scores, strict=True):
+                        result.record(s, str(t.metadata["episode_id"]))
 
-        await asyncio.to_thread(record)
+        await store.run(record)
     checked = stack.safety is not None
     return [
         HeldOutRun(

@@ -25,7 +25,6 @@ missing ``loop.rewind`` event and never rewinds twice.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -42,8 +41,10 @@ from flywheel.loop.gate import GateDecision, HeldOutSet, decide_look
 from flywheel.loop.shadow import Pair, ShadowVerdict
 from flywheel.loop.shadow import verdict as shadow_verdict
 from flywheel.model import TrainableModel
-from flywheel.store import audit, deployments, episodes, grades
+from flywheel.store import Store, audit, deployments, episodes, grades
 from flywheel.store.arms import Arm, ArmEpisode, arms
+from flywheel.store.audit import AuditEventRecord
+from flywheel.store.deployments import DeploymentRecord
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -115,30 +116,32 @@ class PromotionLadder:
         self._unpaired: dict[tuple[int, str], int] = {}
 
     @property
-    def store(self):
+    def store(self) -> Store:
         return self.backend.gateway.store
 
     async def production_name(self) -> str:
         """What a candidate is compared with: the checkpoint the production deployment points at (``MODEL@<step>``,
         which the backend serves), never the alias (``MODEL@production`` sends a canary's share of episodes to the
         canary); else the base model (served for it)."""
-        with self.store.session() as s:
-            production = deployments.find(s, f"{self.config.name}@production")
+        production = await self.store.run(deployments.find, f"{self.config.name}@production")
         if production is not None:
             return production.target
         await self.backend.load(self.config.base_model)
         return self.config.base_model
 
-    def look(self) -> int:
+    async def look(self) -> int:
         """The gate's next look: 1 + its decisions since production last changed (the production deployment's
         latest event; every decision of this model before there is one). Each look spends part of the gate's
         lifetime error budget (``gate.levels``), so a candidate no better than production is rarely promoted
         however often the loop asks."""
         name = self.config.name
-        with self.store.session() as s:
+
+        def count(s: Session) -> int:
             production = deployments.find(s, f"{name}@production")
             after = production.event_id if production is not None else 0
             return 1 + audit.count_events(s, actions=GATE_ACTIONS, subject_prefix=f"{name}@", after=after)
+
+        return await self.store.run(count)
 
     async def consider_due(self, queue: GroupQueue) -> Candidate | None:
         """The latest checkpoint through the gate (``consider``) if it is due: a step this loop trained (its
@@ -151,15 +154,14 @@ class PromotionLadder:
         saved = (await self.model.checkpoint_extra()).get("loop")
         if saved is None or saved.get("rewind"):  # not the loop's, or production's weights again (rewind_if_due)
             return None
-        with self.store.session() as s:
-            if audit.events(s, subject=self.model.get_inference_name(step), actions=GATE_ACTIONS, limit=1):
-                return None
+        if await self.store.run(audit.events, subject=self.model.get_inference_name(step), actions=GATE_ACTIONS, limit=1):  # fmt: skip
+            return None
         return await self.consider(queue, step)
 
     async def consider(self, queue: GroupQueue, step: int) -> Candidate:
         """Evaluate checkpoint ``step`` against production on the held-out set; the gate decides (``decide``). A
         candidate that passes the look's screen is evaluated again, both sides afresh (``gate.decide_look``)."""
-        production, look = await self.production_name(), self.look()
+        production, look = await self.production_name(), await self.look()
         name = self.model.get_inference_name(step)
 
         async def both() -> tuple[HeldOutRun, HeldOutRun]:
@@ -193,7 +195,7 @@ class PromotionLadder:
         so far, after that shadow's own verdict, if its evidence already decides it) or, without a shadow stage,
         the canary, unless one is being watched: then it is held (the gate event says why)."""
         name, runs = self.model.get_inference_name(step), (candidate, current, *(again or ()))
-        look = self.look() if look is None else look
+        look = await self.look() if look is None else look
         fresh = None if again is None else (again[0].results, again[1].results)
         deterministic = candidate.greedy and current.greedy
         decision = decide_look(
@@ -206,7 +208,8 @@ class PromotionLadder:
         first = production == self.config.base_model  # no production traffic to split: it becomes production
         # an older shadow's pairs scored up to now (its evidence, if it is replaced), and its verdict if they decide it
         older = await self.watch_shadow() if decision.promote and not first else None
-        with self.store.session() as s:
+
+        def record(s: Session) -> tuple[str | None, AuditEventRecord, str | None]:
             audit.lock(s)  # the deployments read here stay as they are until this unit of work commits
             stage, held = self._stage(s, first) if decision.promote else (None, None)
             event = audit.append(
@@ -227,7 +230,9 @@ class PromotionLadder:
                   | ({"task_lift": decision.task_lift.model_dump()} if decision.task_lift else {})
                   | unchecked | ({"held": held} if held else {}),
             )  # fmt: skip
-            deployed = None if stage is None else self._deploy(s, stage, step, event.id)
+            return held, event, None if stage is None else self._deploy(s, stage, step, event.id)
+
+        held, event, deployed = await self.store.run(record)
         return Candidate(
             step=step, production=production, decision=decision, event_id=event.id, deployed=deployed, held=held,
             shadow=older if older is not None and older.action != "wait" else None,
@@ -289,7 +294,8 @@ class PromotionLadder:
         name, policy = self.config.name, self.config.shadow
         if policy is None:
             return None
-        with self.store.session() as s:
+
+        def read(s: Session) -> tuple[DeploymentRecord, dict[str, tuple[str, int]], dict[str, tuple]] | None:
             shadow = deployments.find(s, f"{name}@shadow")
             if shadow is None:
                 return None
@@ -312,6 +318,11 @@ class PromotionLadder:
                     inputs[shadow_id] = (origin, last_sample(mirror), last_sample(answered), grades.item_of(s, origin))
                 else:
                     self._unpaired[key] = len(mirror)
+            return shadow, linked, inputs
+
+        if (found_shadow := await self.store.run(read)) is None:
+            return None
+        shadow, linked, inputs = found_shadow
         scored = []
         for shadow_id, (origin, mirror, answered, item) in inputs.items():
             candidate, current = await score(self.stack, mirror, item), await score(self.stack, answered, item)
@@ -321,19 +332,19 @@ class PromotionLadder:
             )  # fmt: skip
             scored.append((shadow_id, candidate))
 
-        def record() -> None:
-            with self.store.session() as s:
-                self.stack.register(s, actor=self.actor)  # once stored, a no-op
-                for shadow_id, result in scored:
-                    result.record(s, shadow_id)
+        def record(s: Session) -> None:
+            self.stack.register(s, actor=self.actor)  # once stored, a no-op
+            for shadow_id, result in scored:
+                result.record(s, shadow_id)
 
         if scored:
-            await asyncio.to_thread(record)
+            await self.store.run(record)
         pairs = [pair for i in sorted(linked) if (pair := self._pairs.get((shadow.event_id, i))) is not None]
         found = shadow_verdict(pairs, policy, self.config.seed)
         if found.action == "canary" and (alarm := self._alarm()) is not None:
             found = found.model_copy(update={"action": "wait", "reason": f"promotion paused: {alarm}"})
-        with self.store.session() as s:
+
+        def decide(s: Session, found: ShadowVerdict) -> ShadowVerdict:
             if found.action == "canary" and deployments.find(s, f"{name}@canary") is not None:
                 found = found.model_copy(update={"action": "wait", "reason": f"{found.reason}; a canary is running"})
             if found.action == "wait":
@@ -353,6 +364,11 @@ class PromotionLadder:
                 s, f"{name}@shadow", actor=self.actor,
                 reason=f"shadow {'passed' if found.action == 'canary' else 'stopped'} (audit event {event.id})",
             )  # fmt: skip
+            return found
+
+        found = await self.store.run(decide, found)
+        if found.action == "wait":
+            return found
         log.info("shadow %s@%d: %s (%s)", name, shadow.step, found.action, found.reason)
         return found
 
@@ -360,7 +376,8 @@ class PromotionLadder:
         """If ``MODEL@canary`` serves: score both arms since its deployment; promote it, roll it back, or wait
         (``canary.verdict``). A promotion or rollback is audited with its evidence. None without a canary."""
         name, policy = self.config.name, self.config.canary
-        with self.store.session() as s:
+
+        def read(s: Session) -> tuple[DeploymentRecord, dict[str, list[ArmEpisode]], dict[str, tuple]] | None:
             canary = deployments.find(s, f"{name}@canary")
             if canary is None:
                 return None
@@ -368,7 +385,11 @@ class PromotionLadder:
             sides = {side: self._finished(report.arms.get(f"{name}@{side}")) for side in ("canary", "production")}
             # a finished episode's answer does not change: each is scored once (its feedback is read every time)
             new = {e.id for side in sides.values() for e in side} - self._scores.keys()
-            inputs = {i: (last_sample(episodes.calls(s, i)), grades.item_of(s, i)) for i in sorted(new)}
+            return canary, sides, {i: (last_sample(episodes.calls(s, i)), grades.item_of(s, i)) for i in sorted(new)}
+
+        if (found_canary := await self.store.run(read)) is None:
+            return None
+        canary, sides, inputs = found_canary
         for episode_id, (sample, item) in inputs.items():
             self._scores[episode_id] = await score(self.stack, sample, item)
 
@@ -385,7 +406,8 @@ class PromotionLadder:
             found = found.model_copy(update={"action": "wait", "reason": f"promotion paused: {alarm}"})
         if found.action == "wait":
             return found
-        with self.store.session() as s:
+
+        def end(s: Session) -> None:
             event = audit.append(
                 s, actor=self.actor, action=f"canary.{found.action}", subject=f"{name}@canary", reason=found.reason,
                 details=found.model_dump() | {"step": canary.step, "deploy_event": canary.event_id},
@@ -395,6 +417,8 @@ class PromotionLadder:
             deployments.remove(
                 s, f"{name}@canary", actor=self.actor, reason=f"canary {ENDED[found.action]} (audit event {event.id})"
             )
+
+        await self.store.run(end)
         log.info("canary %s@%d: %s (%s)", name, canary.step, found.action, found.reason)
         return found
 
@@ -420,7 +444,9 @@ class PromotionLadder:
             return None
         name = self.config.name
         marker = ((await self.model.checkpoint_extra()).get("loop") or {}).get("rewind")
-        with self.store.session() as s:
+
+        def read(s: Session) -> Rewind | tuple[list[AuditEventRecord], DeploymentRecord | None]:
+            """The rewind a killed run wrote and did not record (recorded now), else the rollbacks it is due for."""
             done = audit.events(s, subject=name, actions=(REWIND,))
             if marker is not None and not any(e.details.get("step") == marker["step"] for e in done):
                 return self._record_rewind(s, Rewind.model_validate(marker), "its checkpoint was written before a kill")
@@ -430,7 +456,11 @@ class PromotionLadder:
                 e for e in audit.events(s, actions=ROLLBACKS) if e.subject in aliases
                 and (last is None or (e.id > done[-1].id and e.details["step"] > last["step"]))
             ]  # fmt: skip
-            production = deployments.find(s, f"{name}@production")
+            return judged, deployments.find(s, f"{name}@production")
+
+        if isinstance(found := await self.store.run(read), Rewind):
+            return found
+        judged, production = found
         if not judged:
             return None
         live = await self.model.get_step()
@@ -448,8 +478,7 @@ class PromotionLadder:
                 "(deploy a checkpoint that exists as production, or set rewind_on_rollback: false)"
             ) from None
         assert written == rewind.step, (written, rewind.step)  # one step at a time: nothing else trains this model
-        with self.store.session() as s:
-            return self._record_rewind(s, rewind, f"{judged[-1].action} (audit event {judged[-1].id})")
+        return await self.store.run(self._record_rewind, rewind, f"{judged[-1].action} (audit event {judged[-1].id})")
 
     def _record_rewind(self, s: Session, rewind: Rewind, why: str) -> Rewind:
         """The ``loop.rewind`` event of a rewound checkpoint, in this unit of work."""
