@@ -199,3 +199,36 @@ async def test_flywheel_serve_vllm_serves_a_run_directorys_lora_checkpoint(setup
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+async def test_past_max_loaded_the_adapter_loaded_longest_ago_is_unloaded_and_a_request_loads_it_again(setup):
+    """``serve --vllm``'s loader keeps its last ``max_loaded`` adapters: loading a third retires the first (no longer
+    served, then unloaded from vLLM), and a request for it loads it again (retiring the next oldest)."""
+    checkpoints = setup.home / "p" / "models" / "lru" / "checkpoints"
+    for step in (1, 2, 3):  # three versions of the same weights
+        shutil.copytree(setup.checkpoint, checkpoints / f"{step:04d}")
+    registry = ModelRegistry(loader=lambda name: loader(name))
+    loader = CheckpointAdapters(setup.pool, registry, setup.home, max_loaded=2)
+
+    def on_vllm() -> set[str]:
+        return {m["id"] for m in httpx.get(f"{setup.shim_url}/v1/models").json()["data"]} & {"lru@1", "lru@2", "lru@3"}
+
+    async def settled(expected: set[str]) -> None:  # the unload runs in a thread of its own
+        for _ in range(100):
+            if on_vllm() == expected:
+                return
+            await asyncio.sleep(0.1)
+        assert on_vllm() == expected
+
+    for name in ("lru@1", "lru@2", "lru@3"):
+        await registry.resolve(name)
+    await settled({"lru@2", "lru@3"})
+    assert {m.name for m in registry.all()} == {"lru@2", "lru@3"} and loader.versions.loaded("lru") == [2, 3]
+    again = await registry.resolve("lru@1")  # loaded again; lru@2 is now the oldest
+    await settled({"lru@3", "lru@1"})
+    assert {m.name for m in registry.all()} == {"lru@3", "lru@1"}
+    prompt = setup.engine.tokenizer.encode("The capital of France is", add_special_tokens=False)
+    assert (await again.engine.generate(prompt, SamplingParams(max_tokens=4, seed=1)))[0].token_ids
+    assert again.step == 1
+    with pytest.raises(ValueError, match="max_loaded must be at least 1"):
+        CheckpointAdapters(setup.pool, registry, setup.home, max_loaded=0)

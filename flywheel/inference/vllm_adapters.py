@@ -10,19 +10,26 @@ change), and ``retire(name, keep)`` unloads the versions not kept once none of t
 ``NAME@k``, where ``NAME`` is a model under the Flywheel home (``<home>/<project>/models/NAME``) and ``k`` a complete
 LoRA checkpoint of it, loads that checkpoint's directory as it is (peft's ``adapter_config.json`` and
 ``adapter_model.safetensors``) into every vLLM server as the adapter ``NAME@k`` and serves it through its view, so
-each recorded call names step ``k``. Other names go to the next loader (the fine-tuning service's)."""
+each recorded call names step ``k``. It keeps the last ``max_loaded`` loaded: past that, the one loaded longest ago is
+no longer served (a new request for it loads it again) and is unloaded from the servers, in a thread of its own, once
+its requests in flight are done. Other names go to the next loader (the fine-tuning service's)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from flywheel.checkpoints import layout
 from flywheel.inference.registry import ModelRegistry, ServedModel, UnknownModelError
-from flywheel.inference.vllm_engine import VLLMEngine, VLLMPool
+from flywheel.inference.vllm_engine import VLLMAdapterError, VLLMEngine, VLLMPool
+
+log = logging.getLogger(__name__)
+
+MAX_CHECKPOINT_ADAPTERS = 8  # NAME@k adapters ``serve --vllm`` keeps loaded (vLLM: --max-loras bounds those in a batch)
 
 
 def version_name(name: str, step: int) -> str:
@@ -72,10 +79,17 @@ class CheckpointAdapters:
         registry: ModelRegistry,
         home: Path,
         fallback: Callable[[str], ServedModel | None] | None = None,
+        max_loaded: int = MAX_CHECKPOINT_ADAPTERS,
     ):
+        if max_loaded < 1:
+            raise ValueError(f"max_loaded must be at least 1, got {max_loaded}")
         self.pool, self.registry, self.home, self.fallback = pool, registry, Path(home), fallback
+        self.max_loaded = max_loaded
         self.versions = AdapterVersions(pool)
-        self._lock = threading.Lock()  # one load at a time; a second request for the same name waits for the first
+        self._order: list[tuple[str, int]] = []  # (name, step) of the adapters loaded here, the oldest first
+        # one load or unload at a time; a second request for the same name waits for the first, a request for one
+        # being unloaded waits for the unload (then loads it again)
+        self._lock = threading.Lock()
 
     def __call__(self, served_name: str) -> ServedModel | None:
         name, _, step = served_name.rpartition("@")
@@ -100,7 +114,28 @@ class CheckpointAdapters:
                 pass
             view = asyncio.run(self._publish(name, int(step), directory))
             self.registry.add(served_name, view, owned_by=project, step=int(step))
+            self._order.append((name, int(step)))
+            if len(self._order) > self.max_loaded:
+                oldest = self._order.pop(0)
+                self.registry.remove(version_name(*oldest))  # new requests load it again, after the unload
+                threading.Thread(target=self._retire, args=oldest, daemon=True, name="flywheel-adapter-retire").start()
             return self.registry.get(served_name)
+
+    def _retire(self, name: str, step: int) -> None:
+        """Unload ``name@step`` from the servers once its requests in flight are done (off the request that
+        loaded a newer one: that waits for nothing)."""
+        with self._lock:
+            keep = set(self.versions.loaded(name)) - {step}
+            try:
+                asyncio.run(self._unload(name, keep))
+            except VLLMAdapterError as exc:  # no longer served here either way; vLLM bounds what it keeps
+                log.warning("could not unload the adapter %s: %s", version_name(name, step), exc)
+
+    async def _unload(self, name: str, keep: set[int]) -> None:
+        try:
+            await self.versions.retire(name, keep)
+        finally:
+            await self.pool.aclose()
 
     async def _publish(self, name: str, step: int, directory: Path) -> VLLMEngine:
         try:
