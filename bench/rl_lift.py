@@ -46,13 +46,18 @@ def arm_config(arm: str, seed: int, smoke: bool) -> JobConfig:
 
 
 def per_step(report: dict) -> dict[str, list[float]]:
-    """Each RL step's share of groups without reward variance among those drawn, and its trained tokens' mean
-    entropy (nats; absent where the step trained nothing)."""
+    """Each RL step's share of groups without reward variance among those drawn, its trained tokens' mean
+    entropy (nats; absent where the step trained nothing), and with dynamic sampling the share of kept groups
+    already mixed in their first half of rollouts (what screening items with half a group would keep)."""
     rows = report["rl_history"]
     zero = [
         r["groups_dropped"] / r["groups_drawn"] if "groups_drawn" in r else r["zero_variance_fraction"] for r in rows
     ]
-    return {"zero_variance_share": zero, "entropy": [r["entropy"] for r in rows if "entropy" in r]}
+    return {
+        "zero_variance_share": zero,
+        "entropy": [r["entropy"] for r in rows if "entropy" in r],
+        "kept_mixed_in_half": [r["kept_mixed_in_half"] for r in rows if "kept_mixed_in_half" in r],
+    }
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -13,6 +13,7 @@ import pytest
 from flywheel.agents.dynamic_sampling import (
     DynamicSampler,
     DynamicSamplingConfig,
+    MixedGroups,
     NoMixedGroupsError,
     gather_mixed_groups,
 )
@@ -59,6 +60,7 @@ async def test_it_draws_until_the_step_has_its_mixed_groups_and_reports_what_it_
         "groups_drawn": result.drawn, "groups_kept": len(result.kept), "groups_dropped": len(result.dropped),
         "sampling_waves": result.waves, "sampling_short": 0.0,
         "drawn_reward_mean": (2 * len(result.kept) + 3 * len(result.dropped)) / (3 * result.drawn),
+        "kept_mixed_in_half": 1.0,  # each kept group's first 2 of 3 rollouts: rewards 0 and 1
     }  # fmt: skip
 
 
@@ -78,7 +80,7 @@ async def test_tries_are_bounded_when_no_group_has_mixed_outcomes():
     pool = Pool(lambda i: False)  # endless, and never a mixed group
     result = await gather_mixed_groups(pool.groups(), 3, config=DynamicSamplingConfig(max_draws=2), pbar_desc=None)
     assert result.stop == "max_draws" and result.kept == [] and result.drawn == pool.drawn == 6
-    assert result.metrics()["sampling_short"] == 1.0
+    assert result.metrics()["sampling_short"] == 1.0 and "kept_mixed_in_half" not in result.metrics()
 
 
 async def test_time_is_bounded_between_waves():
@@ -117,3 +119,11 @@ def test_the_config_refuses_bounds_that_cannot_work():
         DynamicSamplingConfig(max_draws=0.5)
     with pytest.raises(ValueError, match="max_seconds"):
         DynamicSamplingConfig(max_seconds=0)
+
+
+def test_kept_mixed_in_half_is_the_share_of_kept_groups_whose_first_half_already_differs():
+    def group(*rewards: float) -> TrajectoryGroup:
+        return TrajectoryGroup([Trajectory(messages_and_choices=[USER], reward=r) for r in rewards])
+
+    kept = [group(1, 1, 0, 0), group(0, 1, 1, 1), group(1, 1, 1, 0, 1)]  # first halves: 1 1 | 0 1 | 1 1 1
+    assert MixedGroups(kept, [], 3, 1, "full").metrics()["kept_mixed_in_half"] == pytest.approx(1 / 3)

@@ -63,9 +63,11 @@ class MixedGroups:
         """For the step's history row: ``groups_drawn``, ``groups_kept``, ``groups_dropped``, ``sampling_waves``,
         ``sampling_short`` (1 when the step has fewer groups than wanted), and of every group drawn (the kept
         ones alone would hide what the dropped ones cost, and lean to a mean reward near one half):
-        ``drawn_reward_mean``, ``rollout_seconds`` and ``score_seconds``."""
+        ``drawn_reward_mean``, ``rollout_seconds`` and ``score_seconds``. With groups kept,
+        ``kept_mixed_in_half``: the share of them whose first half of rollouts already had rewards that differ
+        (what screening each item with half its rollouts, and completing only the mixed ones, would keep)."""
         rewards = [total_reward(t) for g in self.kept + self.dropped for t in g.trajectories]
-        return {
+        metrics = {
             "groups_drawn": self.drawn,
             "groups_kept": len(self.kept),
             "groups_dropped": len(self.dropped),
@@ -74,6 +76,11 @@ class MixedGroups:
             "drawn_reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             **phase_seconds(self.kept + self.dropped),
         }
+        if self.kept:
+            halves = [g.trajectories[: (len(g.trajectories) + 1) // 2] for g in self.kept]
+            mixed = sum(len({total_reward(t) for t in half}) > 1 for half in halves)
+            metrics["kept_mixed_in_half"] = mixed / len(self.kept)
+        return metrics
 
 
 @dataclass
