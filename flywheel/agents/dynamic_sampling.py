@@ -77,8 +77,8 @@ class MixedGroups:
             **phase_seconds(self.kept + self.dropped),
         }
         if self.kept:
-            halves = [g.trajectories[: (len(g.trajectories) + 1) // 2] for g in self.kept]
-            mixed = sum(len({total_reward(t) for t in half}) > 1 for half in halves)
+            halves = [TrajectoryGroup(g.trajectories[: (len(g.trajectories) + 1) // 2]) for g in self.kept]
+            mixed = sum(has_reward_variance(half) for half in halves)
             metrics["kept_mixed_in_half"] = mixed / len(self.kept)
         return metrics
 

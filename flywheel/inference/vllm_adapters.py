@@ -20,14 +20,16 @@ import asyncio
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 from flywheel.checkpoints import layout
 from flywheel.inference.registry import ModelRegistry, ServedModel, UnknownModelError
 from flywheel.inference.vllm_engine import VLLMAdapterError, VLLMEngine, VLLMPool
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_CHECKPOINT_ADAPTERS = 8  # NAME@k adapters ``serve --vllm`` keeps loaded (vLLM: --max-loras bounds those in a batch)
 
@@ -112,7 +114,7 @@ class CheckpointAdapters:
                 return self.registry.get(served_name)
             except UnknownModelError:
                 pass
-            view = asyncio.run(self._publish(name, int(step), directory))
+            view = self._on_own_loop(self.versions.publish(name, int(step), directory))
             self.registry.add(served_name, view, owned_by=project, step=int(step))
             self._order.append((name, int(step)))
             if len(self._order) > self.max_loaded:
@@ -125,23 +127,24 @@ class CheckpointAdapters:
         """Unload ``name@step`` from the servers once its requests in flight are done (off the request that
         loaded a newer one: that waits for nothing)."""
         with self._lock:
+            if (name, step) in self._order:  # requested again before this thread got the lock: served again
+                return
             keep = set(self.versions.loaded(name)) - {step}
             try:
-                asyncio.run(self._unload(name, keep))
+                self._on_own_loop(self.versions.retire(name, keep))
             except VLLMAdapterError as exc:  # no longer served here either way; vLLM bounds what it keeps
                 log.warning("could not unload the adapter %s: %s", version_name(name, step), exc)
 
-    async def _unload(self, name: str, keep: set[int]) -> None:
-        try:
-            await self.versions.retire(name, keep)
-        finally:
-            await self.pool.aclose()
+    def _on_own_loop(self, work: Awaitable[T]) -> T:
+        """``work`` on an event loop of this thread's own, its connections closed when it ends."""
 
-    async def _publish(self, name: str, step: int, directory: Path) -> VLLMEngine:
-        try:
-            return await self.versions.publish(name, step, directory)
-        finally:
-            await self.pool.aclose()  # this thread's event loop ends here: its connections with it
+        async def run() -> T:
+            try:
+                return await work
+            finally:
+                await self.pool.aclose()
+
+        return asyncio.run(run())
 
     def _check(self, served_name: str, directory: Path) -> None:
         """A clear refusal (the API's 400) of a checkpoint vLLM cannot serve as an adapter of its model."""
