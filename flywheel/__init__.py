@@ -5,7 +5,7 @@ The public API mirrors OpenPipe ART, so ``import flywheel as art`` runs ART-styl
 ``flywheel.guided_completion`` are ART's ``art.local``, ``art.utils``, ``art.dev`` and ``art.guided_completion``
 (and ``flywheel.trajectories`` ART's ``art.trajectories``).
 Importing it is light (no torch): an agent or a runner process needs the data types, ``gather`` and the model
-handles; the names that load the engine (``LocalBackend``) or a judge's client (``rewards``) are imported when first
+handles; the names that load the engine (``LocalBackend``, ``VLLMBackend``) or a judge's client (``rewards``) are imported when first
 used.
 """
 
@@ -26,9 +26,11 @@ if TYPE_CHECKING:
     from flywheel import rewards
     from flywheel.agents.dynamic_sampling import gather_mixed_groups
     from flywheel.local.backend import LocalBackend
+    from flywheel.vllm_backend import VLLMBackend
 
 _LAZY = {
     "LocalBackend": ("flywheel.local.backend", "LocalBackend"),
+    "VLLMBackend": ("flywheel.vllm_backend", "VLLMBackend"),  # LocalBackend training, sampling on vLLM servers
     "rewards": ("flywheel.rewards", None),
     "gather_mixed_groups": ("flywheel.agents.dynamic_sampling", "gather_mixed_groups"),  # DAPO's dynamic sampling
 }
@@ -57,6 +59,7 @@ __all__ = [
     "TrainableModel",
     "Trajectory",
     "TrajectoryGroup",
+    "VLLMBackend",
     "auto_trajectory",
     "capture_auto_trajectory",
     "dev",

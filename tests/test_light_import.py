@@ -21,7 +21,7 @@ from flywheel.graders.spec import parse_grader  # graders' data types
 from flywheel.gateway.client import EpisodeClient, QueueClient  # an agent or runner talking to the gateway
 from flywheel.gateway.runner import Runner  # a runner of the rollout queue
 heavy = sorted(m for m in ("torch", "peft", "fastapi", "uvicorn", "transformers", "litellm", "flywheel.local",
-                           "flywheel.inference.engine", "sqlalchemy", "flywheel.store") if m in sys.modules)
+                           "flywheel.inference.engine", "sqlalchemy", "flywheel.store", "flywheel.vllm_backend") if m in sys.modules)
 backend = art.LocalBackend  # the heavy name still resolves, when asked for
 print(json.dumps({"heavy": heavy, "torch_after_backend": "torch" in sys.modules, "modules": len(sys.modules)}))
 """

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 MODELS = "models"  # <home>/<project>/models/<name>
+PUBLISHED = ".published"  # <home>/.published/<project>/<name>/: adapters served on vLLM between checkpoints
 CHECKPOINTS = "checkpoints"
 TRAJECTORIES = "trajectories"
 ABANDONED = "abandoned"
@@ -44,6 +45,12 @@ TMP, ASIDE, DELETING = ".tmp-", ".old-", ".del-"  # checkpoints/ entries in flig
 def model_path(home: Path, project: str, name: str) -> Path:
     """Where a model's directory is under a Flywheel home."""
     return home / project / MODELS / name
+
+
+def published_path(home: Path, project: str, name: str) -> Path:
+    """Where a backend that samples on vLLM writes the adapters of steps it serves without a checkpoint
+    (``flywheel.vllm_backend``): outside the model's directory, which checkpoint sync copies."""
+    return home / PUBLISHED / project / name
 
 
 def home_project_name(model_dir: Path) -> tuple[Path, str, str]:

@@ -257,8 +257,7 @@ class RunStore:
         steps = self.steps()
         if not steps:
             return []
-        with _store(self.db).session() as s:
-            deployed = deployments.steps_in_use(s, self.name, rollback=rollback)
+        deployed = self.deployed_steps(rollback)
         whole = {steps[-1], *keep}
         deleted = []
         for step in steps:
@@ -270,6 +269,12 @@ class RunStore:
                 self.delete(step)
                 deleted.append(step)
         return deleted
+
+    def deployed_steps(self, rollback: int = 1) -> set[int]:
+        """The steps this model's deployments point at, and the ``rollback`` steps before each that a rollback
+        would go back to (the store's deployments and their audit history)."""
+        with _store(self.db).session() as s:
+            return deployments.steps_in_use(s, self.name, rollback=rollback)
 
     # ---- history and trajectories ------------------------------------------------------------------------------
 
@@ -511,15 +516,22 @@ def _complete_lines(path: Path) -> list[str]:
     return [line for line in (lines if text.endswith("\n") else lines[:-1]) if line.strip()]
 
 
+def write_adapter(directory: Path, checkpoint: Checkpoint) -> None:
+    """A LoRA checkpoint's weights as a peft adapter directory (``adapter_model.safetensors`` and, when the
+    checkpoint has it, ``adapter_config.json``), as peft and vLLM load one."""
+    weights = {k: v.detach().cpu().contiguous() for k, v in checkpoint.weights.items()}
+    save_file(weights, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    if checkpoint.adapter_config is not None:
+        (directory / ADAPTER_CONFIG).write_text(json.dumps(checkpoint.adapter_config, indent=2, sort_keys=True))
+
+
 def _write_files(directory: Path, checkpoint: Checkpoint) -> None:
     """The checkpoint format; the state file goes last."""
-    weights = {k: v.detach().cpu().contiguous() for k, v in checkpoint.weights.items()}
     if checkpoint.state.trained_weights.mode == "full":
+        weights = {k: v.detach().cpu().contiguous() for k, v in checkpoint.weights.items()}
         save_file(weights, str(directory / FULL_WEIGHTS))
     else:
-        save_file(weights, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        if checkpoint.adapter_config is not None:
-            (directory / ADAPTER_CONFIG).write_text(json.dumps(checkpoint.adapter_config, indent=2, sort_keys=True))
+        write_adapter(directory, checkpoint)
     if checkpoint.optimizer is not None:
         torch.save(checkpoint.optimizer, directory / OPTIMIZER)
     if checkpoint.rng is not None:

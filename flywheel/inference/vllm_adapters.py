@@ -12,7 +12,12 @@ LoRA checkpoint of it, loads that checkpoint's directory as it is (peft's ``adap
 ``adapter_model.safetensors``) into every vLLM server as the adapter ``NAME@k`` and serves it through its view, so
 each recorded call names step ``k``. It keeps the last ``max_loaded`` loaded: past that, the one loaded longest ago is
 no longer served (a new request for it loads it again) and is unloaded from the servers, in a thread of its own, once
-its requests in flight are done. Other names go to the next loader (the fine-tuning service's)."""
+its requests in flight are done. Other names go to the next loader (the fine-tuning service's).
+
+It also holds a trainer's versions (``flywheel.vllm_backend``): ``publish`` serves a step's weights as ``NAME`` and
+``NAME@STEP`` and unloads the versions not kept, ``forget`` unloads those above a step (another branch) or all of
+them, ``adopt`` sorts the versions an earlier process left on the servers. Loads and unloads of both kinds go one at
+a time, each on an event loop of its own thread, under one lock."""
 
 from __future__ import annotations
 
@@ -59,6 +64,10 @@ class AdapterVersions:
             versions[step] = Path(directory)
         return self.pool.view(version_name(name, step), step)
 
+    def adopt(self, name: str, step: int, directory: Path) -> None:
+        """``name@step``, which the servers hold from ``directory`` already, counted as loaded."""
+        self._loaded.setdefault(name, {})[step] = Path(directory)
+
     async def retire(self, name: str, keep: Iterable[int]) -> list[int]:
         """Unload every loaded version of ``name`` whose step is not in ``keep``, each once none of its requests is
         in flight (new requests on it are refused from now on); returns the steps unloaded."""
@@ -88,7 +97,8 @@ class CheckpointAdapters:
         self.pool, self.registry, self.home, self.fallback = pool, registry, Path(home), fallback
         self.max_loaded = max_loaded
         self.versions = AdapterVersions(pool)
-        self._order: list[tuple[str, int]] = []  # (name, step) of the adapters loaded here, the oldest first
+        self._order: list[tuple[str, int]] = []  # (name, step) of the adapters requests loaded, the oldest first
+        self._kept: dict[str, set[int]] = {}  # per model, the steps its trainer keeps loaded (``publish``)
         # one load or unload at a time; a second request for the same name waits for the first, a request for one
         # being unloaded waits for the unload (then loads it again)
         self._lock = threading.Lock()
@@ -127,13 +137,71 @@ class CheckpointAdapters:
         """Unload ``name@step`` from the servers once its requests in flight are done (off the request that
         loaded a newer one: that waits for nothing)."""
         with self._lock:
-            if (name, step) in self._order:  # requested again before this thread got the lock: served again
-                return
+            if (name, step) in self._order or step in self._kept.get(name, ()):  # served again since, or the
+                return  # trainer's
             keep = set(self.versions.loaded(name)) - {step}
             try:
                 self._on_own_loop(self.versions.retire(name, keep))
             except VLLMAdapterError as exc:  # no longer served here either way; vLLM bounds what it keeps
                 log.warning("could not unload the adapter %s: %s", version_name(name, step), exc)
+
+    # ---- a trainer's versions (flywheel.vllm_backend) ----
+
+    def publish(self, name: str, project: str, step: int, directory: Path, keep: Iterable[int]) -> list[int]:
+        """A trainer's weights at ``step`` (the peft adapter ``directory``) loaded as ``name@step`` and served as
+        ``name`` and ``name@step``; every other version of ``name`` is then no longer served and is unloaded once
+        its requests are done, unless its step is in ``keep`` or a request loaded it (and it is among the last
+        ``max_loaded``). Returns the steps unloaded."""
+        with self._lock:
+            self._kept[name] = {*keep, step}
+            if (name, step) in self._order:  # loaded by a request before: the trainer's from now on
+                self._order.remove((name, step))
+            view = self._on_own_loop(self.versions.publish(name, step, Path(directory)))
+            self.registry.add(version_name(name, step), view, owned_by=project, step=step)
+            self.registry.add(name, view, owned_by=project, step=step)
+            requested = {s for n, s in self._order if n == name}
+            return self._unload(name, [s for s in self.versions.loaded(name) if s not in self._kept[name] | requested])
+
+    def forget(self, name: str, above: int | None = None) -> list[int]:
+        """Unload the versions of ``name`` above step ``above`` (another branch: training went on from an earlier
+        step), or all of them, however they were loaded. A refusal raises ``VLLMAdapterError``: a version left
+        loaded would be served again when its step is trained anew. Returns the steps unloaded."""
+        with self._lock:
+            gone = [s for s in self.versions.loaded(name) if above is None or s > above]
+            self._order = [(n, s) for n, s in self._order if n != name or s not in gone]
+            if above is None:
+                self._kept.pop(name, None)
+                self.registry.remove(name)
+            return self._unload(name, gone)
+
+    def adopt(self, name: str, checkpoints: dict[int, Path]) -> list[int]:
+        """The versions of ``name`` the servers hold already (an earlier process loaded them): one loaded from
+        its checkpoint's directory (``checkpoints``, by step) is kept as loaded here (and retired in its turn),
+        any other (a temporary adapter of a process gone, a checkpoint since abandoned or deleted) is unloaded.
+        Returns the steps unloaded."""
+        with self._lock:
+            held = self._on_own_loop(self.pool.adapters())
+            stale = []
+            for adapter, roots in held.items():
+                held_name, _, step = adapter.rpartition("@")
+                if held_name != name or not step.isdigit():
+                    continue
+                directory = checkpoints.get(int(step))
+                if directory is not None and roots == {str(directory)}:
+                    self.versions.adopt(name, int(step), directory)
+                else:
+                    stale.append(int(step))
+            for step in stale:
+                self._on_own_loop(self.pool.unload_adapter(version_name(name, step)))
+            return stale
+
+    def _unload(self, name: str, steps: list[int]) -> list[int]:
+        """No longer serve ``steps`` of ``name`` and unload them (the caller holds the lock)."""
+        for step in steps:
+            self.registry.remove(version_name(name, step))
+        if steps:
+            self._on_own_loop(self.versions.retire(name, set(self.versions.loaded(name)) - set(steps)))
+        return steps
 
     def _on_own_loop(self, work: Awaitable[T]) -> T:
         """``work`` on an event loop of this thread's own, its connections closed when it ends."""

@@ -288,15 +288,28 @@ class VLLMPool:
                 server, UNLOAD_ADAPTER, {"lora_name": lora_name}, f"unload the adapter '{lora_name}'", missing_ok=True
             )
 
-    async def _adapter_path(self, server: VLLMServer, lora_name: str) -> str | None:
-        """The directory ``server`` serves the adapter ``lora_name`` from (vLLM lists it as the adapter's root), or
-        None if it does not serve it."""
+    async def adapters(self) -> dict[str, set[str]]:
+        """The adapters the servers hold now (loaded by this process or an earlier one): each name, with the
+        directories the servers hold it from (one, unless servers disagree)."""
+        held: dict[str, set[str]] = {}
+        for server in self.servers:
+            for name, root in (await self._adapter_roots(server)).items():
+                held.setdefault(name, set()).add(root)
+        return held
+
+    async def _adapter_roots(self, server: VLLMServer) -> dict[str, str]:
+        """The adapters ``server`` serves, each with the directory it was loaded from (vLLM lists it as the
+        adapter's root)."""
         try:
             body = await self._get_json(server, "/v1/models")
         except VLLMRefusedError as exc:
             raise VLLMAdapterError(server.url, str(exc)) from exc
-        cards = [m for m in body.get("data", []) if isinstance(m, dict) and m.get("id") == lora_name]
-        return str(cards[0].get("root")) if cards else None
+        cards = [m for m in body.get("data", []) if isinstance(m, dict) and m.get("id") != self.model]
+        return {str(m.get("id")): str(m.get("root")) for m in cards}
+
+    async def _adapter_path(self, server: VLLMServer, lora_name: str) -> str | None:
+        """The directory ``server`` serves the adapter ``lora_name`` from, or None if it does not serve it."""
+        return (await self._adapter_roots(server)).get(lora_name)
 
     async def _adapter_call(
         self, server: VLLMServer, path: str, body: dict, what: str, *, missing_ok: bool = False

@@ -25,6 +25,7 @@ from flywheel.home import default_home
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.loading import load_model
 from flywheel.inference.registry import ModelRegistry, ServedModel
+from flywheel.local.gap_alarm import GapAlarm
 from flywheel.local.loggers import MetricLoggers
 from flywheel.server.app import create_app
 from flywheel.server.background import BackgroundServer
@@ -102,6 +103,7 @@ class LocalBackend:
         self._step_locks: dict[tuple[str, str], asyncio.Lock] = {}  # one step (train, save, restore) at a time
         self._extras: dict[tuple[str, str], dict] = {}  # the ``extra`` of the checkpoint the live weights are at
         self._trained: dict[tuple[str, str], tuple[int, set[str]]] = {}  # last train step, its trajectories' ids
+        self._gap_alarm = GapAlarm()  # per model: the sampler/trainer log-prob gap jumping
         self._dtype, self._max_batch, self._compile = dtype, max_batch, compile
         self._host, self._port, self._serve_http, self._api_keys = host, port, serve_http, api_keys
         self._server: BackgroundServer | None = None
@@ -174,7 +176,7 @@ class LocalBackend:
                     raise
                 self._trainers[key], self._runs[key], self._step_locks[key] = trainer, run, asyncio.Lock()
             self._serve()
-        self._publish(model)
+        await self._publish(model)
 
     async def unregister(self, model: TrainableModel) -> None:
         """Let go of a registered model: its engines close (requests on them finish first), its names are no longer
@@ -201,6 +203,7 @@ class LocalBackend:
             self._runs.pop(key).unlock()
             for state in (self._extras, self._trained):
                 state.pop(key, None)
+            self._gap_alarm.forget(key)
 
     def trainer(self, model: TrainableModel) -> Trainer:
         try:
@@ -208,7 +211,7 @@ class LocalBackend:
         except KeyError:
             raise RuntimeError(f"Model '{model.name}' is not registered with this backend.") from None
 
-    def _publish(self, model: TrainableModel) -> None:
+    async def _publish(self, model: TrainableModel) -> None:
         """Serve the live weights as ``name`` and ``name@<step>``; an older ``name@k`` on the live engine would
         lie, so it goes (a request for it then loads checkpoint k: ``_serve_checkpoint``)."""
         trainer = self.trainer(model)
@@ -266,7 +269,7 @@ class LocalBackend:
             checkpoint = await asyncio.to_thread(run.read, step, mode=trainer.trained_weights.mode)
             await trainer.engine.call(trainer.load, checkpoint)
             self._extras[(model.project, model.name)] = checkpoint.state.extra
-        self._publish(model)
+        await self._publish(model)
 
     async def rewind(self, model: TrainableModel, step: int | None, *, extra: dict) -> int:
         """Training goes on from checkpoint ``step``'s trained weights (None: the base model's) with a fresh
@@ -291,7 +294,7 @@ class LocalBackend:
             await asyncio.to_thread(run.write, checkpoint)
             await trainer.engine.call(trainer.load, checkpoint)  # no optimizer state: a fresh one
             self._extras[key] = extra
-        self._publish(model)
+        await self._publish(model)
         return state.step
 
     async def get_step(self, model: Model) -> int:
@@ -339,11 +342,14 @@ class LocalBackend:
                 stacklevel=2,
             )
         trajectories = [t for g in kept for t in g.trajectories]
-        async with self._step_locks[(model.project, model.name)]:  # a second caller's step waits for this one's save
+        key = (model.project, model.name)
+        async with self._step_locks[key]:  # a second caller's step waits for this one's save
             await self._branch(model, trainer)
             if config.beta > 0 and config.kl_reference_step != trainer.reference_step:
                 await self._set_kl_reference(model, trainer, config.kl_reference_step)
             step_metrics = await trainer.engine.call(trainer.rl_step, kept, config)
+            if (gap := step_metrics.get("sampler_logprob_gap")) is not None:  # is the served policy the trained one?
+                step_metrics["sampler_gap_alarm"] = float(self._gap_alarm.check(key, trainer.step, gap))
             step_metrics |= phase_seconds(kept) | metric_means(trajectories, "train") | (metrics or {})
             row = {"step": trainer.step, "split": "train", **step_metrics}
             save = save_checkpoint and not step_metrics.get("skipped")
@@ -353,7 +359,7 @@ class LocalBackend:
             await asyncio.to_thread(
                 self.loggers.log_trajectories, model.project, model.name, "train", step, trajectories
             )
-            self._trained[(model.project, model.name)] = (step, {t.id for t in trajectories})
+            self._trained[key] = (step, {t.id for t in trajectories})
         if verbose:
             print(f"{model.name} step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(step_metrics.items())))
         return TrainResult(step=step, metrics=step_metrics)
@@ -435,7 +441,7 @@ class LocalBackend:
         else:
             await asyncio.to_thread(run.append, rows)
         await asyncio.to_thread(self.loggers.log, model.project, model.name, rows)
-        self._publish(model)
+        await self._publish(model)
 
     def history(self, model: TrainableModel) -> list[dict]:
         return self.run(model).history()

@@ -317,7 +317,7 @@ class Trainer:
         cap = config.importance_sampling_cap
         tis = ratio_stats(torch.empty(0), cap)  # over every token with a sampler log-prob
         off = ratio_stats(torch.empty(0), cap)  # over off-policy members' such tokens
-        gap_sum, steps = 0.0, 0
+        gap_sum, gap_tokens, steps = 0.0, 0, 0  # the gap over on-policy members' tokens (off-policy ones differ)
         flags = torch.tensor(off_policy, dtype=torch.bool, device=tokens_of.device)
         with self._training_mode(config.gradient_checkpointing):
             refs = [self._reference_logprobs(mb) for mb in batches] if config.beta > 0 else [None] * len(batches)
@@ -332,8 +332,9 @@ class Trainer:
                     logp, entropy = self._token_logprobs(mb)
                     if olds[i] is None:
                         olds[i] = logp.detach()
-                        known = ~torch.isnan(mb.sampler_logprobs)
-                        gap_sum += float((olds[i] - mb.sampler_logprobs)[known].abs().sum())
+                        on_policy = ~torch.isnan(mb.sampler_logprobs) & ~flags[mb.traj]
+                        gap_sum += float((olds[i] - mb.sampler_logprobs)[on_policy].abs().sum())
+                        gap_tokens += int(on_policy.sum())
                         is_weights[i], ratio = importance_weights(olds[i], mb.sampler_logprobs, cap)
                         _add_stats(tis, ratio_stats(ratio, cap))
                         _add_stats(off, ratio_stats(ratio[flags[mb.traj]], cap))
@@ -374,8 +375,8 @@ class Trainer:
             "learning_rate": lr,
             "tokens_without_sampler_logprobs": n_tokens - tis["tokens"],
         }
-        if tis["tokens"]:  # how far the sampler's log-probs sit from the trainer's: a health signal
-            out["sampler_logprob_gap"] = gap_sum / tis["tokens"]
+        if gap_tokens:  # how far the sampler's log-probs sit from the trainer's: a health signal (GapAlarm)
+            out["sampler_logprob_gap"] = gap_sum / gap_tokens
         if tis["tokens"] and cap is not None:
             out |= {
                 "is_ratio_mean": tis["ratio_sum"] / tis["tokens"],

@@ -159,6 +159,7 @@ const SECTIONS = [
     { id: "is_ratio", title: "Importance ratio", series: ["is_ratio_mean", "is_ratio_max", "off_policy_is_ratio_mean"] },
     { id: "is_clipped", title: "Clipped share of tokens", series: ["is_clipped_fraction", "off_policy_is_clipped_fraction"] },
     { id: "logprob_gap", title: "Sampler/trainer log-prob gap", series: ["sampler_logprob_gap"] },
+    { id: "gap_alarm", title: "Gap alarm (1: the gap jumped)", series: ["sampler_gap_alarm"] },
   ] },
   { id: "time", title: "Step time and throughput", charts: [
     { id: "seconds", title: "Seconds per step: sampling, scoring, training", series: ["rollout_seconds", "score_seconds", "train_seconds"] },

@@ -1,0 +1,213 @@
+"""VLLMBackend (``flywheel.vllm_backend``): a LoRA model trained here and sampled on a vLLM server, the stand-in
+(``flywheel.testing.vllm_shim``, the real embedded model under vLLM's HTTP API, which loads each adapter directory
+it is given over a fresh copy of the base model, as vLLM's ``/v1/load_lora_adapter`` does). Every request the tests
+make goes through the backend's server to the stand-in, so the trainer's ``sampler_logprob_gap`` (vLLM's log-probs
+against the trainer's, fp32 on both sides) says whether the served adapter is the trained one."""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import openai
+import pytest
+import torch
+
+from flywheel.checkpoints.layout import published_path
+from flywheel.gateway.client import EpisodeClient
+from flywheel.inference.engine import InferenceEngine
+from flywheel.inference.loading import EMBEDDED_MODEL, load_model
+from flywheel.local.gap_alarm import GapAlarm
+from flywheel.model import TrainableModel
+from flywheel.server.background import BackgroundServer
+from flywheel.store import deployments
+from flywheel.testing.vllm_shim import create_shim
+from flywheel.train.config import TrainedWeights
+from flywheel.types import Trajectory, TrajectoryGroup
+from flywheel.vllm_backend import VLLMBackend
+
+PROMPT = [{"role": "user", "content": "Name a fruit."}]
+GAP = 1e-3  # nats per token: fp32 on both sides; a stale adapter sits far above it after an update at lr 1e-2
+
+
+class Shim:
+    def __init__(self) -> None:
+        model, tokenizer, _ = load_model(EMBEDDED_MODEL, dtype=torch.float32)
+        self.engine = InferenceEngine(model, tokenizer, prefix_cache_entries=0)
+        self.server = BackgroundServer(create_shim(self.engine, "smol")).start()
+        self.url = self.server.base_url.removesuffix("/v1")
+
+    def adapters(self) -> dict[str, str]:
+        cards = httpx.get(f"{self.url}/v1/models").json()["data"]
+        return {m["id"]: m["root"] for m in cards if m["id"] != "smol"}
+
+    def close(self) -> None:
+        self.server.stop()
+        self.engine.close()
+
+
+@pytest.fixture(scope="module")
+def shim():
+    s = Shim()
+    yield s
+    s.close()
+
+
+async def _step(backend: VLLMBackend, model: TrainableModel, save: bool) -> dict[str, float]:
+    """One RL step on two answers sampled from ``model``'s name (through vLLM), rewards 0 and 1."""
+    client = model.openai_client()
+    trajectories = []
+    for reward in (0.0, 1.0):
+        r = await client.chat.completions.create(
+            model=model.name, messages=PROMPT, max_tokens=6, temperature=1.0, logprobs=True
+        )
+        trajectories.append(Trajectory(messages_and_choices=[*PROMPT, r.choices[0]], reward=reward))
+    result = await backend.train(model, [TrajectoryGroup(trajectories)], learning_rate=1e-2, save_checkpoint=save)
+    assert result.metrics["skipped"] == 0
+    return result.metrics
+
+
+async def _answered_by(backend: VLLMBackend, model: str) -> tuple[int, list[float]]:
+    """The step the gateway recorded for a call to ``model`` and the call's log-probs (seeded)."""
+    root = backend.base_url.removesuffix("/v1")
+    async with EpisodeClient(root) as episodes:
+        episode = await episodes.create("which-version")
+        agent = openai.AsyncOpenAI(base_url=episode.base_url, api_key="unused", max_retries=0)
+        r = await agent.chat.completions.create(
+            model=model, messages=PROMPT, max_tokens=6, temperature=1.0, seed=3, logprobs=True
+        )
+        (call,) = await episodes.calls(episode.id)
+    return call["step"], [t.logprob for t in r.choices[0].logprobs.content]
+
+
+async def test_each_step_is_served_by_vllm_as_a_new_adapter_and_versions_past_the_staleness_bound_are_unloaded(
+    shim, tmp_path
+):
+    backend = VLLMBackend([shim.url], path=tmp_path / "home", dtype=torch.float32, max_staleness_steps=2)
+    model = TrainableModel(name="calc", project="p", base_model=EMBEDDED_MODEL)
+    try:
+        await model.register(backend)
+        assert shim.adapters().keys() == {"calc@0"}  # the live weights from the start: no checkpoint, a written adapter
+        gaps = []
+        for step, save in zip(range(1, 6), (True, False, True, False, True)):
+            gaps.append((await _step(backend, model, save))["sampler_logprob_gap"])
+            assert backend.registry.get("calc").current_step() == step
+            if step == 1:
+                with backend.gateway.store.session() as s:
+                    deployments.deploy(s, "calc@production", 1, actor="test")
+        # each step sampled the version trained the step before (a stale adapter sits near 1 after lr 1e-2)
+        assert max(gaps) < GAP, gaps
+        held = shim.adapters()
+        assert held.keys() == {"calc@1", "calc@3", "calc@4", "calc@5"}  # deployed; the live step and the 2 before
+        run = backend.run(model)
+        assert held["calc@5"] == str(run.checkpoint_dir(5).resolve())  # a checkpoint's directory, as it is
+        written = published_path(backend.path, "p", "calc")
+        assert held["calc@4"].startswith(str(written.resolve()))  # step 4 had no checkpoint: an adapter written
+        assert [p.name.split("-")[1] for p in written.iterdir()] == ["4"]  # step 0's and 2's removed with them
+        step, live = await _answered_by(backend, "calc")
+        assert step == 5
+        assert (await _answered_by(backend, "calc@5"))[1] == live
+        step, deployed = await _answered_by(backend, "calc@production")
+        assert step == 1 and deployed != live
+        with pytest.raises(openai.NotFoundError, match="calc@2"):  # no checkpoint of step 2: it was not saved
+            await model.openai_client().chat.completions.create(model="calc@2", messages=PROMPT, max_tokens=2)
+
+        # back to checkpoint 3, then on: 4 and 5 are another branch, and the new step 4 is served, not the old
+        await backend.restore(model, 3)
+        assert (await _answered_by(backend, "calc"))[0] == 3
+        assert shim.adapters().keys() == {"calc@1", "calc@3"}  # 4 and 5 above it; the deployed step stays
+        step, old = await _answered_by(backend, "calc@5")  # still a checkpoint until training goes on: loaded again
+        assert step == 5 and old == live and "calc@5" in shim.adapters()
+        metrics = await _step(backend, model, save=True)
+        assert backend.registry.get("calc").current_step() == 4 and metrics["sampler_logprob_gap"] < GAP
+        assert "calc@5" not in shim.adapters()  # abandoned: unloaded before the step
+        assert (await _step(backend, model, save=True))["sampler_logprob_gap"] < GAP  # sampled the new step 4
+    finally:
+        await backend.close()
+    assert shim.adapters() == {}  # closed: its versions unloaded, the base model still served
+    assert not any(written.iterdir())
+
+
+async def test_a_restarted_backend_keeps_the_checkpoints_left_on_the_server_and_unloads_the_rest(shim, tmp_path):
+    """What a kill -9 mid-run would leave on the vLLM server (the versions of the dead process, one of them an
+    adapter written for a step that has no checkpoint: loaded here by hand) is sorted at registration: the checkpoints' stay, the others go, and
+    the model's name is served by its latest checkpoint."""
+    home = tmp_path / "home"
+    model = TrainableModel(name="calc", project="p", base_model=EMBEDDED_MODEL)
+    first = VLLMBackend([shim.url], path=home, dtype=torch.float32)
+    await model.register(first)
+    for save in (True, True):
+        await _step(first, model, save)
+    checkpoint_1, checkpoint_2 = (first.run(model).checkpoint_dir(s).resolve() for s in (1, 2))
+    await first.close()
+    orphan = tmp_path / "orphan"  # a dead process's adapter of a step 3 it never checkpointed
+    shutil.copytree(checkpoint_2, orphan)
+    for name, directory in (("calc@1", checkpoint_1), ("calc@2", checkpoint_2), ("calc@3", orphan)):
+        await first.pool.load_adapter(name, directory)
+    await first.pool.aclose()
+
+    second = VLLMBackend([shim.url], path=home, dtype=torch.float32, max_staleness_steps=0)
+    try:
+        await model.register(second)
+        assert shim.adapters() == {"calc@2": str(checkpoint_2)}  # 3 unloaded; 1 adopted, then past the bound
+        assert (await _answered_by(second, "calc"))[0] == 2
+        assert (await _step(second, model, save=False))["sampler_logprob_gap"] < GAP
+        assert shim.adapters().keys() == {"calc@3"}
+    finally:
+        await second.close()
+
+
+async def test_a_server_answering_with_other_weights_under_the_live_name_raises_the_gap_alarm(shim, tmp_path):
+    """An operator (or a bug) reloads the live version's name from another directory on the vLLM server: the next
+    step samples checkpoint 1's weights where the trainer is at step 2. The gap jumps and the step's row says so."""
+    backend = VLLMBackend([shim.url], path=tmp_path / "home", dtype=torch.float32)
+    model = TrainableModel(name="calc", project="p", base_model=EMBEDDED_MODEL)
+    try:
+        await model.register(backend)
+        for _ in range(2):
+            assert (await _step(backend, model, save=True))["sampler_gap_alarm"] == 0.0
+        swapped = {"lora_name": "calc@2", "lora_path": str(backend.run(model).checkpoint_dir(1).resolve())}
+        httpx.post(f"{shim.url}/v1/unload_lora_adapter", json={"lora_name": "calc@2"}).raise_for_status()
+        httpx.post(f"{shim.url}/v1/load_lora_adapter", json=swapped).raise_for_status()
+        with pytest.warns(UserWarning, match=r"Model 'calc' step 3: the sampler's log-probs sit .* nats per token"):
+            metrics = await _step(backend, model, save=True)
+        assert metrics["sampler_gap_alarm"] == 1.0 and metrics["sampler_logprob_gap"] > 0.3
+        (row,) = [r for r in backend.history(model) if r["step"] == 3 and r["split"] == "train"]
+        assert row["sampler_gap_alarm"] == 1.0
+    finally:
+        await backend.close()
+
+
+def test_the_gap_alarm_rings_on_a_jump_not_on_a_steady_gap():
+    alarm, key = GapAlarm(), ("p", "calc")
+    assert not any(alarm.check(key, step, gap) for step, gap in enumerate([0.02, 0.03, 0.02, 0.025, 0.04]))
+    with pytest.warns(UserWarning, match="median of the last 5 steps: 0.025"):
+        assert alarm.check(key, 6, 0.11)  # above 4x the median and the floor
+    assert not alarm.check(key, 7, 0.03)  # the alarm's gap did not raise the norm
+    quiet = GapAlarm()
+    assert not any(quiet.check(key, step, 0.001) for step in range(5))
+    assert not quiet.check(key, 6, 0.03)  # 30x a tiny median, but under the floor: rounding
+    with pytest.warns(UserWarning, match="no history"):
+        assert GapAlarm().check(key, 1, 0.8)  # a stale adapter from the first step on
+
+
+async def test_full_fine_tuning_and_another_base_model_are_refused_with_what_to_do(shim, tmp_path):
+    backend = VLLMBackend([shim.url], path=tmp_path / "home", dtype=torch.float32)
+    try:
+        await backend.load(EMBEDDED_MODEL)  # the base model, answered by vLLM
+        client = openai.AsyncOpenAI(base_url=backend.base_url, api_key="unused", max_retries=0)
+        r = await client.chat.completions.create(model=EMBEDDED_MODEL, messages=PROMPT, max_tokens=3, logprobs=True)
+        assert r.choices[0].logprobs.content and backend.engine(EMBEDDED_MODEL) is backend.pool.engine()
+        full = TrainableModel(name="full", project="p", base_model=EMBEDDED_MODEL)
+        with pytest.raises(ValueError, match="LoRA adapters only"):
+            await backend.register(full, TrainedWeights(mode="full"))
+        other = tmp_path / "other-base"
+        other.mkdir()
+        (other / "config.json").write_text("{}")
+        stranger = TrainableModel(name="stranger", project="p", base_model=str(other))
+        with pytest.raises(ValueError, match=f"'{other}' is {other}, and the vLLM servers of this backend serve"):
+            await backend.register(stranger)
+    finally:
+        await backend.close()
+    with pytest.raises(ValueError, match="at least one vLLM server"):
+        VLLMBackend("")
