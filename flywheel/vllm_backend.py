@@ -38,6 +38,11 @@ from flywheel.model import TrainableModel
 from flywheel.train.config import TrainedWeights
 from flywheel.train.trainer import Trainer
 
+
+class UnservableModelError(ValueError):
+    """A model this backend's vLLM servers cannot serve (full fine-tuning, another base model): says why."""
+
+
 FULL_REFUSED = (
     "Model '{name}' trains every weight (TrainedWeights(mode='full')): on vLLM, Flywheel serves LoRA adapters only "
     "so far (full fine-tuning needs a weight reload between /pause and /resume, not built yet). Train it with "
@@ -86,7 +91,7 @@ class VLLMBackend(LocalBackend):
                 self.adapters = CheckpointAdapters(await pool.start(), self.registry, self.path)
         served = self.adapters.pool.model_dir.resolve()
         if path != served:
-            raise ValueError(
+            raise UnservableModelError(
                 f"'{base_model}' is {path}, and the vLLM servers of this backend serve {served}: a VLLMBackend "
                 "samples one base model (start another, with vLLM servers of that model, for this one)."
             )
@@ -113,7 +118,7 @@ class VLLMBackend(LocalBackend):
         """``LocalBackend.register`` (the trainer here, resumed from the latest checkpoint), then its live weights
         published to the vLLM servers. LoRA only."""
         if (trained_weights or TrainedWeights()).mode != "lora":
-            raise ValueError(FULL_REFUSED.format(name=model.name))
+            raise UnservableModelError(FULL_REFUSED.format(name=model.name))
         await self._vllm(model.base_model)
         await super().register(model, trained_weights)
 

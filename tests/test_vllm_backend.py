@@ -7,13 +7,18 @@ against the trainer's, fp32 on both sides) says whether the served adapter is th
 from __future__ import annotations
 
 import shutil
+import socket
 
 import httpx
 import openai
 import pytest
 import torch
+import yaml
+from typer.testing import CliRunner
 
-from flywheel.checkpoints.layout import published_path
+from flywheel.checkpoints.layout import model_path, published_path
+from flywheel.checkpoints.run import RunStore
+from flywheel.cli import app
 from flywheel.gateway.client import EpisodeClient
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.loading import EMBEDDED_MODEL, load_model
@@ -189,6 +194,33 @@ def test_the_gap_alarm_rings_on_a_jump_not_on_a_steady_gap():
     assert not quiet.check(key, 6, 0.03)  # 30x a tiny median, but under the floor: rounding
     with pytest.warns(UserWarning, match="no history"):
         assert GapAlarm().check(key, 1, 0.8)  # a stale adapter from the first step on
+
+
+def test_flywheel_loop_trains_on_vllm_from_the_command_line(shim, tmp_path):
+    """``flywheel loop --vllm``: runners sample the model on vLLM, each step's adapter is loaded into it, the
+    candidate meets the base model (served by vLLM too) at the gate; closed, the loop leaves no adapter behind. A
+    server that cannot be reached is an error that names it, not a traceback."""
+    from test_loop import write_config
+
+    path = write_config(tmp_path)
+    config = yaml.safe_load(path.read_text()) | {"steps": 1, "candidate_every": 1, "tasks": "tasks.jsonl"}
+    path.write_text(yaml.safe_dump(config))
+    (tmp_path / "tasks.jsonl").write_text('{"id": "t1", "question": "Name a colour.", "fail": false}\n')
+    home = tmp_path / "home"
+    cli = ["loop", str(path), "--home", str(home), "--actor", "ci", "--vllm"]
+    result = CliRunner().invoke(app, [*cli, shim.url], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "1 iterations, step 1" in result.output and "loop-agent@production" in result.output
+    (row,) = [r for r in RunStore(model_path(home, "tests", "loop-agent")).history() if r["split"] == "train"]
+    assert row["sampler_logprob_gap"] < 0.1 and row["sampler_gap_alarm"] == 0.0  # bf16 trainer, fp32 server
+    assert shim.adapters() == {}
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    result = CliRunner().invoke(app, [*cli, closed], env={"COLUMNS": "200"})
+    assert result.exit_code == 1 and f"The vLLM server at {closed} did not answer /v1/models" in result.output
+    assert "Traceback" not in result.output
 
 
 async def test_full_fine_tuning_and_another_base_model_are_refused_with_what_to_do(shim, tmp_path):

@@ -32,6 +32,20 @@ def loop_command(
         bool, typer.Option("--clear-alarm", help="Clear the loop's reward-hacking alarm (with --why) and exit.")
     ] = False,
     why: Annotated[str | None, typer.Option(help="Why the alarm is cleared (the audit event's reason).")] = None,
+    vllm: Annotated[
+        str | None,
+        typer.Option(
+            help="vLLM servers (URL[,URL]) that sample the model: every step's LoRA adapter is loaded into them "
+            "(VLLMBackend; started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, docs/user-guide.md)."
+        ),
+    ] = None,
+    vllm_model_dir: Annotated[
+        Path | None,
+        typer.Option(help="The base model directory the vLLM servers serve (default: the loop's base model's)."),
+    ] = None,
+    vllm_api_key: Annotated[
+        str | None, typer.Option(envvar="FLYWHEEL_VLLM_API_KEY", show_default=False, help="The vLLM servers' key.")
+    ] = None,
 ) -> None:
     """Run the flywheel loop: production episodes become training tasks, the model trains through the gateway's
     runners, and every few steps a candidate meets the promotion gate (a passing one goes to MODEL@canary). Killed
@@ -41,13 +55,28 @@ def loop_command(
     from flywheel.loop.driver import Loop, LoopConfig
     from flywheel.loop.ladder import RewindError
 
+    refusals: tuple[type[Exception], ...] = ()  # --vllm: servers that fail their probes, a model they cannot serve
     try:
         loop_config = LoopConfig.load(config)
         if clear_alarm:
             _clear_alarm(loop_config, config, home, actor or getpass.getuser(), why)
             return
+        if vllm is not None:
+            from flywheel.inference.vllm_engine import VLLMRefusedError
+            from flywheel.vllm_backend import UnservableModelError, VLLMBackend
+
+            refusals = (VLLMRefusedError, UnservableModelError)
+            backend: LocalBackend = VLLMBackend(
+                vllm,
+                vllm_model_dir=vllm_model_dir,
+                vllm_api_key=vllm_api_key,
+                max_staleness_steps=loop_config.max_staleness_steps,  # groups that old still find their adapter
+                path=home,
+            )
+        else:
+            backend = LocalBackend(path=home)
         # the stack, the held-out set and the seed tasks are read before any model loads
-        loop = Loop(loop_config, LocalBackend(path=home), actor=actor or getpass.getuser())
+        loop = Loop(loop_config, backend, actor=actor or getpass.getuser())
     except ValidationError as exc:
         fail(_problems(exc, config), plain=True)
     except (GraderSpecError, OSError, ValueError) as exc:
@@ -60,6 +89,7 @@ def loop_command(
             await loop.backend.close()
 
     from flywheel.checkpoints.run import CheckpointWriteError, ModelInUseError
+    from flywheel.inference.protocol import SamplerUnavailableError
 
     # the loop's progress (each iteration, gate, shadow and canary decision) is logged under "flywheel.loop"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -67,6 +97,8 @@ def loop_command(
         report = asyncio.run(run())
     except (ModelInUseError, RewindError) as exc:  # the loop runs already (its lock); a rewind's checkpoint gone
         fail(f"{config}: {exc}", plain=True)
+    except (SamplerUnavailableError, *refusals) as exc:  # --vllm: a server unreachable, refusing an adapter...
+        fail(f"{config}: {exc}", 1, plain=True)
     except CheckpointWriteError as exc:  # a full disk: the loop resumes from the latest checkpoint once there is room
         fail(f"{config}: {exc}", 1, plain=True)
     console.print(f"{len(report.steps)} iterations, step {report.steps[-1] if report.steps else 0}; "
