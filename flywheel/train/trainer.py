@@ -26,6 +26,7 @@ from flywheel.train.batch import MicroBatch, TrainingSequence, pack, trajectory_
 from flywheel.train.checkpoint import Checkpoint, CheckpointState
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 from flywheel.train.credit import credit_advantages, has_reward_variance, has_signal
+from flywheel.train.data_parallel import Replicas
 from flywheel.train.logprobs import token_logprobs
 from flywheel.train.loss import importance_weights, policy_loss, ratio_stats
 from flywheel.types import OFF_POLICY, Trajectory, TrajectoryGroup
@@ -148,6 +149,7 @@ class Trainer:
         self.rl_steps = 0  # of them, RL steps: the learning-rate schedule's clock
         self.autocast = self.dtype == torch.bfloat16
         self.fused_head = fuses_head(engine.model)
+        self.replicas: Replicas | None = None  # data-parallel: this rank's share of each step (``replicate``)
 
     # ---- mixed precision ---------------------------------------------------------------------------------------
     # The trained weights (adapters, or all weights) live in the model's dtype, so the sampler uses them without
@@ -221,6 +223,25 @@ class Trainer:
             entropy = torch.cat([-(c.exp() * c).sum(-1) for c in logp_all.detach().split(ENTROPY_CHUNK)])
         return logp_all.gather(-1, mb.targets[:, None])[:, 0], entropy
 
+    def replicate(self, replicas: Replicas) -> None:
+        """Train as one of ``replicas`` from now on (``flywheel.train.data_parallel``), starting from rank 0's
+        trained weights (a LoRA adapter is initialised at random in each process)."""
+        with self.engine.exclusive():
+            replicas.broadcast(self.master)
+            with torch.no_grad():
+                for p, m in zip(self.params, self.master):
+                    p.copy_(m)
+        self.replicas = replicas
+
+    def _batches(self, sequences: list[TrainingSequence], max_tokens: int) -> tuple[list[MicroBatch], int, int]:
+        """The step's micro-batches this rank trains (all of them without replicas), and the whole step's trained
+        tokens and micro-batch count."""
+        batches = pack(sequences, max_tokens, self.engine.model.device)
+        n_tokens, n_batches = sum(len(mb.targets) for mb in batches), len(batches)
+        if self.replicas is not None:
+            batches = self.replicas.share(batches, [mb.input_ids.shape[1] for mb in batches])
+        return batches, n_tokens, n_batches
+
     def _optimizer(self, lr: float, weight_decay: float) -> torch.optim.Optimizer:
         if self.optimizer is None:
             self.optimizer = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay)
@@ -231,6 +252,8 @@ class Trainer:
     def _apply(self, max_grad_norm: float, optimizer: torch.optim.Optimizer) -> tuple[float, bool]:
         """One optimizer step on the gradients gathered since the last; (gradient norm, whether it stepped). A
         non-finite norm skips the step: the weights stay as they were."""
+        if self.replicas is not None:  # every replica's share of the batch: the whole batch's gradients
+            self.replicas.sum_gradients(self.master)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.master, max_grad_norm))
         stepped = math.isfinite(grad_norm)
         if stepped:
@@ -308,8 +331,7 @@ class Trainer:
     ) -> dict[str, float]:
         """``off_policy``: per trajectory, whether it is an off-policy member; their tokens' importance ratios
         (pi_old / pi_sampler, before the cap) are also reported apart: ``off_policy_is_ratio_mean``, ..."""
-        batches = pack(sequences, config.micro_batch_tokens, self.engine.model.device)
-        n_tokens = sum(len(mb.targets) for mb in batches)
+        batches, n_tokens, n_batches = self._batches(sequences, config.micro_batch_tokens)
         tokens_of = torch.tensor(traj_tokens, dtype=torch.float32, device=self.engine.model.device)
         lr = config.learning_rate * lr_multiplier(config, self.rl_steps)
         optimizer = self._optimizer(lr, config.weight_decay)
@@ -358,6 +380,10 @@ class Trainer:
                     entropy_sum += float(entropy.mean()) * w
                     clip_sum += s["clip_fraction"] * w
                     kl_sum += s["kl"] * w
+                if self.replicas is not None:
+                    loss_sum, entropy_sum, clip_sum, kl_sum = self.replicas.sum(
+                        [loss_sum, entropy_sum, clip_sum, kl_sum]
+                    )
                 grad_norm, stepped = self._apply(config.max_grad_norm, optimizer)
                 steps += stepped
                 stats = {
@@ -367,10 +393,13 @@ class Trainer:
                     "kl": kl_sum,
                     "grad_norm": grad_norm,
                 }
+        if self.replicas is not None:
+            tis, off = self.replicas.reduce_stats(tis), self.replicas.reduce_stats(off)
+            gap_sum, gap_tokens = self.replicas.sum([gap_sum, gap_tokens])
         out = stats | {
             "tokens_trained": n_tokens,
             "sequences": len(sequences),
-            "micro_batches": len(batches),
+            "micro_batches": n_batches,
             "optimizer_steps": steps,
             "learning_rate": lr,
             "tokens_without_sampler_logprobs": n_tokens - tis["tokens"],
@@ -500,8 +529,7 @@ class Trainer:
     def _sft_update(self, sequences: list[TrainingSequence], config: SFTConfig) -> tuple[dict[str, float], bool]:
         for s in sequences:  # SFT's targets are the model's own distribution (T = 1)
             s.temperature = []
-        batches = pack(sequences, config.micro_batch_tokens, self.engine.model.device)
-        n_tokens = sum(len(mb.targets) for mb in batches)
+        batches, n_tokens, _ = self._batches(sequences, config.micro_batch_tokens)
         optimizer = self._optimizer(config.learning_rate, config.weight_decay)
         with self._training_mode(config.gradient_checkpointing):
             loss_sum = 0.0
@@ -511,6 +539,8 @@ class Trainer:
                 loss.backward()
                 self._accumulate()
                 loss_sum += float(loss.detach())
+            if self.replicas is not None:
+                (loss_sum,) = self.replicas.sum([loss_sum])
             grad_norm, stepped = self._apply(config.max_grad_norm, optimizer)
         return {
             "loss": loss_sum,
