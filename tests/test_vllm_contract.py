@@ -182,3 +182,44 @@ async def test_a_flywheel_lora_checkpoint_loads_into_vllm_as_is(vllm_url, scorer
     assert served == ["smol"]
     await pool.aclose()
     await backend.close()
+
+
+async def test_a_vllm_backend_trains_with_every_step_sampled_on_vllm(vllm_url, tmp_path):
+    """``VLLMBackend`` on the real vLLM: each step's adapter (a checkpoint's directory, or one written for a step
+    without a checkpoint) is loaded and answers the next step's rollouts, whose log-probs the trainer matches to
+    fp32 rounding; past the staleness bound versions are unloaded; vLLM lists each adapter's directory as its root,
+    which a restarted backend reads to keep its checkpoints; closed, it leaves the base model alone."""
+    from flywheel.types import Trajectory, TrajectoryGroup
+    from flywheel.vllm_backend import VLLMBackend
+
+    backend = VLLMBackend([vllm_url], path=tmp_path / "home", dtype=torch.float32, max_staleness_steps=1)
+    model = TrainableModel(name="calc", project="p", base_model=EMBEDDED_MODEL)
+    prompt = [{"role": "user", "content": "Name a fruit."}]
+    try:
+        await model.register(backend)
+        client = model.openai_client()
+        gaps = []
+        for save in (True, False, True):
+            trajectories = []
+            for reward in (0.0, 1.0):
+                r = await client.chat.completions.create(
+                    model="calc", messages=prompt, max_tokens=8, temperature=1.0, logprobs=True
+                )
+                trajectories.append(Trajectory(messages_and_choices=[*prompt, r.choices[0]], reward=reward))
+            result = await backend.train(
+                model, [TrajectoryGroup(trajectories)], learning_rate=1e-2, save_checkpoint=save
+            )
+            gaps.append(result.metrics["sampler_logprob_gap"])
+            assert result.metrics["sampler_gap_alarm"] == 0.0
+        print(f"VLLMBackend on vLLM: served/trained log-prob gap per step {', '.join(f'{g:.2e}' for g in gaps)}")
+        assert max(gaps) < 2e-2
+        cards = {m["id"]: m.get("root") for m in httpx.get(f"{vllm_url}/v1/models").json()["data"]}
+        assert cards == {
+            "smol": cards["smol"],
+            "calc@2": cards["calc@2"],
+            "calc@3": str(backend.run(model).checkpoint_dir(3).resolve()),
+        }
+        assert str(tmp_path / "home" / ".published") in cards["calc@2"]
+    finally:
+        await backend.close()
+    assert [m["id"] for m in httpx.get(f"{vllm_url}/v1/models").json()["data"]] == ["smol"]
