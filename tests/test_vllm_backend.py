@@ -22,14 +22,15 @@ from flywheel.cli import app
 from flywheel.gateway.client import EpisodeClient
 from flywheel.inference.engine import InferenceEngine
 from flywheel.inference.loading import EMBEDDED_MODEL, load_model
+from flywheel.inference.vllm_engine import VLLMAdapterError, VLLMEngine
 from flywheel.local.gap_alarm import GapAlarm
 from flywheel.model import TrainableModel
 from flywheel.server.background import BackgroundServer
 from flywheel.store import deployments
-from flywheel.testing.vllm_shim import create_shim
+from flywheel.testing.vllm_shim import ShimFaults, create_shim
 from flywheel.train.config import TrainedWeights
 from flywheel.types import Trajectory, TrajectoryGroup
-from flywheel.vllm_backend import VLLMBackend
+from flywheel.vllm_backend import UnservableModelError, VLLMBackend
 
 PROMPT = [{"role": "user", "content": "Name a fruit."}]
 GAP = 1e-3  # nats per token: fp32 on both sides; a stale adapter sits far above it after an update at lr 1e-2
@@ -39,7 +40,8 @@ class Shim:
     def __init__(self) -> None:
         model, tokenizer, _ = load_model(EMBEDDED_MODEL, dtype=torch.float32)
         self.engine = InferenceEngine(model, tokenizer, prefix_cache_entries=0)
-        self.server = BackgroundServer(create_shim(self.engine, "smol")).start()
+        self.faults = ShimFaults()
+        self.server = BackgroundServer(create_shim(self.engine, "smol", self.faults)).start()
         self.url = self.server.base_url.removesuffix("/v1")
 
     def adapters(self) -> dict[str, str]:
@@ -58,7 +60,9 @@ def shim():
     s.close()
 
 
-async def _step(backend: VLLMBackend, model: TrainableModel, save: bool) -> dict[str, float]:
+async def _step(
+    backend: VLLMBackend, model: TrainableModel, save: bool, learning_rate: float = 1e-2
+) -> dict[str, float]:
     """One RL step on two answers sampled from ``model``'s name (through vLLM), rewards 0 and 1."""
     client = model.openai_client()
     trajectories = []
@@ -67,7 +71,9 @@ async def _step(backend: VLLMBackend, model: TrainableModel, save: bool) -> dict
             model=model.name, messages=PROMPT, max_tokens=6, temperature=1.0, logprobs=True
         )
         trajectories.append(Trajectory(messages_and_choices=[*PROMPT, r.choices[0]], reward=reward))
-    result = await backend.train(model, [TrajectoryGroup(trajectories)], learning_rate=1e-2, save_checkpoint=save)
+    result = await backend.train(
+        model, [TrajectoryGroup(trajectories)], learning_rate=learning_rate, save_checkpoint=save
+    )
     assert result.metrics["skipped"] == 0
     return result.metrics
 
@@ -223,6 +229,52 @@ def test_flywheel_loop_trains_on_vllm_from_the_command_line(shim, tmp_path):
     assert "Traceback" not in result.output
 
 
+async def test_a_full_fine_tuning_model_has_its_weights_reloaded_into_vllm_after_every_step(tmp_path):
+    """Full fine-tuning on vLLM: the servers' weights are the model's own after each step (reloaded in place), so
+    each step samples the weights the step before trained (the gap at fp32 rounding); its earlier checkpoints and
+    the base model are served by embedded engines; a LoRA model cannot share the servers; closed, the servers have
+    the base model's weights back. A server without the reload routes is refused, saying which flag it needs."""
+    own = Shim()  # its weights change: a stand-in of the test's own
+    backend = VLLMBackend([own.url], path=tmp_path / "home", dtype=torch.float32)
+    model = TrainableModel(
+        name="full", project="p", base_model=EMBEDDED_MODEL, trained_weights=TrainedWeights(mode="full")
+    )
+    base = {k: v.clone() for k, v in own.engine.model.state_dict().items()}
+    try:
+        await model.register(backend)
+        gaps = []
+        for step, save in zip(range(1, 4), (True, False, True)):
+            gaps.append((await _step(backend, model, save, learning_rate=1e-4))["sampler_logprob_gap"])
+            assert backend.registry.get("full").current_step() == step
+        assert max(gaps) < GAP, gaps
+        live = backend.registry.get("full@3").engine
+        assert isinstance(live, VLLMEngine) and live is backend.registry.get("full").engine
+        weight = "model.layers.0.mlp.down_proj.weight"
+        trained = backend.trainer(model).engine.model.state_dict()[weight]
+        assert torch.equal(own.engine.model.state_dict()[weight], trained)  # the server holds the trained weights
+        assert not torch.equal(trained, base[weight])
+        step, old = await _answered_by(backend, "full@1")  # an embedded engine of checkpoint 1
+        assert step == 1 and old != (await _answered_by(backend, "full"))[1]
+        assert isinstance(backend.registry.get("full@1").engine, InferenceEngine)
+        assert isinstance(await backend.load(EMBEDDED_MODEL), InferenceEngine)  # the servers are the model's
+        lora = TrainableModel(name="adapter", project="p", base_model=EMBEDDED_MODEL)
+        with pytest.raises(UnservableModelError, match="hold the fully fine-tuned weights of model 'full'"):
+            await backend.register(lora)
+    finally:
+        await backend.close()
+    try:
+        assert torch.equal(own.engine.model.state_dict()[weight], base[weight])  # given back
+        own.faults.dev_routes = False
+        again = VLLMBackend([own.url], path=tmp_path / "other", dtype=torch.float32)
+        try:
+            with pytest.raises(VLLMAdapterError, match="VLLM_SERVER_DEV_MODE=1"):
+                await model.register(again)
+        finally:
+            await again.close()
+    finally:
+        own.close()
+
+
 async def test_full_fine_tuning_and_another_base_model_are_refused_with_what_to_do(shim, tmp_path):
     backend = VLLMBackend([shim.url], path=tmp_path / "home", dtype=torch.float32)
     try:
@@ -231,8 +283,8 @@ async def test_full_fine_tuning_and_another_base_model_are_refused_with_what_to_
         r = await client.chat.completions.create(model=EMBEDDED_MODEL, messages=PROMPT, max_tokens=3, logprobs=True)
         assert r.choices[0].logprobs.content and backend.engine(EMBEDDED_MODEL) is backend.pool.engine()
         full = TrainableModel(name="full", project="p", base_model=EMBEDDED_MODEL)
-        with pytest.raises(ValueError, match="LoRA adapters only"):
-            await backend.register(full, TrainedWeights(mode="full"))
+        with pytest.raises(UnservableModelError, match="needs the servers to itself, and this backend already serves"):
+            await backend.register(full, TrainedWeights(mode="full"))  # the base model is served on them
         other = tmp_path / "other-base"
         other.mkdir()
         (other / "config.json").write_text("{}")

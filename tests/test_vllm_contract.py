@@ -64,7 +64,11 @@ def vllm_url(tmp_path_factory):
         "--structured-outputs-config", json.dumps({"backend": "guidance"}),
         "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
     ]  # fmt: skip
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    env = os.environ | {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+        "VLLM_SERVER_DEV_MODE": "1",  # the weight reload routes (full fine-tuning)
+    }
     start = time.monotonic()
     with log.open("w") as out:
         server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -223,3 +227,51 @@ async def test_a_vllm_backend_trains_with_every_step_sampled_on_vllm(vllm_url, t
     finally:
         await backend.close()
     assert [m["id"] for m in httpx.get(f"{vllm_url}/v1/models").json()["data"]] == ["smol"]
+
+
+async def test_a_full_fine_tuning_model_on_vllm_has_its_weights_reloaded_after_every_step(vllm_url, tmp_path):
+    """``VLLMBackend`` with full fine-tuning on the real vLLM: after each step the server's weights are reloaded in
+    place (``/pause``, ``reload_weights`` on the checkpoint's or a written ``model.safetensors``, ``/resume``), so
+    the next step's rollouts are sampled by the weights just trained; closed, the server has the base model's
+    weights back (its answers are the base model's again). Last in this file: it changes the server's weights."""
+    from flywheel.train.config import TrainedWeights
+    from flywheel.types import Trajectory, TrajectoryGroup
+    from flywheel.vllm_backend import VLLMBackend
+
+    pool = await VLLMPool([vllm_url], resolve_model(EMBEDDED_MODEL).path).start()
+    prompt = pool.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name a fruit."}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=12, logprobs=True)
+    before = (await pool.engine().generate(prompt, greedy))[0]
+    backend = VLLMBackend([vllm_url], path=tmp_path / "home", dtype=torch.float32)
+    model = TrainableModel(
+        name="full", project="p", base_model=EMBEDDED_MODEL, trained_weights=TrainedWeights(mode="full")
+    )
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    try:
+        await model.register(backend)
+        client = model.openai_client()
+        gaps = []
+        for save in (True, False, True):
+            trajectories = []
+            for reward in (0.0, 1.0):
+                r = await client.chat.completions.create(
+                    model="full", messages=messages, max_tokens=8, temperature=1.0, logprobs=True
+                )
+                trajectories.append(Trajectory(messages_and_choices=[*messages, r.choices[0]], reward=reward))
+            started = time.monotonic()
+            result = await backend.train(
+                model, [TrajectoryGroup(trajectories)], learning_rate=1e-4, save_checkpoint=save
+            )
+            gaps.append(result.metrics["sampler_logprob_gap"])
+            print(f"full fine-tuning step {result.step} trained and reloaded in {time.monotonic() - started:.1f} s")
+        print(f"full fine-tuning on vLLM: served/trained log-prob gap per step {', '.join(f'{g:.2e}' for g in gaps)}")
+        assert max(gaps) < 2e-2
+        trained = (await pool.engine().generate(prompt, greedy))[0]
+        assert trained.logprobs != pytest.approx(before.logprobs, abs=1e-3)  # the server answers with new weights
+    finally:
+        await backend.close()
+    after = (await pool.engine().generate(prompt, greedy))[0]
+    assert after.token_ids == before.token_ids and after.logprobs == pytest.approx(before.logprobs, abs=1e-4)
+    await pool.aclose()

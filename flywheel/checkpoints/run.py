@@ -516,10 +516,14 @@ def _complete_lines(path: Path) -> list[str]:
     return [line for line in (lines if text.endswith("\n") else lines[:-1]) if line.strip()]
 
 
-def write_adapter(directory: Path, checkpoint: Checkpoint) -> None:
-    """A LoRA checkpoint's weights as a peft adapter directory (``adapter_model.safetensors`` and, when the
-    checkpoint has it, ``adapter_config.json``), as peft and vLLM load one."""
+def write_weights(directory: Path, checkpoint: Checkpoint) -> None:
+    """A checkpoint's weights alone, as peft and vLLM load them: a LoRA adapter directory
+    (``adapter_model.safetensors`` and, when the checkpoint has it, ``adapter_config.json``), or every weight of the
+    model under its Hugging Face names (``model.safetensors``)."""
     weights = {k: v.detach().cpu().contiguous() for k, v in checkpoint.weights.items()}
+    if checkpoint.state.trained_weights.mode == "full":
+        save_file(weights, str(directory / FULL_WEIGHTS))
+        return
     save_file(weights, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     if checkpoint.adapter_config is not None:
         (directory / ADAPTER_CONFIG).write_text(json.dumps(checkpoint.adapter_config, indent=2, sort_keys=True))
@@ -527,11 +531,7 @@ def write_adapter(directory: Path, checkpoint: Checkpoint) -> None:
 
 def _write_files(directory: Path, checkpoint: Checkpoint) -> None:
     """The checkpoint format; the state file goes last."""
-    if checkpoint.state.trained_weights.mode == "full":
-        weights = {k: v.detach().cpu().contiguous() for k, v in checkpoint.weights.items()}
-        save_file(weights, str(directory / FULL_WEIGHTS))
-    else:
-        write_adapter(directory, checkpoint)
+    write_weights(directory, checkpoint)
     if checkpoint.optimizer is not None:
         torch.save(checkpoint.optimizer, directory / OPTIMIZER)
     if checkpoint.rng is not None:

@@ -28,7 +28,12 @@ LoRA adapters (vLLM started with ``--enable-lora --max-loras N --max-lora-rank R
 under a name (``/v1/load_lora_adapter``), ``view(name, step)`` is the engine whose requests name that adapter, and
 ``unload_adapter`` closes the view, waits until none of its requests is in flight and unloads it from every server.
 A refused load or unload is ``VLLMAdapterError``, naming the server and vLLM's message. Versioned names and their
-retirement are ``flywheel.inference.vllm_adapters``'s."""
+retirement are ``flywheel.inference.vllm_adapters``'s.
+
+Full fine-tuning (vLLM started with ``VLLM_SERVER_DEV_MODE=1``): ``VLLMPool.reload_weights`` replaces every server's
+weights in place (``/pause?mode=wait``, ``/collective_rpc`` running the worker method ``reload_weights`` on a
+directory of safetensors, ``/reset_prefix_cache``, ``/resume``); an engine ``hold``s its requests meanwhile, so each
+is answered by the weights it names."""
 
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ import asyncio
 import hashlib
 import json
 import math
+import threading
 import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -55,6 +61,9 @@ COMPLETIONS = "/v1/completions"
 ROUTE_PREFIX = 512  # prompt ids hashed to pick a server
 BUSY_SLACK = 8  # requests in flight beyond the least busy server's before the hashed server is passed over
 LOAD_ADAPTER, UNLOAD_ADAPTER = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+# vLLM's routes for a weight reload (served with VLLM_SERVER_DEV_MODE=1): requests in flight finish, new ones wait
+PAUSE, RELOAD, RESET_PREFIX_CACHE, RESUME = "/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"
+DEV_ROUTES = "start vLLM with VLLM_SERVER_DEV_MODE=1 (its routes /pause, /collective_rpc, /resume)"
 IDLE_POLL_S = 0.05  # how often an unload looks whether its adapter's last request has finished
 PROBE_TEXT = 'Flywheel probe: 12 * 7 = 84; ünïcödé ✓ 漢字 <tool_call>{"name": "calc"}</tool_call>\n'
 PROBE_GAP = 1e-3  # nats: the least difference between the T=0.5 and T=1 log-probs of a processed server
@@ -75,8 +84,8 @@ class VLLMRefusedError(RuntimeError):
 
 
 class VLLMAdapterError(SamplerUnavailableError):
-    """A vLLM server refused (or did not answer) a LoRA adapter's load or unload: names the server, the adapter and
-    vLLM's message (the API's 502: the fault is not the client's)."""
+    """A vLLM server refused (or did not answer) a LoRA adapter's load or unload, or a reload of its weights: names
+    the server, what was asked and vLLM's message (the API's 502: the fault is not the client's)."""
 
 
 # ---- the wire: what vLLM 0.32 sends (only the fields used; the rest are ignored) --------------------------------
@@ -288,6 +297,26 @@ class VLLMPool:
                 server, UNLOAD_ADAPTER, {"lora_name": lora_name}, f"unload the adapter '{lora_name}'", missing_ok=True
             )
 
+    async def reload_weights(self, directory: Path) -> None:
+        """Every server's weights replaced, in place, by the model in ``directory`` (``model.safetensors``, the
+        weights under their Hugging Face names: a full fine-tuning checkpoint's): generation paused once the requests
+        in flight have finished (new ones wait), vLLM's worker method ``reload_weights`` run, the prefix cache
+        (computed with the old weights) dropped, generation resumed. The servers in parallel; one that fails is
+        resumed anyway and ``VLLMAdapterError`` names it and what it said."""
+
+        async def reload(server: VLLMServer) -> None:
+            await self._adapter_call(server, PAUSE, {}, "pause generation", missing=DEV_ROUTES)
+            try:
+                body = {"method": "reload_weights", "kwargs": {"weights_path": str(directory)}}
+                await self._adapter_call(
+                    server, RELOAD, body, f"reload its weights from {directory}", missing=DEV_ROUTES
+                )
+                await self._adapter_call(server, RESET_PREFIX_CACHE, {}, "drop its prefix cache")
+            finally:
+                await self._adapter_call(server, RESUME, {}, "resume generation")
+
+        await asyncio.gather(*(reload(server) for server in self.servers))
+
     async def adapters(self) -> dict[str, set[str]]:
         """The adapters the servers hold now (loaded by this process or an earlier one): each name, with the
         directories the servers hold it from (one, unless servers disagree)."""
@@ -312,16 +341,19 @@ class VLLMPool:
         return (await self._adapter_roots(server)).get(lora_name)
 
     async def _adapter_call(
-        self, server: VLLMServer, path: str, body: dict, what: str, *, missing_ok: bool = False
+        self, server: VLLMServer, path: str, body: dict, what: str, *, missing_ok: bool = False, missing: str = ""
     ) -> None:
+        """POST ``body`` to ``server``'s ``path``; a refusal is ``VLLMAdapterError`` saying it could not ``what``.
+        ``missing_ok``: a 404 is fine; ``missing``: what to do about a 404 (a route the server does not have)."""
         try:
             response = await self._client.post(server.url + path, json=body)
         except httpx.HTTPError as exc:
             raise VLLMAdapterError(server.url, f"it did not answer the request to {what}: {exc!r}") from exc
         if response.status_code == 200 or (missing_ok and response.status_code == 404):
             return
+        advice = f" ({missing})" if missing and response.status_code == 404 else ""
         raise VLLMAdapterError(
-            server.url, f"it refused to {what} (HTTP {response.status_code}): {self._message(response)}"
+            server.url, f"it refused to {what} (HTTP {response.status_code}): {self._message(response)}{advice}"
         )
 
     async def aclose(self) -> None:
@@ -525,16 +557,28 @@ class VLLMEngine:
         self.tokenizer, self.eos_ids, self.context_length = pool.tokenizer, pool.eos_ids, pool.context_length
         self.in_flight = 0
         self._closed = False
+        self._open = threading.Event()  # cleared while the weights it names are being loaded (``hold``)
+        self._open.set()
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def hold(self) -> None:
+        """Requests wait (before they reach a server) until ``release``: the weights this engine names are not on
+        the servers yet (a full fine-tuning step being reloaded)."""
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         if prompt_tokens + max_tokens > self.context_length:
             raise ContextOverflowError(self.context_length, prompt_tokens, max_tokens)
 
     async def stream(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        if not self._open.is_set():  # set from another thread (the backend's), read on the server's event loop
+            await asyncio.to_thread(self._open.wait)
         if self._closed:
             what = f"the adapter '{self.lora_name}'" if self.lora_name else "the vLLM engine"
             raise EngineClosedError(f"{what[0].upper()}{what[1:]} is closed (unloaded): it accepts no new requests.")
@@ -592,3 +636,4 @@ class VLLMEngine:
     def close(self, *, drain: bool = False, timeout: float = 10.0) -> None:
         """No new requests from now on; those in flight finish (vLLM's server is not this engine's to stop)."""
         self._closed = True
+        self._open.set()  # requests held are refused now, not left waiting

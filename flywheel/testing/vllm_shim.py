@@ -15,6 +15,11 @@ LoRA adapters, as vLLM serves them with ``--enable-lora`` and ``VLLM_ALLOW_RUNTI
 its own), after which a request naming the adapter samples it and ``/v1/models`` lists it;
 ``/v1/unload_lora_adapter`` drops it. Refusals have vLLM's statuses and messages: a name loaded already (400), a
 directory without an adapter (404), an adapter that does not fit the model (500), an unknown name to unload (404).
+
+A weight reload, as vLLM serves it with ``VLLM_SERVER_DEV_MODE=1`` (full fine-tuning): ``/pause`` holds new sampling
+requests until ``/resume``, ``/collective_rpc`` runs ``reload_weights(weights_path=DIR)`` (the safetensors in DIR
+copied into the base model in place; adapters keep the base they were loaded over), ``/reset_prefix_cache``
+answers; without the dev routes (``ShimFaults.dev_routes=False``) they are 404s.
 The contract test (tests/test_vllm_contract.py) checks the same behaviour against the real vLLM."""
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -45,6 +51,7 @@ class ShimFaults:
     raw_logprobs: bool = False  # samples (and reports log-probs) at T=1, whatever the request asks
     tokenize_shift: int = 0  # added to every id /tokenize returns
     generate_route: bool = True  # False: /inference/v1/generate answers 403, as vLLM without --enable-scale-out
+    dev_routes: bool = True  # False: /pause, /resume, /collective_rpc... 404, as vLLM without VLLM_SERVER_DEV_MODE=1
 
 
 class _Structured(BaseModel):
@@ -100,6 +107,32 @@ class _UnloadAdapter(BaseModel):
     lora_name: str = ""
 
 
+class _CollectiveRpc(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    method: str
+    kwargs: dict[str, str] = Field(default_factory=dict)
+
+
+def _reload_weights(engine: InferenceEngine, directory: str) -> int:
+    """vLLM's worker method ``reload_weights(weights_path=...)``: every ``*.safetensors`` in ``directory`` loaded
+    into the model in place, by Hugging Face names (a tied head's copy skipped); returns how many were loaded."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {directory}")
+    params = dict(engine.model.named_parameters())
+    weights = {k: v for f in files for k, v in load_file(f).items()}
+    unknown = [k for k in weights if k not in params and not k.endswith("lm_head.weight")]
+    if unknown:
+        raise KeyError(f"weights the model does not have: {unknown[:3]}")
+    with engine.exclusive(), torch.no_grad():
+        for name, value in weights.items():
+            if name in params:
+                params[name].copy_(value)
+    return len(weights)
+
+
 def _adapter_engine(engine: InferenceEngine, path: str) -> InferenceEngine:
     """An embedded engine of the base model with the peft adapter in ``path`` (LoRA unmerged, as the trainer's)."""
     from peft import PeftModel
@@ -123,6 +156,8 @@ def create_shim(engine: InferenceEngine, model: str, faults: ShimFaults | None =
     app.state.faults = faults = faults or ShimFaults()
     adapters: dict[str, InferenceEngine] = {}  # loaded LoRA adapters by name, each on an engine of its own
     adapter_paths: dict[str, str] = {}  # the directory each was loaded from (vLLM lists it as the adapter's root)
+    resumed = asyncio.Event()  # cleared by /pause, set by /resume
+    resumed.set()
 
     def unserved(name: str | None) -> JSONResponse | None:
         """vLLM's answer to a request for a model it does not serve (none named: its own)."""
@@ -195,6 +230,7 @@ def create_shim(engine: InferenceEngine, model: str, faults: ShimFaults | None =
         }
 
     async def answer(prompt: list[int], sp: _Sampling, stream: bool, choice, engine: InferenceEngine) -> Any:
+        await resumed.wait()  # paused (a weight reload): requests wait, as vLLM queues them
         if faults.delay_s:
             await asyncio.sleep(faults.delay_s)
         if faults.status is not None:
@@ -290,6 +326,42 @@ def create_shim(engine: InferenceEngine, model: str, faults: ShimFaults | None =
         if (refused := unserved(body.model)) is not None:
             return refused
         return await answer(body.prompt, body, body.stream, completion_choice, engine_of(body.model))
+
+    # a weight reload, as vLLM serves it with VLLM_SERVER_DEV_MODE=1 (full fine-tuning). The shim's /pause holds new
+    # requests; unlike vLLM's mode=wait it does not wait for those in flight (Flywheel's engine waits for them first)
+
+    def no_dev_route() -> JSONResponse | None:
+        return None if faults.dev_routes else JSONResponse({"detail": "Not Found"}, status_code=404)
+
+    @app.post("/pause")
+    async def pause():
+        if (refused := no_dev_route()) is not None:
+            return refused
+        resumed.clear()
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    async def resume():
+        if (refused := no_dev_route()) is not None:
+            return refused
+        resumed.set()
+        return {"status": "resumed"}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        return no_dev_route() or PlainTextResponse("")  # the reload dropped the engine's cached prefixes already
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(body: _CollectiveRpc):
+        if (refused := no_dev_route()) is not None:
+            return refused
+        if body.method != "reload_weights":
+            return _error(400, f"the stand-in runs only reload_weights, not {body.method}")
+        try:
+            await asyncio.to_thread(_reload_weights, engine, body.kwargs.get("weights_path", ""))
+        except (OSError, KeyError, RuntimeError) as exc:  # vLLM: a failing worker method is a 500
+            return _error(500, f"reload_weights failed: {exc}", "InternalServerError")
+        return {"results": [None]}
 
     @app.exception_handler(ValueError)
     async def _bad(_: Request, exc: ValueError):
