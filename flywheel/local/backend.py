@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
     from flywheel.dev import TrainOptions
     from flywheel.model import Model, TrainableModel
+    from flywheel.train.data_parallel import Replicas
 
 MAX_CHECKPOINT_ENGINES = 2  # earlier checkpoints served at once (each holds a copy of the base weights)
 
@@ -75,6 +76,7 @@ class LocalBackend:
         insecure_no_auth: bool = False,
         in_process: bool = True,
         loggers: Sequence[str] | None = None,
+        replicas: Replicas | None = None,
     ):
         """``compile``: engines decode with a compiled step (``InferenceEngine(compile=True)``: faster sampling at
         few concurrent rows, minutes to compile per engine, needs a C++ compiler). ``api_keys``: the HTTP server
@@ -83,7 +85,9 @@ class LocalBackend:
         ``insecure_no_auth=True``. ``in_process``: ART's choice of where its engine runs; here it always runs in
         this process (False is accepted, with a warning). ``loggers``: the trackers every metric row also goes to
         (``wandb``, ``mlflow``, ``tensorboard``; default: ``$FLYWHEEL_LOGGERS``, else those whose variables are
-        set: ``flywheel.local.loggers``)."""
+        set: ``flywheel.local.loggers``). ``replicas``: this process is rank 0 of data-parallel replicas
+        (``flywheel.train.data_parallel``; the other ranks run ``follow``): the one model registered here trains
+        on all of them, each step split between them."""
         if serve_http and not api_keys and not insecure_no_auth and not is_loopback(host):
             raise ValueError(
                 f"LocalBackend(host={host!r}) would serve every route to anyone who can reach it: give api_keys, "
@@ -104,6 +108,7 @@ class LocalBackend:
         self._extras: dict[tuple[str, str], dict] = {}  # the ``extra`` of the checkpoint the live weights are at
         self._trained: dict[tuple[str, str], tuple[int, set[str]]] = {}  # last train step, its trajectories' ids
         self._gap_alarm = GapAlarm()  # per model: the sampler/trainer log-prob gap jumping
+        self._replicas = replicas
         self._dtype, self._max_batch, self._compile = dtype, max_batch, compile
         self._host, self._port, self._serve_http, self._api_keys = host, port, serve_http, api_keys
         self._server: BackgroundServer | None = None
@@ -155,6 +160,11 @@ class LocalBackend:
         naming the holder's pid."""
         key = (model.project, model.name)
         async with self._lock:
+            if self._replicas is not None and self._trainers and key not in self._trainers:
+                raise ValueError(
+                    f"This backend trains model '{next(iter(self._trainers))[1]}' on its replicas already: one model "
+                    f"per backend with replicas ('{model.name}' needs a backend, and replicas, of its own)."
+                )
             if key not in self._trainers:
                 run = RunStore(self.model_dir(model))
                 run.lock()
@@ -168,6 +178,8 @@ class LocalBackend:
                             checkpoint = await asyncio.to_thread(run.read, latest, mode=trainer.trained_weights.mode)
                             await engine.call(trainer.load, checkpoint)
                             self._extras[key] = checkpoint.state.extra
+                        if self._replicas is not None:  # the other ranks start from these weights and step
+                            await engine.call(trainer.replicate, self._replicas)
                     except BaseException:
                         engine.close()
                         raise
@@ -190,6 +202,8 @@ class LocalBackend:
             lock = self._step_locks.pop(key)
             async with lock:  # a step being taken is saved first
                 pass
+            if self._replicas is not None:
+                await trainer.engine.call(self._replicas.stop)  # the other ranks' follow() returns
             engines = [trainer.engine]
             with self._checkpoint_lock:
                 for served in list(self._checkpoint_engines):
@@ -554,6 +568,8 @@ class LocalBackend:
         )
 
     async def close(self) -> None:
+        if self._replicas is not None and self._trainers:
+            await next(iter(self._trainers.values())).engine.call(self._replicas.stop)
         await asyncio.to_thread(self.loggers.finish)
         if self._server is not None:
             self._server.stop()

@@ -225,12 +225,17 @@ class Trainer:
 
     def replicate(self, replicas: Replicas) -> None:
         """Train as one of ``replicas`` from now on (``flywheel.train.data_parallel``), starting from rank 0's
-        trained weights (a LoRA adapter is initialised at random in each process)."""
+        trained weights (a LoRA adapter is initialised at random in each process), optimizer state and step."""
         with self.engine.exclusive():
             replicas.broadcast(self.master)
             with torch.no_grad():
                 for p, m in zip(self.params, self.master):
                     p.copy_(m)
+        optimizer = self.optimizer.state_dict() if self.optimizer is not None else None
+        self.step, self.rl_steps, optimizer = replicas.broadcast_object((self.step, self.rl_steps, optimizer))
+        if optimizer is not None and replicas.rank != 0:
+            self.optimizer = None
+            self._optimizer(1e-5, 0.0).load_state_dict(optimizer)
         self.replicas = replicas
 
     def _batches(self, sequences: list[TrainingSequence], max_tokens: int) -> tuple[list[MicroBatch], int, int]:
@@ -273,6 +278,8 @@ class Trainer:
         ``credit="turn"`` a group whose total rewards tie may still have per-turn signal). ``step`` advances only
         when the weights changed; otherwise ``skipped`` is 1 and ``skip_reason`` says why (no signal: 1, non-finite
         gradients: 2)."""
+        if self.replicas is not None:
+            self.replicas.lead("rl_step", groups, config)
         start = time.perf_counter()
         rewards = [t.reward for g in groups for t in g.trajectories]
         candidates = [g for g in groups if len(g.trajectories) > 1]
@@ -426,6 +433,8 @@ class Trainer:
         """The policy the KL term pulls towards: ``None``, the base model (LoRA: the adapter switched off; full
         fine-tuning: the base checkpoint's weights, read from disk when first needed); or trained weights keyed as
         this trainer saves them (a checkpoint's, e.g. the end of an SFT warm start, ``step``)."""
+        if self.replicas is not None:
+            self.replicas.lead("set_reference", weights, step)
         if weights is None:
             self._reference, self.reference_step = None, None
             return
@@ -486,6 +495,8 @@ class Trainer:
         """Cross-entropy on assistant turns (sampled choices and assistant message dicts); one entry per optimizer
         step that changed the weights (a non-finite gradient skips its step, logged), also handed to ``progress``
         as soon as the step is taken (on the engine's thread)."""
+        if self.replicas is not None:
+            self.replicas.lead("sft", trajectories, config)
         history = []
         for _ in range(config.epochs):
             for i in range(0, len(trajectories), config.batch_size):
@@ -571,6 +582,8 @@ class Trainer:
     def load(self, checkpoint: Checkpoint) -> None:
         """Continue from a checkpoint (``RunStore.read``): weights, optimizer (fresh if it has none), RNG states,
         step."""
+        if self.replicas is not None:
+            self.replicas.lead("load", checkpoint)
         weights = checkpoint.weights
         with self.engine.exclusive():
             if self.peft is not None:
