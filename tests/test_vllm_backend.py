@@ -275,6 +275,19 @@ async def test_a_full_fine_tuning_model_has_its_weights_reloaded_into_vllm_after
         own.close()
 
 
+def test_the_jobs_on_a_vllm_server_that_cannot_be_reached_stop_with_one_message(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    for task in ("calculator", "support"):
+        result = CliRunner().invoke(
+            app, ["train", "--task", task, "--vllm", closed, "--name", "unreachable"],
+            env={"FLYWHEEL_HOME": str(tmp_path), "COLUMNS": "200"},
+        )  # fmt: skip
+        assert result.exit_code == 1 and f"The vLLM server at {closed} did not answer /v1/models" in result.output
+        assert "Traceback" not in result.output
+
+
 async def test_full_fine_tuning_and_another_base_model_are_refused_with_what_to_do(shim, tmp_path):
     backend = VLLMBackend([shim.url], path=tmp_path / "home", dtype=torch.float32)
     try:

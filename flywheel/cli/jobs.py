@@ -189,6 +189,14 @@ def train(
     full_finetune: Annotated[
         bool, typer.Option("--full-finetune/--lora", help="Train every weight (default) or a LoRA adapter.")
     ] = True,
+    vllm: Annotated[
+        str | None,
+        typer.Option(
+            help="vLLM servers (URL[,URL]) of the base model that sample it instead of the embedded engine, each "
+            "step's weights synced into them (full fine-tuning: VLLM_SERVER_DEV_MODE=1; --lora: --enable-lora; "
+            "docs/user-guide.md, 'Training on vLLM')."
+        ),
+    ] = None,
 ):
     """The main job: train an example agent (baseline, SFT warm start, GRPO, best checkpoint, report, plot); the
     calculator agent by default, the customer-support agent with --task support."""
@@ -214,6 +222,7 @@ def train(
         base_model=model,
         seed=seed,
         name=name or time.strftime("run-%Y%m%d-%H%M%S"),
+        vllm=vllm,
         **{key: value for key, value in sizes.items() if value is not None},
     )
     if budget_minutes is not None:  # 0: no budget (exactly --steps)
@@ -222,8 +231,15 @@ def train(
         config = config.with_lora()
     from flywheel.checkpoints.run import CheckpointWriteError
     from flywheel.graders.stack import StackGradingError
+    from flywheel.inference.protocol import SamplerUnavailableError
 
+    refusals: tuple[type[Exception], ...] = ()
+    if vllm is not None:
+        from flywheel.inference.vllm_engine import VLLMRefusedError
+        from flywheel.vllm_backend import UnservableModelError
+
+        refusals = (VLLMRefusedError, UnservableModelError, SamplerUnavailableError)
     try:
         asyncio.run(run(config, console))
-    except (CheckpointWriteError, StackGradingError) as exc:  # a full disk, a grader that cannot run: one message
+    except (CheckpointWriteError, StackGradingError, *refusals) as exc:  # a full disk, a grader, vLLM: one message
         fail(str(exc), 1)

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flywheel.inference.engine import ContextOverflowError, InferenceEngine, TokenEvent
 from flywheel.inference.guided import GrammarError, compile_lark_guide
-from flywheel.inference.loading import load_model
+from flywheel.inference.loading import EMBEDDED_MODEL, load_model
 from flywheel.inference.lora import fuse_lora_forward
 from flywheel.inference.sampling import SamplingParams
 
@@ -368,3 +368,24 @@ def create_shim(engine: InferenceEngine, model: str, faults: ShimFaults | None =
         return _error(400, str(exc))
 
     return app
+
+
+def main() -> None:
+    """``python -m flywheel.testing.vllm_shim [--model SPEC] [--served-model-name NAME] [--port N]``: the stand-in
+    as a server of its own, for a job or a benchmark to sample through vLLM's protocol without vLLM."""
+    import argparse
+
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--model", default=EMBEDDED_MODEL, help="the model it samples (a spec load_model takes)")
+    parser.add_argument("--served-model-name", default="smol")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args()
+    model, tokenizer, _ = load_model(args.model)
+    uvicorn.run(create_shim(InferenceEngine(model, tokenizer), args.served_model_name), host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -61,6 +61,7 @@ class JobConfig(BaseModel):
     eval_every: int = 4
     val_problems: int = 64  # picks the best checkpoint: 32 problems (+-17 points) made that choice mostly noise
     test_problems: int = 100
+    vllm: str | None = None  # vLLM servers (URL[,URL]) that sample the model instead of the embedded engine
 
     def with_lora(self) -> JobConfig:
         """The same job training a LoRA adapter instead of every weight, with the learning rates tuned for it."""
@@ -129,6 +130,16 @@ class LevelCurriculum:
         return {f"level_weight/{level}": w for level, w in self.weights().items()}
 
 
+def job_backend(vllm: str | None) -> LocalBackend:
+    """The backend a job trains on: the embedded engine samples, or the vLLM servers ``vllm`` do (``VLLMBackend``:
+    each step's weights synced into them)."""
+    if vllm is None:
+        return LocalBackend()
+    from flywheel.vllm_backend import VLLMBackend
+
+    return VLLMBackend(vllm)
+
+
 async def register_new(
     model: TrainableModel, backend: LocalBackend, remedy: str = "pick another --name or delete that directory."
 ) -> None:
@@ -142,7 +153,7 @@ async def register_new(
 async def run(config: JobConfig, console: Console | None = None) -> dict:
     console = console or Console()
     start = time.perf_counter()
-    backend = LocalBackend()
+    backend = job_backend(config.vllm)
     model = TrainableModel(
         name=config.name, project=config.project, base_model=config.base_model, trained_weights=config.trained_weights
     )

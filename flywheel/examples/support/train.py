@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from flywheel.agents.air import AIRConfig
 from flywheel.agents.dynamic_sampling import DynamicSampler, DynamicSamplingConfig, NoMixedGroupsError
-from flywheel.examples.calculator.train import peak_rss_gb, register_new, rl_rounds
+from flywheel.examples.calculator.train import job_backend, peak_rss_gb, register_new, rl_rounds
 from flywheel.examples.sft_arm import sft_best_epoch
 from flywheel.examples.support.agent import MAX_TURNS, demonstration, expert_rollout, rollout
 from flywheel.examples.support.db import build_database
@@ -38,7 +38,6 @@ from flywheel.examples.support.tickets import Ticket, generate_tickets
 from flywheel.gather import gather_trajectory_groups
 from flywheel.graders.stack import GraderStack
 from flywheel.inference.loading import EMBEDDED_MODEL
-from flywheel.local.backend import LocalBackend
 from flywheel.model import TrainableModel
 from flywheel.stats import bootstrap_mean
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
@@ -71,6 +70,7 @@ class JobConfig(BaseModel):
     # the whole job's wall-clock budget: RL stops after the last step that leaves time for its validation and the
     # final test (each estimated from the slowest so far); None: exactly rl_steps
     time_budget_minutes: float | None = Field(43.0, gt=0)
+    vllm: str | None = None  # vLLM servers (URL[,URL]) that sample the model instead of the embedded engine
     groups_per_step: int = 4  # with dynamic sampling: groups with mixed outcomes per step
     group_size: int = 6
     # DAPO's dynamic sampling: each step draws tickets until it has groups_per_step groups whose rewards differ (the
@@ -246,7 +246,7 @@ def paired(before: dict[str, dict[str, float]], after: dict[str, dict[str, float
 async def run(config: JobConfig, console: Console | None = None) -> dict:
     console = console or Console()
     start = time.perf_counter()
-    backend = LocalBackend()
+    backend = job_backend(config.vllm)
     model = TrainableModel(
         name=config.name, project=config.project, base_model=config.base_model, trained_weights=config.trained_weights
     )
