@@ -55,7 +55,8 @@ log = logging.getLogger(__name__)
 
 
 class UnservableModelError(ValueError):
-    """A model this backend's vLLM servers cannot serve (full fine-tuning, another base model): says why."""
+    """A model this backend's vLLM servers cannot serve (another base model; a full fine-tuning model and any other
+    model on the same servers): says why."""
 
 
 SERVERS_TAKEN = (
