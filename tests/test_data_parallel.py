@@ -36,12 +36,13 @@ COMPARED = ["loss", "entropy", "grad_norm", "tokens_trained", "micro_batches", "
 def tiny_llama(directory: Path) -> Path:
     """A random 2-layer Llama with the embedded model's tokenizer, saved as a checkpoint directory."""
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(EMBEDDED_MODEL).path)
-    torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
     )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(directory)
+    with torch.random.fork_rng():  # the test process's random state stays as later tests expect it
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 
@@ -53,10 +54,12 @@ def train(trainer: Trainer, groups: list[art.TrajectoryGroup]) -> dict:
 
 
 def new_trainer(model_dir: Path, mode: str, seed: int = 0) -> Trainer:
-    """A trainer on the tiny model; ``seed``: its LoRA adapter's initialisation."""
+    """A trainer on the tiny model; ``seed``: its LoRA adapter's initialisation (drawn from a forked generator: the
+    test process's own random state, which later tests sample with, is left as it was)."""
     model, tokenizer, _ = load_model(str(model_dir), dtype=torch.float32)
-    torch.manual_seed(seed)
-    return Trainer(InferenceEngine(model, tokenizer), TrainedWeights(mode=mode))
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return Trainer(InferenceEngine(model, tokenizer), TrainedWeights(mode=mode))
 
 
 def replica(rank: int, world: int, model_dir: Path, mode: str, groups_file: Path, init: Path, out: Path) -> None:
@@ -85,8 +88,9 @@ async def drive(backend: LocalBackend, model_dir: Path, groups: list[art.Traject
     """A training script on a backend: two steps (the second without a checkpoint), back to step 1, one more."""
     model = TrainableModel(name="dp", project="p", base_model=str(model_dir))
     try:
-        torch.manual_seed(0)  # the adapter's initialisation, as the single process draws it
-        await model.register(backend)
+        with torch.random.fork_rng():  # the process's random state is left as it was for later tests
+            torch.manual_seed(0)  # the adapter's initialisation, as the single process draws it
+            await model.register(backend)
         losses = [(await backend.train(model, groups, RL)).metrics["loss"]]
         losses.append((await backend.train(model, groups, RL, save_checkpoint=False)).metrics["loss"])
         await backend.restore(model, 1)

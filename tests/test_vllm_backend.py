@@ -45,7 +45,7 @@ class Shim:
         self.url = self.server.base_url.removesuffix("/v1")
 
     def adapters(self) -> dict[str, str]:
-        cards = httpx.get(f"{self.url}/v1/models").json()["data"]
+        cards = httpx.get(f"{self.url}/v1/models", timeout=60).json()["data"]
         return {m["id"]: m["root"] for m in cards if m["id"] != "smol"}
 
     def close(self) -> None:
@@ -178,8 +178,10 @@ async def test_a_server_answering_with_other_weights_under_the_live_name_raises_
         for _ in range(2):
             assert (await _step(backend, model, save=True))["sampler_gap_alarm"] == 0.0
         swapped = {"lora_name": "calc@2", "lora_path": str(backend.run(model).checkpoint_dir(1).resolve())}
-        httpx.post(f"{shim.url}/v1/unload_lora_adapter", json={"lora_name": "calc@2"}).raise_for_status()
-        httpx.post(f"{shim.url}/v1/load_lora_adapter", json=swapped).raise_for_status()
+        httpx.post(f"{shim.url}/v1/unload_lora_adapter", json={"lora_name": "calc@2"}, timeout=120).raise_for_status()
+        httpx.post(
+            f"{shim.url}/v1/load_lora_adapter", json=swapped, timeout=120
+        ).raise_for_status()  # a model copy: seconds
         with pytest.warns(UserWarning, match=r"Model 'calc' step 3: the sampler's log-probs sit .* nats per token"):
             metrics = await _step(backend, model, save=True)
         assert metrics["sampler_gap_alarm"] == 1.0 and metrics["sampler_logprob_gap"] > 0.3
