@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from test_vllm_backend import _step  # one RL step on two answers sampled through the backend's server
 
 from flywheel.inference.guided import compile_choice_guide, compile_tool_call_guide
 from flywheel.inference.loading import EMBEDDED_MODEL, load_model, resolve_model
@@ -193,28 +194,17 @@ async def test_a_vllm_backend_trains_with_every_step_sampled_on_vllm(vllm_url, t
     without a checkpoint) is loaded and answers the next step's rollouts, whose log-probs the trainer matches to
     fp32 rounding; past the staleness bound versions are unloaded; vLLM lists each adapter's directory as its root,
     which a restarted backend reads to keep its checkpoints; closed, it leaves the base model alone."""
-    from flywheel.types import Trajectory, TrajectoryGroup
     from flywheel.vllm_backend import VLLMBackend
 
     backend = VLLMBackend([vllm_url], path=tmp_path / "home", dtype=torch.float32, max_staleness_steps=1)
     model = TrainableModel(name="calc", project="p", base_model=EMBEDDED_MODEL)
-    prompt = [{"role": "user", "content": "Name a fruit."}]
     try:
         await model.register(backend)
-        client = model.openai_client()
         gaps = []
         for save in (True, False, True):
-            trajectories = []
-            for reward in (0.0, 1.0):
-                r = await client.chat.completions.create(
-                    model="calc", messages=prompt, max_tokens=8, temperature=1.0, logprobs=True
-                )
-                trajectories.append(Trajectory(messages_and_choices=[*prompt, r.choices[0]], reward=reward))
-            result = await backend.train(
-                model, [TrajectoryGroup(trajectories)], learning_rate=1e-2, save_checkpoint=save
-            )
-            gaps.append(result.metrics["sampler_logprob_gap"])
-            assert result.metrics["sampler_gap_alarm"] == 0.0
+            metrics = await _step(backend, model, save, learning_rate=1e-2)
+            gaps.append(metrics["sampler_logprob_gap"])
+            assert metrics["sampler_gap_alarm"] == 0.0
         print(f"VLLMBackend on vLLM: served/trained log-prob gap per step {', '.join(f'{g:.2e}' for g in gaps)}")
         assert max(gaps) < 2e-2
         cards = {m["id"]: m.get("root") for m in httpx.get(f"{vllm_url}/v1/models").json()["data"]}
@@ -235,7 +225,6 @@ async def test_a_full_fine_tuning_model_on_vllm_has_its_weights_reloaded_after_e
     the next step's rollouts are sampled by the weights just trained; closed, the server has the base model's
     weights back (its answers are the base model's again). Last in this file: it changes the server's weights."""
     from flywheel.train.config import TrainedWeights
-    from flywheel.types import Trajectory, TrajectoryGroup
     from flywheel.vllm_backend import VLLMBackend
 
     pool = await VLLMPool([vllm_url], resolve_model(EMBEDDED_MODEL).path).start()
@@ -248,24 +237,15 @@ async def test_a_full_fine_tuning_model_on_vllm_has_its_weights_reloaded_after_e
     model = TrainableModel(
         name="full", project="p", base_model=EMBEDDED_MODEL, trained_weights=TrainedWeights(mode="full")
     )
-    messages = [{"role": "user", "content": "Name a fruit."}]
     try:
         await model.register(backend)
-        client = model.openai_client()
         gaps = []
         for save in (True, False, True):
-            trajectories = []
-            for reward in (0.0, 1.0):
-                r = await client.chat.completions.create(
-                    model="full", messages=messages, max_tokens=8, temperature=1.0, logprobs=True
-                )
-                trajectories.append(Trajectory(messages_and_choices=[*messages, r.choices[0]], reward=reward))
             started = time.monotonic()
-            result = await backend.train(
-                model, [TrajectoryGroup(trajectories)], learning_rate=1e-4, save_checkpoint=save
+            gaps.append((await _step(backend, model, save, learning_rate=1e-4))["sampler_logprob_gap"])
+            print(
+                f"full fine-tuning step {len(gaps)}: rollouts, training and reload in {time.monotonic() - started:.1f} s"
             )
-            gaps.append(result.metrics["sampler_logprob_gap"])
-            print(f"full fine-tuning step {result.step} trained and reloaded in {time.monotonic() - started:.1f} s")
         print(f"full fine-tuning on vLLM: served/trained log-prob gap per step {', '.join(f'{g:.2e}' for g in gaps)}")
         assert max(gaps) < 2e-2
         trained = (await pool.engine().generate(prompt, greedy))[0]
