@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from openai import AsyncOpenAI
 from pydantic import BaseModel
 from rich.console import Console
@@ -197,10 +198,11 @@ FULL = DemoSizes(
 # iteration whose groups all tie takes none: up to 4 iterations for it), and the unsafe reward trains 2 steps at a
 # learning rate that breaks the model (one step left a quick run's greedy answers as they were; broken, its replies
 # are long, runaway or wrong: the gate stops it on safety, tokens or the lift, and the canary watch rolls it back on
-# safety or its reward)
+# safety or its reward). The gamed candidate is mostly chatty demonstrations, 4 epochs: with 8 of 16 and 3 epochs its
+# greedy reply to the one held-out ticket-price question was sometimes short, and the gate had no unsafe item to see
 QUICK = DemoSizes(
     sft_examples=16, sft_rounds=2, sft_learning_rate=2e-4, heldout=2, min_items=2, min_lift=-1.0, steps=1,
-    candidates=1, max_iterations=4, gamed_examples=16, gamed_chatty=8, gamed_epochs=3, unsafe_steps=2, groups_per_step=2, group_size=4, learning_rate=3e-5,
+    candidates=1, max_iterations=4, gamed_examples=16, gamed_chatty=12, gamed_epochs=4, unsafe_steps=2, groups_per_step=2, group_size=4, learning_rate=3e-5,
     unsafe_learning_rate=1e-2, users=1, canary_share=0.5, canary_episodes=2, canary_max_episodes=2, canary_max_drop=0.15,
     canary_wait=300.0,
     runners=8,
@@ -686,6 +688,16 @@ async def run_demo(
     """Run the demonstration into ``out`` (a new directory; ``backend``: one of the caller's, else a new one with
     its home in ``out/home``; ``name``: the model's, and its deployments' ``NAME@production``, ``NAME@canary``)."""
     console = console or Console()
+    # rollouts the engine samples without a seed of their own draw from torch's global generator: seeded here (and
+    # given back after), so a run does not depend on what the process drew before it
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return await _run_demo(out, quick, seed, backend, name, console)
+
+
+async def _run_demo(
+    out: Path, quick: bool, seed: int, backend: LocalBackend | None, name: str, console: Console
+) -> DemoReport:
     own = backend is None
     backend = backend or LocalBackend(path=out / "home")
     started = time.monotonic()
