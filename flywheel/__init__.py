@@ -18,6 +18,7 @@ from flywheel import dev, guided_completion, trajectories
 from flywheel.auto_trajectory import auto_trajectory, capture_auto_trajectory
 from flywheel.gather import gather_trajectories, gather_trajectory_groups, trajectory_group_batches
 from flywheel.model import Backend, Model, TrainableModel
+from flywheel.pipeline import RolloutPipeline
 from flywheel.train.config import TrainConfig
 from flywheel.types import History, Messages, MessagesAndChoices, Tools, TrainResult, Trajectory, TrajectoryGroup
 from flywheel.utils import retry
@@ -53,6 +54,7 @@ __all__ = [
     "Messages",
     "MessagesAndChoices",
     "Model",
+    "RolloutPipeline",
     "Tools",
     "TrainConfig",
     "TrainResult",

@@ -30,6 +30,7 @@ from flywheel.types import (
     TOKEN_IDS,
     TOKENIZER,
     TOP_P,
+    WEIGHTS_STEP,
     History,
     Message,
     Trajectory,
@@ -176,6 +177,7 @@ def _streamed_choice(text: str) -> Choice | None:
             choice, extras[PROMPT_TOKEN_IDS], extras[TOKEN_IDS], extras.get(TEMPERATURE, 1.0),
             top_p=extras.get(TOP_P, 1.0), guided=bool(extras.get(GUIDED)),
             logprobs_temperature=extras.get(LOGPROBS_TEMPERATURE), tokenizer=extras.get(TOKENIZER),
+            weights_step=extras.get(WEIGHTS_STEP),
         )  # fmt: skip
     return choice
 

@@ -63,10 +63,14 @@ history's turns, its tool definitions (OpenAI ``{"type": "function", "function":
 
 TOKEN_IDS, PROMPT_TOKEN_IDS, TEMPERATURE = "token_ids", "prompt_token_ids", "temperature"
 TOP_P, GUIDED, LOGPROBS_TEMPERATURE, TOKENIZER = "top_p", "guided", "logprobs_temperature", "tokenizer"
+WEIGHTS_STEP = "weights_step"  # the checkpoint step whose weights a Flywheel server answered the call with
 INTERMEDIATE_REWARD = "intermediate_reward"
 # Trajectory.metadata: a logged episode that joined a group as an off-policy member (sampled by an earlier
 # checkpoint): the trainer reports its tokens' importance ratios apart (``off_policy_is_ratio_mean``)
 OFF_POLICY = "off_policy"
+# Trajectory.metadata: the oldest checkpoint step that answered a call of it (the gateway's export and off-policy
+# members set it from the recorded calls; without it, the oldest ``WEIGHTS_STEP`` of its choices: ``answered_at``)
+ANSWERED_AT = "answered_at_step"
 
 
 @dataclass(frozen=True)
@@ -132,10 +136,12 @@ def set_sampled_tokens(
     guided: bool = False,
     logprobs_temperature: float | None = None,
     tokenizer: str | None = None,
+    weights_step: int | None = None,
 ) -> None:
     """Record on a Choice what the sampler was fed and drew, and how: the temperature and top-p it drew at, whether
     a grammar guided it, the temperature its log-probs are at (default: the one it drew at; 1.0 for a greedy draw,
-    as our engine reports them) and the tokenizer whose ids these are (``gateway/splice.py``'s ``tokenizer_key``)."""
+    as our engine reports them), the tokenizer whose ids these are (``gateway/splice.py``'s ``tokenizer_key``) and
+    the checkpoint step whose weights drew them (``weights_step``: what bounded staleness reads)."""
     setattr(choice, PROMPT_TOKEN_IDS, list(prompt_ids))
     setattr(choice, TOKEN_IDS, list(completion_ids))
     setattr(choice, TEMPERATURE, float(temperature))
@@ -145,6 +151,15 @@ def set_sampled_tokens(
     setattr(choice, LOGPROBS_TEMPERATURE, float(at or 1.0))
     if tokenizer is not None:
         setattr(choice, TOKENIZER, tokenizer)
+    if weights_step is not None:
+        setattr(choice, WEIGHTS_STEP, int(weights_step))
+
+
+def weights_step(choice: Choice) -> int | None:
+    """The checkpoint step whose weights drew this Choice, as the Flywheel server that answered recorded it (the
+    weights it started with: a step trained while it decoded only makes it fresher); None if none recorded."""
+    value = getattr(choice, WEIGHTS_STEP, None)
+    return None if value is None else int(value)
 
 
 def completion_token_count(choice: Choice) -> int:

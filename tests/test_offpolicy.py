@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from flywheel.loop.offpolicy import ANSWERED_AT, LeftOut, answering_steps, draw, staleness
+from flywheel.loop.offpolicy import LeftOut, answering_steps, draw, staleness
 from flywheel.store import Store, episodes
-from flywheel.types import OFF_POLICY, sampled_tokens
+from flywheel.types import ANSWERED_AT, OFF_POLICY, sampled_tokens
 
 BASE = "base/model"
 

@@ -183,6 +183,14 @@ def train(
         float | None,
         typer.Option(min=0.0, max=0.9, help="Support: each tool call's chance of a transient failure (default 0.1)."),
     ] = None,
+    async_steps: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Calculator: the rollouts of the next N steps run while a step trains (flywheel.pipeline; each group"
+            " at most N steps stale, staler ones dropped); default 0: synchronous.",
+        ),
+    ] = None,
     name: Annotated[str, typer.Option(help="Run name (checkpoints under $FLYWHEEL_HOME/TASK/models/NAME).")] = "",
     model: Annotated[str, typer.Option()] = EMBEDDED_MODEL,
     seed: Annotated[int, typer.Option()] = 0,
@@ -212,10 +220,12 @@ def train(
         for option, value in support_only:
             if value is not None:
                 fail(f"{option} is an option of --task support only.")
-        sizes |= {"test_problems": test_problems, "val_problems": val}
+        sizes |= {"test_problems": test_problems, "val_problems": val, "async_steps": async_steps}
     else:
         from flywheel.examples.support.train import JobConfig, run  # type: ignore[assignment]
 
+        if async_steps is not None:
+            fail("--async-steps is an option of the calculator job only (the support job's steps fit a time budget).")
         sizes |= {"test_tickets": test_problems, "val_tickets": val}
         sizes |= {"failure_rate": failure_rate}
     config = JobConfig(

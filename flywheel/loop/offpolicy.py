@@ -50,9 +50,7 @@ from flywheel.gateway.export import AmbiguousChoiceError, episode_trajectory
 from flywheel.gateway.upstream import guided_request
 from flywheel.store import CallRecord, episodes
 from flywheel.train.credit import sampled_turns
-from flywheel.types import OFF_POLICY, Trajectory, sampled_tokens
-
-ANSWERED_AT = "answered_at_step"  # an off-policy member's metadata: the oldest checkpoint step that answered it
+from flywheel.types import ANSWERED_AT, OFF_POLICY, Trajectory, sampled_tokens
 
 
 class LeftOut(StrEnum):

@@ -147,11 +147,13 @@ async def json_body(request: Request) -> Any:
         ) from None
 
 
-def _sampled_how(engine: InferenceEngine, params: SamplingParams) -> dict[str, Any]:
+def _sampled_how(engine: InferenceEngine, params: SamplingParams, step: int | None) -> dict[str, Any]:
     """How a choice was drawn, recorded on it with its ids (extra fields, kept by the SDK): its top-p, whether a
-    grammar guided it (its log-probs are then the masked distribution's, which TIS leaves out), and the tokenizer
-    its ids are of (what a later call's prompt may splice them into)."""
-    return {"top_p": params.top_p, "guided": params.guide is not None, "tokenizer": tokenizer_key(engine.tokenizer)}
+    grammar guided it (its log-probs are then the masked distribution's, which TIS leaves out), the tokenizer its
+    ids are of (what a later call's prompt may splice them into) and the step of the weights that drew it (what
+    bounded staleness reads, ``train/staleness.py``)."""
+    return {"top_p": params.top_p, "guided": params.guide is not None, "tokenizer": tokenizer_key(engine.tokenizer),
+            "weights_step": step}  # fmt: skip
 
 
 def _completion_body(
@@ -164,6 +166,7 @@ def _completion_body(
     model: str,
     tools: bool,
     forced: bool,
+    step: int | None,
 ) -> dict:
     """A chat.completion body; each choice carries its token ids (``set_sampled_tokens``), and log-probs when
     ``params.logprobs``."""
@@ -172,7 +175,7 @@ def _completion_body(
         message, finish = _message(c, tools, forced)
         logprobs = ChoiceLogprobs(content=_logprob_items(engine, c)) if params.logprobs else None
         choice = Choice(index=c.index, message=message, finish_reason=finish, logprobs=logprobs)
-        set_sampled_tokens(choice, prompt, c.token_ids, params.temperature, **_sampled_how(engine, params))
+        set_sampled_tokens(choice, prompt, c.token_ids, params.temperature, **_sampled_how(engine, params, step))
         choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in results)
     usage = CompletionUsage(
@@ -314,7 +317,7 @@ class ChatService:
 
         def body(results: list[Completion]) -> dict:
             return _completion_body(
-                engine, results, prompt, params, completion_id, created, req.model, bool(tools), forced
+                engine, results, prompt, params, completion_id, created, req.model, bool(tools), forced, step
             )
 
         async def record(full: dict) -> None:
@@ -342,7 +345,7 @@ class ChatService:
             tokens = await _primed(engine.stream(prompt, params))
             events = _stream(
                 engine, tokens, prompt, params, completion_id, created, req.model, bool(tools), forced, include_usage, req.logprobs,
-                on_done, screen if policy is not None else None,
+                step, on_done, screen if policy is not None else None,
             )  # fmt: skip
             return StreamingResponse(
                 events, media_type="text/event-stream", background=self.after(req, episode_id, route)
@@ -395,6 +398,7 @@ async def _stream(
     forced: bool,
     include_usage: bool,
     show_logprobs: bool,
+    step: int | None,
     on_done: Callable[[list[Completion]], Awaitable[None]] | None = None,
     screen: Callable[[ChatCompletionMessage, str], Awaitable[tuple[ChatCompletionMessage, str]]] | None = None,
 ) -> AsyncIterator[str]:
@@ -445,7 +449,7 @@ async def _stream(
                 lp = ChunkLogprobs(content=_logprob_items(engine, c)) if show_logprobs else None
                 yield chunk([ChunkChoice(index=ev.index, delta=delta, logprobs=lp)])
             final = ChunkChoice(index=ev.index, delta=ChoiceDelta(), finish_reason=finish)
-            set_sampled_tokens(final, prompt, c.token_ids, params.temperature, **_sampled_how(engine, params))  # type: ignore[arg-type]  # same extras
+            set_sampled_tokens(final, prompt, c.token_ids, params.temperature, **_sampled_how(engine, params, step))  # type: ignore[arg-type]  # same extras
             yield chunk([final])
         if on_done is not None:
             await on_done([held[i] for i in range(params.n)])

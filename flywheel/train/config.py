@@ -73,6 +73,10 @@ class TrainConfig(BaseModel):
     # min(pi_old / pi_sampler, cap), correcting for other weights (stale rollouts, name@k) and the sampler's own
     # numerics; None turns it off
     importance_sampling_cap: float | None = Field(2.0, gt=0)
+    # bounded staleness (train/staleness.py): a group with a rollout answered by weights more than this many steps
+    # before the ones being trained (or by a step a restore abandoned) is dropped whole, counted in stale_groups;
+    # None: no bound (staleness_mean / staleness_max are reported either way)
+    max_staleness_steps: int | None = Field(None, ge=0)
     # the learning rate's schedule over RL steps (transformers' / TRL's names): warm-up, then constant or decay
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)

@@ -29,6 +29,7 @@ from flywheel.train.credit import credit_advantages, has_reward_variance, has_si
 from flywheel.train.data_parallel import Replicas
 from flywheel.train.logprobs import token_logprobs
 from flywheel.train.loss import importance_weights, policy_loss, ratio_stats
+from flywheel.train.staleness import drop_stale
 from flywheel.types import OFF_POLICY, Trajectory, TrajectoryGroup
 
 log = logging.getLogger(__name__)
@@ -277,10 +278,12 @@ class Trainer:
         """One RL step on ``groups``. A group trains when the advantages it gets differ from zero (with
         ``credit="turn"`` a group whose total rewards tie may still have per-turn signal). ``step`` advances only
         when the weights changed; otherwise ``skipped`` is 1 and ``skip_reason`` says why (no signal: 1, non-finite
-        gradients: 2)."""
+        gradients: 2). With ``config.max_staleness_steps``, groups answered by weights too far from these are
+        dropped first (``train/staleness.py``: ``stale_groups``)."""
         if self.replicas is not None:
             self.replicas.lead("rl_step", groups, config)
         start = time.perf_counter()
+        groups, staleness = drop_stale(groups, self.step, config.max_staleness_steps)
         rewards = [t.reward for g in groups for t in g.trajectories]
         candidates = [g for g in groups if len(g.trajectories) > 1]
         if config.credit == "uniform":  # equal totals give zero advantages; kept out of reinforce_pp's whitening
@@ -293,7 +296,7 @@ class Trainer:
             "groups": len(groups),
             "groups_zero_variance": len(groups) - len(usable),
             "zero_variance_fraction": (len(groups) - len(usable)) / len(groups) if groups else 1.0,
-        }
+        } | staleness
         # Normalisers, as published (flywheel/train/loss.py): GRPO-style means are over every trajectory given;
         # DAPO/CISPO's token mean over the groups that train (all of them when the KL term gives every token a
         # gradient). Trajectories whose advantage is zero are not computed unless the KL term needs them.

@@ -28,6 +28,7 @@ from flywheel.gather import gather_trajectory_groups
 from flywheel.inference.loading import EMBEDDED_MODEL
 from flywheel.local.backend import LocalBackend
 from flywheel.model import TrainableModel
+from flywheel.pipeline import RolloutPipeline
 from flywheel.stats import bootstrap_mean, wilson
 from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
 from flywheel.types import Trajectory, TrajectoryGroup
@@ -58,6 +59,9 @@ class JobConfig(BaseModel):
     rl: TrainConfig = TrainConfig(learning_rate=1e-5, loss="dapo", micro_batch_tokens=1024)
     temperature: float = 0.7  # a 135M model at T=1 mostly produces noise: no group would have a success
     level_curriculum: bool = True  # draw RL problems by level, favouring the levels with mixed outcomes
+    # the rollouts of the next async_steps steps run while a step trains (flywheel.pipeline), each group up to that
+    # many steps stale (rl.max_staleness_steps bounds it: set to async_steps when unset); 0: synchronous
+    async_steps: int = Field(0, ge=0)
     eval_every: int = 4
     val_problems: int = 64  # picks the best checkpoint: 32 problems (+-17 points) made that choice mostly noise
     test_problems: int = 100
@@ -197,56 +201,70 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
         levels = LevelCurriculum(pool, rng) if config.level_curriculum else None
         problems = levels.stream() if levels else iter(rng.sample(pool, len(pool)))
         sampler = DynamicSampler(config.dynamic_sampling) if config.dynamic_sampling else None
+        rl_config = config.rl
+        if config.async_steps and rl_config.max_staleness_steps is None:
+            rl_config = rl_config.model_copy(update={"max_staleness_steps": config.async_steps})
+
+        async def step_rollouts(i: int) -> tuple[list[TrajectoryGroup], MixedGroups | None]:
+            """Step ``i + 1``'s groups (and what dynamic sampling drew); ``NoMixedGroupsError`` when the pool ran
+            dry."""
+            drawn = (
+                TrajectoryGroup(rollout(model, p, temperature=config.temperature) for _ in range(config.group_size))
+                for p in problems
+            )
+            # one progress bar at a time: a step's rollouts drawn ahead of it (async_steps) run without one
+            desc = f"step {i + 1} rollouts" if not config.async_steps else None
+            if sampler:
+                mixed = await sampler.draw(drawn, config.groups_per_step, pbar_desc=desc, max_exceptions=0.1)
+                return mixed.kept, mixed
+            groups = await gather_trajectory_groups(
+                list(itertools.islice(drawn, config.groups_per_step)), pbar_desc=desc, max_exceptions=0.1
+            )
+            return groups, None
+
         rl_rows = []
+
+        async def rl_round(i: int, groups: list[TrajectoryGroup], mixed: MixedGroups | None, bar: tqdm) -> None:
+            """Step ``i + 1``: train on its groups, validate where due, and show it."""
+            validate = (i + 1) % config.eval_every == 0 or i + 1 == config.rl_steps
+            # a checkpoint only where one can be needed: where the best is picked from (validation points; the
+            # last step is one), not at every step (1.6 GB each when every weight trains)
+            metrics = await model.train(
+                groups, config=rl_config, save_checkpoint=validate, metrics=mixed.metrics() if mixed else None
+            )  # with rollout_seconds and train/<metric> means
+            row = {"step": await model.get_step(), **metrics, "peak_rss_gb": peak_rss_gb()}
+            if levels:
+                row |= levels.record(groups + (mixed.dropped if mixed else []))
+            if validate:
+                bar.set_postfix_str(f"step {i + 1}: validation")
+                row |= await model.log(await evaluate(model, val, f"step {i + 1} val"), split="val")
+            await model.delete_checkpoints("val/reward")  # the latest and the best so far (1.6 GB each when full)
+            rl_rows.append(row)
+            shown = {
+                "reward": f"{metrics.get('drawn_reward_mean', metrics['reward_mean']):.2f}",  # every rollout
+                "skipped": sum(int(r.get("skipped", 0)) for r in rl_rows),
+            }
+            if mixed:
+                shown["kept"] = f"{len(mixed.kept)}/{mixed.drawn} groups"
+            vals = [r["val/reward"] for r in rl_rows if "val/reward" in r]
+            if vals:
+                shown["val"] = f"{vals[-1]:.2f}"  # the latest
+            bar.set_postfix(shown, refresh=False)
+            bar.update()
+
         # the whole phase's bar (steps done, time left, the last rewards) above each step's rollouts and validation
+        pipeline = RolloutPipeline(step_rollouts, async_steps=config.async_steps, stop=config.rl_steps)
         with tqdm(total=config.rl_steps, desc="GRPO", unit="step") as bar:
-            for i in range(config.rl_steps):
-                drawn = (
-                    TrajectoryGroup(rollout(model, p, temperature=config.temperature) for _ in range(config.group_size))
-                    for p in problems
-                )
-                mixed: MixedGroups | None = None
-                if sampler:
+            async with pipeline:
+                while True:
                     try:
-                        mixed = await sampler.draw(
-                            drawn, config.groups_per_step, pbar_desc=f"step {i + 1} rollouts", max_exceptions=0.1
-                        )
-                    except NoMixedGroupsError as exc:  # the pool ran dry: RL ends here, its best checkpoint stands
-                        console.print(f"RL stops after {i} steps: {exc}")
+                        i, (groups, mixed) = await anext(pipeline)
+                    except StopAsyncIteration:
                         break
-                    groups = mixed.kept
-                else:
-                    groups = await gather_trajectory_groups(
-                        list(itertools.islice(drawn, config.groups_per_step)),
-                        pbar_desc=f"step {i + 1} rollouts",
-                        max_exceptions=0.1,
-                    )
-                bar.set_postfix_str(f"step {i + 1}: training on {sum(len(g.trajectories) for g in groups)} rollouts")
-                validate = (i + 1) % config.eval_every == 0 or i + 1 == config.rl_steps
-                # a checkpoint only where one can be needed: where the best is picked from (validation points; the
-                # last step is one), not at every step (1.6 GB each when every weight trains)
-                metrics = await model.train(
-                    groups, config=config.rl, save_checkpoint=validate, metrics=mixed.metrics() if mixed else None
-                )  # with rollout_seconds and train/<metric> means
-                row = {"step": await model.get_step(), **metrics, "peak_rss_gb": peak_rss_gb()}
-                if levels:
-                    row |= levels.record(groups + (mixed.dropped if mixed else []))
-                if validate:
-                    bar.set_postfix_str(f"step {i + 1}: validation")
-                    row |= await model.log(await evaluate(model, val, f"step {i + 1} val"), split="val")
-                await model.delete_checkpoints("val/reward")  # the latest and the best so far (1.6 GB each when full)
-                rl_rows.append(row)
-                shown = {
-                    "reward": f"{metrics.get('drawn_reward_mean', metrics['reward_mean']):.2f}",  # every rollout
-                    "skipped": sum(int(r.get("skipped", 0)) for r in rl_rows),
-                }
-                if mixed:
-                    shown["kept"] = f"{len(mixed.kept)}/{mixed.drawn} groups"
-                vals = [r["val/reward"] for r in rl_rows if "val/reward" in r]
-                if vals:
-                    shown["val"] = f"{vals[-1]:.2f}"  # the latest
-                bar.set_postfix(shown, refresh=False)
-                bar.update()
+                    except NoMixedGroupsError as exc:  # the pool ran dry: RL ends here, its best checkpoint stands
+                        console.print(f"RL stops after {pipeline.next} steps: {exc}")
+                        break
+                    await rl_round(i, groups, mixed, bar)
         report["rl_history"] = rl_rows
 
         history = backend.history(model)
