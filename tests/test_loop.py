@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import UTC
 from pathlib import Path
 
 import openai
@@ -30,7 +31,7 @@ from flywheel.loop.evaluate import evaluate
 from flywheel.loop.gate import GatePolicy, HeldOutSet, decide, levels
 from flywheel.loop.ladder import REWIND
 from flywheel.loop.shadow import ShadowPolicy
-from flywheel.store import Store, audit, deployments, episodes, grades
+from flywheel.store import Store, audit, deployments, episodes, grades, tasks
 from flywheel.store.arms import shadow_episode
 from flywheel.train.checkpoint import Checkpoint, CheckpointState
 from flywheel.types import Trajectory, TrajectoryGroup
@@ -674,3 +675,36 @@ async def test_an_alarm_is_audited_once_and_stops_promotions(backend: LocalBacke
     assert held.action == "wait" and held.reason.startswith("promotion paused")
     with store.session() as s:
         assert deployments.get(s, "alarm-agent@production").step == 1
+
+
+async def test_the_pipelined_loop_draws_the_next_iteration_while_a_step_trains(backend: LocalBackend, tmp_path):
+    """``async_steps: 1``: an iteration's groups are queued before the step ahead of it has trained (the pipeline),
+    every step trains within the staleness bound (its history row: ``stale_groups`` 0, ``staleness_max`` <= 1), and
+    nothing is left in flight after the last iteration. A configuration drawing further ahead than its bound is
+    refused."""
+    path = write_config(tmp_path)
+    tasks_file = tmp_path / "tasks.jsonl"
+    tasks_file.write_text("".join(json.dumps({"id": f"t{i}", "question": "Name a colour.", "fail": False}) + "\n"
+                                  for i in range(4)))  # fmt: skip
+    config = LoopConfig.load(path).model_copy(
+        update={"name": "piped-agent", "tasks": tasks_file, "steps": 3, "candidate_every": 100, "async_steps": 1,
+                "intake_split": "none"}
+    )  # fmt: skip
+    assert config.train_config.max_staleness_steps == config.max_staleness_steps == 2
+    loop = Loop(config, backend, actor="test")
+    report = await loop.run()
+    assert report.steps == [1, 2, 3]
+    rows = {r["step"]: r for r in backend.history(loop.model) if r["split"] == "train"}
+    assert all(rows[k]["stale_groups"] == 0 and rows[k]["staleness_max"] <= 1 for k in (1, 2, 3)), rows
+    with backend.gateway.store.session() as s:
+        queued = {t.id.split(":")[2]: t.created_at for t in tasks.list_tasks(s, limit=1000)
+                  if t.id.startswith("train:piped-agent:")}  # fmt: skip
+
+    def at(created) -> float:
+        return (created if created.tzinfo else created.replace(tzinfo=UTC)).timestamp()
+
+    # the groups of iterations 2 and 3 were queued while steps 1 and 2 trained (their rows are written after)
+    assert at(queued["2"]) < rows[1]["time"] and at(queued["3"]) < rows[2]["time"]
+    assert sorted(queued) == ["1", "2", "3"]  # the last iteration drew nothing ahead
+    with pytest.raises(ValueError, match=r"async_steps \(3\) is above max_staleness_steps \(2\)"):
+        LoopConfig.model_validate(config.model_dump() | {"async_steps": 3})

@@ -27,7 +27,16 @@ from openai.types.chat.chat_completion import Choice
 from sqlalchemy.orm import Session
 
 from flywheel.store import CallRecord, EpisodeRecord, EpisodeStatus, episodes
-from flywheel.types import TOKEN_IDS, History, MessageOrChoice, Trajectory, TrajectoryGroup, set_intermediate_reward
+from flywheel.types import (
+    TOKEN_IDS,
+    WEIGHTS_STEP,
+    History,
+    MessageOrChoice,
+    Trajectory,
+    TrajectoryGroup,
+    set_intermediate_reward,
+    weights_step,
+)
 
 
 class NotTrainableError(ValueError):
@@ -51,6 +60,8 @@ REDACTED_REASON = (
 def _choice(call: CallRecord, index: int) -> Choice:
     body = next(c for c in call.response["choices"] if c["index"] == index)
     choice = Choice.model_validate(body)  # keeps token_ids, prompt_token_ids, temperature (extra fields)
+    if weights_step(choice) is None and call.step is not None:  # recorded before choices carried it
+        setattr(choice, WEIGHTS_STEP, call.step)
     if call.reward is not None:
         set_intermediate_reward(choice, call.reward)
     return choice

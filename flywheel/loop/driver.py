@@ -11,6 +11,11 @@ hacking (``alarm.py``: while the alarm is raised nothing is promoted). Every ``c
 checkpoint is a candidate for the promotion ladder the loop owns (``ladder.py``: the gate, shadow and canary; after a
 rollback, training goes on from production's weights, ``Loop.rewind_if_due``), which each iteration also watches.
 
+With ``async_steps`` k > 0 the loop is pipelined: the groups of the next k iterations are drawn (queued, run and
+scored) while a step trains, each trained within ``max_staleness_steps`` of the weights that answered it (older
+groups are dropped whole: ``train/staleness.py``; the capped importance ratio corrects the rest); a rollback
+cancels what was drawn ahead, and a restart cancels its queued tasks as any other's.
+
 Runners are in-process (``runners`` > 0: the configured agent, run by ``Runner`` against this backend's gateway) or
 anywhere else that claims from the same gateway (``runners: 0``).
 
@@ -63,6 +68,9 @@ from flywheel.types import TrajectoryGroup
 
 log = logging.getLogger("flywheel.loop")
 
+# an iteration's groups: (to train, every group drawn, the off-policy draw, what dynamic sampling drew)
+Drawn = tuple[list[TrajectoryGroup], list[TrajectoryGroup], OffPolicyDraw | None, MixedGroups | None]
+
 
 class LoopConfig(BaseModel):
     """``flywheel loop CONFIG`` (YAML or JSON); paths are relative to the config file."""
@@ -99,6 +107,10 @@ class LoopConfig(BaseModel):
     # answered by a checkpoint at most max_staleness_steps before the step they train
     off_policy_members: int = Field(0, ge=0)
     max_staleness_steps: int = Field(2, ge=0)
+    # the asynchronous pipeline: the groups of the next async_steps iterations are drawn while a step trains, each
+    # at most max_staleness_steps stale (train.max_staleness_steps: set to it when unset; staler groups dropped
+    # whole); 0: synchronous
+    async_steps: int = Field(0, ge=0)
     # after a canary is rolled back or a shadow stopped, training goes on from production's weights (a new
     # checkpoint: PromotionLadder.rewind_if_due), not from the line of checkpoints that candidate came from
     rewind_on_rollback: bool = True
@@ -109,12 +121,25 @@ class LoopConfig(BaseModel):
 
     @model_validator(mode="after")
     def _corrected(self) -> LoopConfig:
-        if self.off_policy_members and self.train.importance_sampling_cap is None:
+        for field in ("off_policy_members", "async_steps"):
+            if getattr(self, field) and self.train.importance_sampling_cap is None:
+                raise ValueError(
+                    f"{field} needs train.importance_sampling_cap: rollouts of an earlier checkpoint train only"
+                    " with their importance ratio, capped"
+                )
+        if self.async_steps > self.max_staleness_steps:
             raise ValueError(
-                "off_policy_members needs train.importance_sampling_cap: an earlier checkpoint's episodes train"
-                " only with their importance ratio, capped"
+                f"async_steps ({self.async_steps}) is above max_staleness_steps ({self.max_staleness_steps}):"
+                " groups drawn that far ahead would be too stale to train"
             )
         return self
+
+    @property
+    def train_config(self) -> TrainConfig:
+        """``train``, bounded by ``max_staleness_steps`` where the pipeline runs ahead and it sets no bound."""
+        if self.async_steps and self.train.max_staleness_steps is None:
+            return self.train.model_copy(update={"max_staleness_steps": self.max_staleness_steps})
+        return self.train
 
     @classmethod
     def load(cls, path: str | Path) -> LoopConfig:
@@ -208,6 +233,8 @@ class Loop:
         self.alarm: str | None = None  # while raised (audit events: alarm.state), nothing is promoted
         self.production: dict[str, list[str]] = {}  # pool key -> its finished production episodes, oldest first
         self.off_policy_used: dict[str, int] = {}  # production episode -> its answering step, once it trained
+        # ... and once an iteration drew it (an iteration drawn ahead, async_steps, takes none another drew)
+        self.off_policy_drawn: dict[str, int] = {}
 
     @property
     def gateway(self) -> Gateway:
@@ -387,9 +414,7 @@ class Loop:
         )
         return [specs[id(g)] for g in mixed.kept], mixed
 
-    async def draw_groups(
-        self, queue: GroupQueue, step: int
-    ) -> tuple[list[TrajectoryGroup], list[TrajectoryGroup], OffPolicyDraw | None, MixedGroups | None]:
+    async def draw_groups(self, queue: GroupQueue, step: int) -> Drawn:
         """The iteration's groups, scored, with their off-policy members (``join_off_policy``), as
         ``(to train, every group drawn, the off-policy draw, what dynamic sampling drew)``."""
         if self.sampler is None:
@@ -429,10 +454,11 @@ class Loop:
             return draw(
                 s, candidates, keys, model=config.name, base_model=config.base_model, step=step,
                 per_group=config.off_policy_members, max_staleness=config.max_staleness_steps,
-                used=self.off_policy_used, rewinds={e.details["step"]: e.details["to_step"] or 0 for e in events},
+                used=self.off_policy_used | self.off_policy_drawn, rewinds={e.details["step"]: e.details["to_step"] or 0 for e in events},
             )  # fmt: skip
 
         found = await self.store.run(read)
+        self.off_policy_drawn |= found.answered
         for key, group in zip(keys, groups, strict=True):
             group.trajectories.extend(found.members[key])
         log.info("step %d: %d off-policy member(s) joined; left out: %s", step + 1, len(found.answered),
@@ -451,9 +477,12 @@ class Loop:
             agent = load_agent(config.agent)
             runners.append(asyncio.create_task(Runner(root, agent, concurrency=config.runners).run()))
         report = LoopReport(steps=[], intake=0, candidates=[], canary=[], cancelled=len(cancelled))
+        # the pipeline's iterations drawn ahead (async_steps): iteration -> its draw, started while an earlier one
+        # trained
+        ahead: dict[int, asyncio.Future[Drawn]] = {}
         try:
             queue = InProcessQueue(self.gateway, root)
-            for _ in range(config.steps):
+            for n in range(config.steps):
                 await self.read_alarm()  # a clearing (flywheel loop --clear-alarm) counts from the next iteration
                 # first the checkpoint a killed run trained and did not decide: it would have been, before this
                 if (candidate := await self.ladder.consider_due(queue)) is not None:
@@ -465,12 +494,17 @@ class Loop:
                     report.shadow.append(shadow)
                 if (rewind := await self.rewind_if_due()) is not None:  # before anything trains again
                     report.rewinds.append(rewind)
+                    await _cancel(ahead)  # drawn from the weights rolled back
                 report.intake += await self.intake()
                 if not self.pool:
                     raise ValueError("no tasks to train on: give seed tasks (tasks:) or let production episodes in")
                 step = await self.model.get_step()
                 started = time.monotonic()
-                groups, drawn, joined, mixed = await self.draw_groups(queue, step)
+                drawing = ahead.pop(n, None) or asyncio.ensure_future(self.draw_groups(queue, step))
+                groups, drawn, joined, mixed = await drawing
+                for later in range(n + 1, min(n + 1 + config.async_steps, config.steps)):  # drawn while this trains
+                    if later not in ahead:
+                        ahead[later] = asyncio.ensure_future(self.draw_groups(queue, step + later - n))
                 # the alarm's baseline goes with the checkpoint: a restart resumes both at the same step; its
                 # reward is every group drawn's (the kept ones alone lean to one half)
                 row = _means(drawn, step + 1)
@@ -480,7 +514,7 @@ class Loop:
                 used = joined.used if joined else self.off_policy_used
                 sampled = mixed.metrics() if mixed is not None else None
                 metrics = await self.model.train(
-                    trainable, config=config.train, extra={"loop": {"means": kept, "off_policy": used}},
+                    trainable, config=config.train_config, extra={"loop": {"means": kept, "off_policy": used}},
                     metrics=sampled,
                 )  # fmt: skip
                 trained = await self.model.get_step()  # unchanged when every group's rewards were equal
@@ -504,11 +538,21 @@ class Loop:
                 if config.prune:  # the latest, the deployed (and their rollback steps) and a KL reference stay
                     await self.backend.prune_checkpoints(self.model, keep=[config.train.kl_reference_step or 0])
         finally:
+            await _cancel(ahead)  # a restart cancels their queued tasks (``resume``): nothing of them trains
             for task in runners:
                 task.cancel()
         report.alarm = self.alarm
         report.excluded_heldout = self.excluded_heldout()
         return report
+
+
+async def _cancel(ahead: dict[int, asyncio.Future[Drawn]]) -> None:
+    """Cancel the iterations drawn ahead and wait for them to end."""
+    running = list(ahead.values())
+    ahead.clear()
+    for future in running:
+        future.cancel()
+    await asyncio.gather(*running, return_exceptions=True)
 
 
 def _means(groups: list[TrajectoryGroup], step: int) -> dict[str, float] | None:
