@@ -254,6 +254,7 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
 
         # the whole phase's bar (steps done, time left, the last rewards) above each step's rollouts and validation
         pipeline = RolloutPipeline(step_rollouts, async_steps=config.async_steps, stop=config.rl_steps)
+        rl_started = time.perf_counter()
         with tqdm(total=config.rl_steps, desc="GRPO", unit="step") as bar:
             async with pipeline:
                 while True:
@@ -266,6 +267,7 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
                         break
                     await rl_round(i, groups, mixed, bar)
         report["rl_history"] = rl_rows
+        report["rl_seconds"] = time.perf_counter() - rl_started  # the RL phase: rollouts, steps, validations
 
         history = backend.history(model)
         saved = set(backend.run(model).steps())  # a validated step whose update was skipped may have none
