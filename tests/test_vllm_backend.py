@@ -25,10 +25,11 @@ from flywheel.inference.loading import EMBEDDED_MODEL, load_model
 from flywheel.inference.vllm_engine import VLLMAdapterError, VLLMEngine
 from flywheel.local.gap_alarm import GapAlarm
 from flywheel.model import TrainableModel
+from flywheel.pipeline import RolloutPipeline
 from flywheel.server.background import BackgroundServer
 from flywheel.store import deployments
 from flywheel.testing.vllm_shim import ShimFaults, create_shim
-from flywheel.train.config import TrainedWeights
+from flywheel.train.config import TrainConfig, TrainedWeights
 from flywheel.types import Trajectory, TrajectoryGroup
 from flywheel.vllm_backend import UnservableModelError, VLLMBackend
 
@@ -187,6 +188,39 @@ async def test_a_server_answering_with_other_weights_under_the_live_name_raises_
         assert metrics["sampler_gap_alarm"] == 1.0 and metrics["sampler_logprob_gap"] > 0.3
         (row,) = [r for r in backend.history(model) if r["step"] == 3 and r["split"] == "train"]
         assert row["sampler_gap_alarm"] == 1.0
+    finally:
+        await backend.close()
+
+
+async def test_a_pipelined_run_samples_the_next_step_on_vllm_while_one_trains_within_the_bound(shim, tmp_path):
+    """The asynchronous pipeline on vLLM, one step ahead: the next iteration's rollouts are answered by the version
+    before the one training (its adapter kept loaded: max_staleness_steps 1), every group trains within the bound,
+    and the stale rollouts, corrected by the importance ratio, stay out of the gap alarm."""
+    backend = VLLMBackend([shim.url], path=tmp_path / "home", dtype=torch.float32, max_staleness_steps=1)
+    model = TrainableModel(name="piped", project="p", base_model=EMBEDDED_MODEL)
+
+    async def rollouts(i: int) -> list[TrajectoryGroup]:
+        client = model.openai_client()
+        trajectories = []
+        for reward in (0.0, 1.0):
+            r = await client.chat.completions.create(
+                model=model.name, messages=PROMPT, max_tokens=6, temperature=1.0, logprobs=True
+            )
+            trajectories.append(Trajectory(messages_and_choices=[*PROMPT, r.choices[0]], reward=reward))
+        return [TrajectoryGroup(trajectories)]
+
+    try:
+        await model.register(backend)
+        rows = []
+        async with RolloutPipeline(rollouts, async_steps=1, stop=4) as pipe:
+            async for _, groups in pipe:
+                config = TrainConfig(learning_rate=1e-2, max_staleness_steps=1)
+                rows.append((await backend.train(model, groups, config, save_checkpoint=False)).metrics)
+        assert [r["skipped"] for r in rows] == [0.0] * 4 and all(r["stale_groups"] == 0 for r in rows)
+        assert max(r["staleness_max"] for r in rows) == 1  # sampled while the step before trained
+        assert not any(r.get("sampler_gap_alarm") for r in rows)  # stale by design: not an alarm
+        assert all(r.get("sampler_logprob_gap", 0.0) < GAP for r in rows)  # the live version's rollouts: exact
+        assert backend.registry.get("piped").current_step() == 4
     finally:
         await backend.close()
 

@@ -1,11 +1,12 @@
 """The alarm on the served/trained log-prob gap: is the policy that sampled a step's tokens the one that trains?
 
 Each RL step reports ``sampler_logprob_gap``, the mean absolute difference between the log-probs the sampler recorded
-and the trainer's for the same tokens (on-policy members only). It sits near zero when one engine samples and trains
-in fp32, and at a steady small value under bf16 or another engine's kernels (vLLM). A jump means the served policy
-is not the trained one: an adapter not synced (the peers' silent bug: rollouts from the base model for months), a
-sampler of another base model or other settings. ``GapAlarm`` raises it per model: a gap above ``FLOOR`` nats per
-token and ``FACTOR`` times the median of the last ``WINDOW`` steps (before enough steps: above ``ABSOLUTE``)."""
+and the trainer's for the same tokens (of the rollouts the live weights answered only). It sits near zero when one
+engine samples and trains in fp32, and at a steady small value under bf16 or another engine's kernels (vLLM). A jump
+means the served policy is not the trained one: an adapter not synced (the peers' silent bug: rollouts from the
+base model for months), a sampler of another base model or other settings. ``GapAlarm`` raises it per model: a gap
+above ``FLOOR`` nats per token and ``FACTOR`` times the median of the last ``WINDOW`` steps (before enough steps:
+above ``ABSOLUTE``)."""
 
 from __future__ import annotations
 

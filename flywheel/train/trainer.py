@@ -29,7 +29,7 @@ from flywheel.train.credit import credit_advantages, has_reward_variance, has_si
 from flywheel.train.data_parallel import Replicas
 from flywheel.train.logprobs import token_logprobs
 from flywheel.train.loss import importance_weights, policy_loss, ratio_stats
-from flywheel.train.staleness import drop_stale
+from flywheel.train.staleness import answered_at, drop_stale
 from flywheel.types import OFF_POLICY, Trajectory, TrajectoryGroup
 
 log = logging.getLogger(__name__)
@@ -304,6 +304,7 @@ class Trainer:
         sequences: list[TrainingSequence] = []
         traj_tokens: list[int] = []
         off_policy: list[bool] = []  # per trained trajectory: an off-policy member (metadata OFF_POLICY)
+        other_weights: list[bool] = []  # ... answered by other weights than these (off-policy, or stale)
         batch_tokens = 0
         for g in counted:
             for t, a in zip(g.trajectories, advantages.get(id(g), [0.0] * len(g.trajectories))):
@@ -316,6 +317,7 @@ class Trainer:
                     sequences += seqs
                     traj_tokens.append(tokens)
                     off_policy.append(bool(t.metadata.get(OFF_POLICY)))
+                    other_weights.append(off_policy[-1] or answered_at(t) not in (None, self.step))
         if not sequences:
             log.info("step skipped: no group has reward variance (%d groups), nothing to train", len(groups))
             return metrics | {"skipped": 1.0, "skip_reason": 1.0, "train_seconds": time.perf_counter() - start}
@@ -323,7 +325,9 @@ class Trainer:
         if members := sum(bool(t.metadata.get(OFF_POLICY)) for g in groups for t in g.trajectories):
             metrics["off_policy_members"] = members
         with self.engine.exclusive():
-            metrics |= self._rl_update(sequences, config, traj_tokens, n_trajectories, batch_tokens, off_policy)
+            metrics |= self._rl_update(
+                sequences, config, traj_tokens, n_trajectories, batch_tokens, off_policy, other_weights
+            )
         if metrics["optimizer_steps"] == 0:
             return metrics | {"skipped": 1.0, "skip_reason": 2.0, "train_seconds": time.perf_counter() - start}
         self.step += 1
@@ -338,9 +342,12 @@ class Trainer:
         n_trajectories: int,
         batch_tokens: int,
         off_policy: list[bool],
+        other_weights: list[bool],
     ) -> dict[str, float]:
         """``off_policy``: per trajectory, whether it is an off-policy member; their tokens' importance ratios
-        (pi_old / pi_sampler, before the cap) are also reported apart: ``off_policy_is_ratio_mean``, ..."""
+        (pi_old / pi_sampler, before the cap) are also reported apart: ``off_policy_is_ratio_mean``, ...
+        ``other_weights``: whether other weights than these answered it (an off-policy member, a stale rollout of
+        the pipeline): left out of ``sampler_logprob_gap``, which checks that the served policy is the trained one."""
         batches, n_tokens, n_batches = self._batches(sequences, config.micro_batch_tokens)
         tokens_of = torch.tensor(traj_tokens, dtype=torch.float32, device=self.engine.model.device)
         lr = config.learning_rate * lr_multiplier(config, self.rl_steps)
@@ -349,8 +356,9 @@ class Trainer:
         cap = config.importance_sampling_cap
         tis = ratio_stats(torch.empty(0), cap)  # over every token with a sampler log-prob
         off = ratio_stats(torch.empty(0), cap)  # over off-policy members' such tokens
-        gap_sum, gap_tokens, steps = 0.0, 0, 0  # the gap over on-policy members' tokens (off-policy ones differ)
+        gap_sum, gap_tokens, steps = 0.0, 0, 0  # the gap over the live weights' rollouts (others differ)
         flags = torch.tensor(off_policy, dtype=torch.bool, device=tokens_of.device)
+        elsewhere = torch.tensor(other_weights, dtype=torch.bool, device=tokens_of.device)
         with self._training_mode(config.gradient_checkpointing):
             refs = [self._reference_logprobs(mb) for mb in batches] if config.beta > 0 else [None] * len(batches)
             # epoch 0 is on-policy for the PPO ratio: old log-probs = current ones (exact, immune to rounding);
@@ -364,7 +372,7 @@ class Trainer:
                     logp, entropy = self._token_logprobs(mb)
                     if olds[i] is None:
                         olds[i] = logp.detach()
-                        on_policy = ~torch.isnan(mb.sampler_logprobs) & ~flags[mb.traj]
+                        on_policy = ~torch.isnan(mb.sampler_logprobs) & ~elsewhere[mb.traj]
                         gap_sum += float((olds[i] - mb.sampler_logprobs)[on_policy].abs().sum())
                         gap_tokens += int(on_policy.sum())
                         is_weights[i], ratio = importance_weights(olds[i], mb.sampler_logprobs, cap)
