@@ -9,6 +9,7 @@ run, so a long sweep stopped early keeps what it finished.
 
     .venv/bin/python bench/rl_lift.py --seeds 0 1 2 --arms dynamic fixed          # ~12 min per run on 2 cores
     .venv/bin/python bench/rl_lift.py --seeds 0 --arms dynamic --smoke             # a minute: the plumbing
+    .venv/bin/python bench/rl_lift.py --seeds 0 --arms dynamic async1              # the pipeline against sync
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ ARMS = {
     "dynamic": {},  # the job's defaults: DAPO's dynamic sampling, the SFT arm at its best epoch
     "fixed": {"dynamic_sampling": None},  # groups_per_step problems per step, whatever their groups' outcomes
     "clip-higher": {"rl": {"epsilon_high": 0.28}},  # DAPO's decoupled upper clip, with dynamic sampling
+    # the asynchronous pipeline (issue #40): the next step's rollouts drawn while a step trains, at most 1 step stale
+    "async1": {"async_steps": 1},
 }
 
 
@@ -57,6 +60,10 @@ def per_step(report: dict) -> dict[str, list[float]]:
         "zero_variance_share": zero,
         "entropy": [r["entropy"] for r in rows if "entropy" in r],
         "kept_mixed_in_half": [r["kept_mixed_in_half"] for r in rows if "kept_mixed_in_half" in r],
+        # the pipeline's: how many steps older than the trained weights each step's rollouts were, groups dropped
+        "staleness_max": [r["staleness_max"] for r in rows if "staleness_max" in r],
+        "stale_groups": [r["stale_groups"] for r in rows if "stale_groups" in r],
+        "val_rewards": [r["val/reward"] for r in rows if "val/reward" in r],
     }
 
 
@@ -75,18 +82,20 @@ async def main(args: argparse.Namespace) -> None:
                 "arm": arm, "seed": seed, "base": report["base"], "sft": report["sft"], "rl": report["rl"],
                 "rl_minus_sft": lift["mean"], "interval": lift["interval"], "best_step": report["best_step"],
                 "sft_epoch_val_rewards": report["sft_epoch_val_rewards"], "wall_seconds": report["wall_seconds"],
-                **per_step(report),
+                "rl_seconds": report.get("rl_seconds"), **per_step(report),
             })  # fmt: skip
             path.write_text(json.dumps({"cpu": cpu(), "smoke": args.smoke, "runs": results}, indent=2))
     table = Table(title=f"RL - SFT on the main job's test problems (paired, 95% bootstrap); {path.name}")
-    for col in ("arm", "seed", "SFT arm", "SFT+RL", "RL - SFT", "interval", "zero-variance", "entropy", "min"):
+    for col in ("arm", "seed", "SFT arm", "SFT+RL", "RL - SFT", "interval", "zero-variance", "entropy", "RL min",
+                "min"):  # fmt: skip
         table.add_column(col)
     for r in results:
         lo, hi = r["interval"]
         table.add_row(
             r["arm"], str(r["seed"]), f"{r['sft']:.0%}", f"{r['rl']:.0%}", f"{100 * r['rl_minus_sft']:+.0f}",
             f"[{100 * lo:+.0f}, {100 * hi:+.0f}]", f"{statistics.mean(r['zero_variance_share']):.0%}",
-            f"{statistics.mean(r['entropy']):.3f}" if r["entropy"] else "-", f"{r['wall_seconds'] / 60:.1f}",
+            f"{statistics.mean(r['entropy']):.3f}" if r["entropy"] else "-",
+            f"{r['rl_seconds'] / 60:.1f}" if r["rl_seconds"] else "-", f"{r['wall_seconds'] / 60:.1f}",
         )  # fmt: skip
     console.print(table)
     console.print(f"results: {path}")
