@@ -41,7 +41,7 @@ from safetensors.torch import save_file
 from flywheel.checkpoints.layout import FULL_WEIGHTS, published_path
 from flywheel.checkpoints.run import write_weights
 from flywheel.inference.engine import InferenceEngine
-from flywheel.inference.loading import resolve_model
+from flywheel.inference.loading import ResolvedModel, resolve_model
 from flywheel.inference.protocol import SamplerUnavailableError
 from flywheel.inference.registry import ServedModel
 from flywheel.inference.vllm_adapters import CheckpointAdapters, version_name
@@ -117,9 +117,11 @@ class VLLMBackend(LocalBackend):
         self._full_engine: VLLMEngine | None = None  # the engine of its live step
         self._tied_head: tuple[str, str] | None = None  # its (input embedding, output head) names, if they are tied
 
-    async def _vllm(self, base_model: str) -> CheckpointAdapters:
-        """The adapters of the started pool; a base model other than the one the servers serve is refused."""
-        path = (await asyncio.to_thread(resolve_model, base_model)).path
+    async def _vllm(self, base_model: str) -> tuple[CheckpointAdapters, ResolvedModel]:
+        """The adapters of the started pool, and ``base_model`` resolved; a base model other than the one the servers
+        serve is refused."""
+        resolved = await asyncio.to_thread(resolve_model, base_model)
+        path = resolved.path
         async with self._vllm_lock:
             if self.adapters is None:
                 pool = VLLMPool(
@@ -132,7 +134,7 @@ class VLLMBackend(LocalBackend):
                 f"'{base_model}' is {path}, and the vLLM servers of this backend serve {served}: a VLLMBackend "
                 "samples one base model (start another, with vLLM servers of that model, for this one)."
             )
-        return self.adapters
+        return self.adapters, resolved
 
     @property
     def pool(self) -> VLLMPool:
@@ -140,19 +142,13 @@ class VLLMBackend(LocalBackend):
             raise RuntimeError("The vLLM servers are not in use yet: load or register a model first.")
         return self.adapters.pool
 
-    async def load(self, base_model: str) -> VLLMEngine | InferenceEngine:  # type: ignore[override]
-        """Serve a base model as is, sampled by the vLLM servers (which must serve it); on the embedded engine
-        while a full fine-tuning model holds the servers' weights."""
+    async def _base_engine(self, base_model: str) -> tuple[InferenceEngine, str]:
+        """A base model as is: sampled by the vLLM servers (which must serve it); on an embedded engine while a full
+        fine-tuning model holds the servers' weights."""
         if self._full is not None:
-            return await super().load(base_model)
-        adapters = await self._vllm(base_model)
-        engine = adapters.pool.engine()
-        async with self._lock:
-            self._engines[base_model] = engine  # type: ignore[assignment]
-            for name in {base_model, (await asyncio.to_thread(resolve_model, base_model)).name}:
-                self.registry.add(name, engine)
-            self._serve()
-        return engine
+            return await super()._base_engine(base_model)
+        adapters, resolved = await self._vllm(base_model)
+        return adapters.pool.engine(), resolved.name  # type: ignore[return-value]  # a SamplingEngine, served alike
 
     async def register(self, model: TrainableModel, trained_weights: TrainedWeights | None = None) -> None:
         """``LocalBackend.register`` (the trainer here, resumed from the latest checkpoint), then its live weights

@@ -33,6 +33,9 @@ Home = Annotated[
     Path | None, typer.Option(help="Where models' checkpoints are (default: $FLYWHEEL_HOME, else ./.flywheel).")
 ]
 Project = Annotated[str | None, typer.Option(help="The model's project, if its name is a model of several.")]
+VLLMApiKey = Annotated[
+    str | None, typer.Option(envvar="FLYWHEEL_VLLM_API_KEY", show_default=False, help="The vLLM servers' key.")
+]
 
 
 def fail(message: str, code: int = 2, *, plain: bool = False, to: Console = console) -> NoReturn:

@@ -13,7 +13,7 @@ import typer
 from pydantic import ValidationError
 from rich.table import Table
 
-from flywheel.cli.common import console, fail, open_store
+from flywheel.cli.common import VLLMApiKey, console, fail, open_store
 
 if TYPE_CHECKING:
     from flywheel.loop.driver import LoopConfig
@@ -43,9 +43,7 @@ def loop_command(
         Path | None,
         typer.Option(help="The base model directory the vLLM servers serve (default: the loop's base model's)."),
     ] = None,
-    vllm_api_key: Annotated[
-        str | None, typer.Option(envvar="FLYWHEEL_VLLM_API_KEY", show_default=False, help="The vLLM servers' key.")
-    ] = None,
+    vllm_api_key: VLLMApiKey = None,
 ) -> None:
     """Run the flywheel loop: production episodes become training tasks, the model trains through the gateway's
     runners, and every few steps a candidate meets the promotion gate (a passing one goes to MODEL@canary). Killed

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from flywheel.cli.common import console, fail, open_store
+from flywheel.cli.common import VLLMApiKey, console, fail, open_store
 from flywheel.inference.names import EMBEDDED_MODEL
 
 DTYPES = {"auto": None, "bf16": "bfloat16", "fp32": "float32"}
@@ -150,9 +150,7 @@ def serve(
         Path | None,
         typer.Option(help="The model directory the vLLM servers serve (its tokenizer splices the turns here)."),
     ] = None,
-    vllm_api_key: Annotated[
-        str | None, typer.Option(envvar="FLYWHEEL_VLLM_API_KEY", show_default=False, help="The vLLM servers' key.")
-    ] = None,
+    vllm_api_key: VLLMApiKey = None,
 ):
     """Serve a model over an OpenAI-compatible API (/v1/models, /v1/chat/completions), the gateway: episodes
     (POST /episodes) whose calls, through /episodes/<id>/v1, are recorded for training, OpenAI's fine-tuning

@@ -142,11 +142,15 @@ class LocalBackend:
             app = create_app(self.registry, self.gateway, auth=self._api_keys)
             self._server = BackgroundServer(app, self._host, self._port).start()
 
+    async def _base_engine(self, base_model: str) -> tuple[InferenceEngine, str]:
+        """The engine that serves a base model as is, and the model's resolved name: an embedded one of its own."""
+        return await self._engine(base_model)
+
     async def load(self, base_model: str) -> InferenceEngine:
         """Serve a base model as is (no adapter), e.g. as a judge or a baseline."""
         async with self._lock:
             if base_model not in self._engines:
-                engine, resolved_name = await self._engine(base_model)
+                engine, resolved_name = await self._base_engine(base_model)
                 self._engines[base_model] = engine
                 for name in {base_model, resolved_name}:
                     self.registry.add(name, engine)
