@@ -6,8 +6,15 @@ against the trainer's, fp32 on both sides) says whether the served adapter is th
 
 from __future__ import annotations
 
+import asyncio
+import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import httpx
 import openai
@@ -167,6 +174,61 @@ async def test_a_restarted_backend_keeps_the_checkpoints_left_on_the_server_and_
         assert shim.adapters().keys() == {"calc@3"}
     finally:
         await second.close()
+
+
+@pytest.mark.timeout(600)
+async def test_a_trainer_killed_while_publishing_a_step_restarts_serving_that_step(shim, tmp_path):
+    """A training process (tests/vllm_publish_run.py) is killed with SIGKILL while the server loads its step 3 (the
+    checkpoint written, the load in flight: held by the stand-in); the load then finishes without it. Started
+    again, the backend resumes at checkpoint 3, serves it as the live name, and its next step samples the trained
+    weights (the gap of served and trained log-probs as on any step)."""
+    home = tmp_path / "home"
+    log = (tmp_path / "run.log").open("w")
+    script = Path(__file__).parent / "vllm_publish_run.py"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), shim.url, str(home), "3"], stdout=subprocess.PIPE, stderr=log, text=True
+    )
+    faults = shim.faults
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # steps 1 and 2 published as usual
+            if line.strip() == "trained step=2":
+                break
+        else:
+            pytest.fail(f"the run ended before step 2: {(tmp_path / 'run.log').read_text()[-2000:]}")
+        faults.load_requests.clear()
+        faults.hold_loads = threading.Event()  # step 3's load waits: the kill lands while it is in flight
+        for _ in range(1200):
+            if "calc@3" in faults.load_requests:
+                break
+            await asyncio.sleep(0.1)
+        assert "calc@3" in faults.load_requests, faults.load_requests
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        held, faults.hold_loads = faults.hold_loads, None
+        if held is not None:
+            held.set()  # the dead process's load goes on without it
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    for _ in range(600):  # the late load: an adapter left on the server by a process that is gone
+        if "calc@3" in shim.adapters():
+            break
+        await asyncio.sleep(0.1)
+    assert shim.adapters().keys() >= {"calc@2", "calc@3"}, shim.adapters()
+
+    backend = VLLMBackend([shim.url], path=home, dtype=torch.float32)
+    model = TrainableModel(name="calc", project="p", base_model=EMBEDDED_MODEL)
+    try:
+        await model.register(backend)
+        assert await model.get_step() == 3 and backend.registry.get("calc").current_step() == 3
+        assert (await _answered_by(backend, "calc"))[0] == 3
+        assert (await _step(backend, model, save=True))["sampler_logprob_gap"] < GAP  # served = trained
+        assert "calc@4" in shim.adapters()
+    finally:
+        await backend.close()
+    assert shim.adapters() == {}
 
 
 async def test_a_server_answering_with_other_weights_under_the_live_name_raises_the_gap_alarm(shim, tmp_path):

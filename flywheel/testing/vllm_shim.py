@@ -25,9 +25,10 @@ The contract test (tests/test_vllm_contract.py) checks the same behaviour agains
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,9 @@ class ShimFaults:
     tokenize_shift: int = 0  # added to every id /tokenize returns
     generate_route: bool = True  # False: /inference/v1/generate answers 403, as vLLM without --enable-scale-out
     dev_routes: bool = True  # False: /pause, /resume, /collective_rpc... 404, as vLLM without VLLM_SERVER_DEV_MODE=1
+    # set: each adapter load waits until the event is set (a slow load; a publish caught in flight by a kill)
+    hold_loads: threading.Event | None = None
+    load_requests: list[str] = field(default_factory=list)  # the adapter names loads were asked for, in order
 
 
 class _Structured(BaseModel):
@@ -288,6 +292,9 @@ def create_shim(engine: InferenceEngine, model: str, faults: ShimFaults | None =
         if not (Path(body.lora_path) / "adapter_config.json").is_file():
             message = f"Loading lora {body.lora_name} failed: No adapter found for {body.lora_path}"
             return _error(404, message, "NotFoundError")
+        faults.load_requests.append(body.lora_name)
+        if faults.hold_loads is not None:
+            await asyncio.to_thread(faults.hold_loads.wait)
         try:
             adapters[body.lora_name] = await asyncio.to_thread(_adapter_engine, engine, body.lora_path)
             adapter_paths[body.lora_name] = body.lora_path
