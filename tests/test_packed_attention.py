@@ -7,9 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_mask
 
 from flywheel.inference import kv_attention
 from flywheel.inference.kv_attention import PackedBatch, _packed
+from flywheel.train.config import TrainConfig
+from flywheel.types import Trajectory, TrajectoryGroup
+
+from helpers import sampled
 
 HEADS, KV_HEADS, DIM, SCALING = 9, 3, 64, 0.125  # SmolLM2-135M's attention
 
@@ -75,3 +80,39 @@ def test_packed_attention_equals_per_sequence_attention_forward_and_backward(nam
             assert group.index.shape[1] == max(lengths[i] for i in members)
             assert group.causal == all(context[i] < 0 and lengths[i] == group.index.shape[1] for i in members)
             assert len({context[i] < 0 for i in members}) == 1  # continuations are not padded with prompts
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_flex_attention_equals_the_padded_calls_forward_and_its_mask_backward(name):
+    """FlexAttention over the whole row with PackedBatch's block mask (``flex=True``: the fused kernel on GPUs,
+    eager here) gives the padded calls' outputs. Its backward has no CPU kernel: the same mask_mod, made dense
+    (torch's ``create_mask``) under SDPA, gives the padded calls' gradients."""
+    lengths, context = LAYOUTS[name]
+    torch.manual_seed(1)
+    total = sum(lengths)
+    leaves = [torch.randn(1, h, total, DIM, requires_grad=True) for h in (HEADS, KV_HEADS, KV_HEADS)]
+    weights = torch.randn(1, total, HEADS, DIM)
+    batch = PackedBatch(lengths, context, flex=True)
+    padded = _packed(0, *leaves, PackedBatch(lengths, context), SCALING)
+    flex = _packed(0, *[x.detach() for x in leaves], batch, SCALING)
+    torch.testing.assert_close(flex, padded.detach(), rtol=1e-5, atol=1e-5)
+    dense = create_mask(batch.visible(torch.device("cpu")), None, None, total, total, device="cpu")
+    masked = F.scaled_dot_product_attention(*leaves, attn_mask=dense, scale=SCALING, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(masked, padded, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad((masked * weights).sum(), leaves), torch.autograd.grad((padded * weights).sum(), leaves)
+    for m, p in zip(*grads, strict=True):
+        torch.testing.assert_close(m, p, rtol=1e-4, atol=1e-5)
+
+
+async def test_training_with_flex_attention_on_cpu_is_refused_with_what_to_use(model):
+    """FlexAttention has no backward on CPU: a step that asks for it says so, and nothing trains (the session's
+    model, on the real engine)."""
+    step = await model.get_step()
+    group = TrajectoryGroup(
+        Trajectory(messages_and_choices=[{"role": "user", "content": "Hi"}, sampled("Hello", [1, 2, 3], [4, 5])],
+                   reward=reward)
+        for reward in (0.0, 1.0)
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="attention='flex' trains on GPUs: FlexAttention has no backward on CPU"):
+        await model.train([group], config=TrainConfig(attention="flex"))
+    assert await model.get_step() == step

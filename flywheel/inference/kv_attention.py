@@ -11,12 +11,15 @@ The function is registered as the attention implementation ``"flywheel"``. When 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -188,7 +191,32 @@ class PackedBatch:
 
     lengths: list[int]  # of each segment, in row order
     context: list[int]  # per segment, the earlier segment it continues, or -1
+    # one FlexAttention call over the whole row with a block mask (a fused kernel, compiled on GPUs) instead of the
+    # padded calls of ``layout``; the same attention (tests/test_packed_attention.py)
+    flex: bool = False
     _layout: PackedLayout | None = field(default=None, init=False, repr=False)
+    _block_mask: BlockMask | None = field(default=None, init=False, repr=False)
+
+    def visible(self, device: torch.device) -> Callable[..., torch.Tensor]:
+        """FlexAttention's ``mask_mod`` of the row: a token sees the earlier tokens of its segment and all of the
+        segment its segment continues."""
+        segment = torch.repeat_interleave(
+            torch.arange(len(self.lengths), device=device), torch.tensor(self.lengths, device=device)
+        )
+        continues = torch.tensor(self.context, device=device)
+
+        def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            own, other = segment[q], segment[kv]
+            return ((own == other) & (kv <= q)) | (continues[own] == other)
+
+        return visible
+
+    def block_mask(self, device: torch.device) -> BlockMask:
+        """``visible`` as FlexAttention's block mask, computed once for all layers."""
+        if self._block_mask is None:
+            total = sum(self.lengths)
+            self._block_mask = create_block_mask(self.visible(device), None, None, total, total, device=device)
+        return self._block_mask
 
     def layout(self, device: torch.device, heads: int) -> PackedLayout:
         """The attention calls for ``heads`` query heads, computed once for all layers. A batch with few scores
@@ -327,7 +355,23 @@ def _segments(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return rows.view(*index.shape, *rows.shape[1:]).transpose(1, 2)
 
 
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch, scaling: float) -> torch.Tensor:
+    """The packed row in one FlexAttention call: [1, T, heads, head_dim]. Compiled on a GPU (the fused kernel);
+    elsewhere eager, which computes the masked scores in full and has no backward on CPU (a reference for tests,
+    not a path to train on there)."""
+    attend_flex = _compiled_flex() if q.is_cuda else flex_attention
+    out = attend_flex(q, k, v, block_mask=batch.block_mask(q.device), scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., torch.Tensor]:
+    return torch.compile(flex_attention, dynamic=True)
+
+
 def _packed(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch, scaling: float):
+    if batch.flex:
+        return _flex(q, k, v, batch, scaling)
     # A few attention calls (PackedBatch.layout), not one per segment: CPU flash attention's per-call cost dominates
     # at these sizes; nor always one for all segments, padded to the longest: that computes 2-7x the scores needed.
     layout = batch.layout(q.device, q.shape[1])

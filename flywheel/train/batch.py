@@ -68,6 +68,7 @@ class MicroBatch:
     traj: torch.Tensor  # [K] trajectory index of each token (TrainingSequence.trajectory)
     n_seqs: int
     seq_ids: list[int] = field(default_factory=list)  # batch-level sequence indices
+    flex: bool = False  # attention as one FlexAttention call (``attention="flex"``), not the padded calls
 
 
 def _turn_tokens(

@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field, model_validator
 Loss = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
 Estimator = Literal["grpo", "rloo", "reinforce_pp"]
 Credit = Literal["uniform", "turn"]  # how a trajectory's rewards reach its turns: flywheel/train/credit.py
+Attention = Literal["padded", "flex"]  # the trainer's packed attention: flywheel/inference/kv_attention.py
 
 # (epsilon low, epsilon high) when not given: PPO's 0.2; DAPO's clip-higher; GSPO's sequence-level ratios sit
 # much closer to 1 (paper: 3e-4 / 4e-4); CISPO only bounds the importance weight from above (1 + 4.0, as ART).
@@ -83,6 +84,9 @@ class TrainConfig(BaseModel):
     max_steps: int | None = Field(None, ge=1)  # where linear / cosine reach 0
     epochs: int = Field(1, ge=1)  # passes over the batch; >1 makes later passes off-policy (ratios matter)
     micro_batch_tokens: int = Field(2048, ge=64)  # packed tokens per forward/backward (bounds activation memory)
+    # the packed rows' attention: a few padded SDPA calls, or one FlexAttention call with a block mask (a fused,
+    # compiled kernel: GPUs only, it has no backward on CPU)
+    attention: Attention = "padded"
     gradient_checkpointing: bool = False  # recompute each layer's activations in backward: less memory, more time
     max_grad_norm: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -139,6 +143,7 @@ class SFTConfig(BaseModel):
     epochs: int = Field(1, ge=1)
     batch_size: int = Field(8, ge=1)  # trajectories per optimizer step
     micro_batch_tokens: int = Field(2048, ge=64)
+    attention: Attention = "padded"  # as TrainConfig's
     gradient_checkpointing: bool = False
     max_grad_norm: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)

@@ -24,7 +24,7 @@ from flywheel.inference.kv_attention import PackedBatch
 from flywheel.inference.lora import fuse_lora_forward
 from flywheel.train.batch import MicroBatch, TrainingSequence, pack, trajectory_sequences
 from flywheel.train.checkpoint import Checkpoint, CheckpointState
-from flywheel.train.config import SFTConfig, TrainConfig, TrainedWeights
+from flywheel.train.config import Attention, SFTConfig, TrainConfig, TrainedWeights
 from flywheel.train.credit import credit_advantages, has_reward_variance, has_signal
 from flywheel.train.data_parallel import Replicas
 from flywheel.train.logprobs import token_logprobs
@@ -206,7 +206,7 @@ class Trainer:
             input_ids=mb.input_ids,
             position_ids=mb.position_ids,
             use_cache=False,
-            kv_batch=PackedBatch(mb.lengths, mb.context),
+            kv_batch=PackedBatch(mb.lengths, mb.context, flex=mb.flex),
         )
         with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             if self.fused_head:  # hidden states only at the positions that predict trained tokens: [K, d]
@@ -239,10 +239,19 @@ class Trainer:
             self._optimizer(1e-5, 0.0).load_state_dict(optimizer)
         self.replicas = replicas
 
-    def _batches(self, sequences: list[TrainingSequence], max_tokens: int) -> tuple[list[MicroBatch], int, int]:
+    def _batches(
+        self, sequences: list[TrainingSequence], max_tokens: int, attention: Attention = "padded"
+    ) -> tuple[list[MicroBatch], int, int]:
         """The step's micro-batches this rank trains (all of them without replicas), and the whole step's trained
         tokens and micro-batch count."""
-        batches = pack(sequences, max_tokens, self.engine.model.device)
+        device = self.engine.model.device
+        if attention == "flex" and device.type == "cpu":
+            raise ValueError(
+                "attention='flex' trains on GPUs: FlexAttention has no backward on CPU (use attention='padded')"
+            )
+        batches = pack(sequences, max_tokens, device)
+        for mb in batches:
+            mb.flex = attention == "flex"
         n_tokens, n_batches = sum(len(mb.targets) for mb in batches), len(batches)
         if self.replicas is not None:
             batches = self.replicas.share(batches, [mb.input_ids.shape[1] for mb in batches])
@@ -348,7 +357,7 @@ class Trainer:
         (pi_old / pi_sampler, before the cap) are also reported apart: ``off_policy_is_ratio_mean``, ...
         ``other_weights``: whether other weights than these answered it (an off-policy member, a stale rollout of
         the pipeline): left out of ``sampler_logprob_gap``, which checks that the served policy is the trained one."""
-        batches, n_tokens, n_batches = self._batches(sequences, config.micro_batch_tokens)
+        batches, n_tokens, n_batches = self._batches(sequences, config.micro_batch_tokens, config.attention)
         tokens_of = torch.tensor(traj_tokens, dtype=torch.float32, device=self.engine.model.device)
         lr = config.learning_rate * lr_multiplier(config, self.rl_steps)
         optimizer = self._optimizer(lr, config.weight_decay)
@@ -551,7 +560,7 @@ class Trainer:
     def _sft_update(self, sequences: list[TrainingSequence], config: SFTConfig) -> tuple[dict[str, float], bool]:
         for s in sequences:  # SFT's targets are the model's own distribution (T = 1)
             s.temperature = []
-        batches, n_tokens, _ = self._batches(sequences, config.micro_batch_tokens)
+        batches, n_tokens, _ = self._batches(sequences, config.micro_batch_tokens, config.attention)
         optimizer = self._optimizer(config.learning_rate, config.weight_decay)
         with self._training_mode(config.gradient_checkpointing):
             loss_sum = 0.0
