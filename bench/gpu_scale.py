@@ -10,7 +10,8 @@ Arms, each in its own try (a failing arm, an OOM or a missing package, is record
 results JSON rewritten after each (a killed run still leaves what it measured):
 
 - ``attention``: one layer's packed training attention (``kv_attention._packed``), forward + backward, on packed
-  rows of the support job and of this work, with each shape's heads. The fused kernel (FlexAttention) is "not built".
+  rows of the support job and of this work, with each shape's heads: the padded calls, and on a GPU the fused
+  FlexAttention call (``attention="flex"``; compiled, its first run untimed).
 - ``trainer <shape> <lora|full> mb=<tokens>``: ``rl_step`` on synthetic groups (P prompts x G completions of the
   given lengths, random ids, every group with reward variance): seconds per step, trained and packed tokens/s,
   model TFLOP/s, peak GPU memory, host syncs per step, a forward / backward / optimizer split and the top kernels
@@ -105,7 +106,6 @@ SHAPES: dict[str, dict[str, int]] = {
 
 # Arms that slot in once their code exists: (name, why not now). An arm is added above them when it is built.
 NOT_BUILT = [
-    ("attention fused (FlexAttention)", "flywheel/inference/flex_attention.py"),
     ("fsdp2 world size 1 vs plain", "an FSDP2 trainer host (torchrun)"),
 ]
 
@@ -418,19 +418,27 @@ def attention_arm(shapes: list[str], work: argparse.Namespace, device: torch.dev
                 torch.randn(1, h, total, s["head_dim"], device=device, dtype=dtype, requires_grad=True)
                 for h in (s["num_attention_heads"], s["num_key_value_heads"], s["num_key_value_heads"])
             )
-            batch = kv_attention.PackedBatch(lengths, context)  # its layout is built once, as for a model's layers
-            best = math.inf
-            for _ in range(reps + 1):
-                q.grad = k.grad = v.grad = None
-                sync(device)
-                start = time.perf_counter()
-                out = kv_attention._packed(0, q, k, v, batch, s["head_dim"] ** -0.5)
-                out.float().sum().backward()
-                sync(device)
-                best = min(best, time.perf_counter() - start)
-            rows.append({"shape": shape, "layout": name, "tokens": total, "packed_fwd_bwd_ms": round(best * 1e3, 3)})
-            say(f"    {shape} {name}: {best * 1e3:.2f} ms")
-    return {"rows": rows, "fused": "not built"}
+            row = {"shape": shape, "layout": name, "tokens": total}
+            # the padded calls; FlexAttention's one fused call (compiled; its first run compiles: not timed), where
+            # it has a backward (GPUs)
+            for key, flex in (("packed_fwd_bwd_ms", False), ("flex_fwd_bwd_ms", True)):
+                if flex and device.type != "cuda":
+                    row[key] = "no FlexAttention backward on CPU"
+                    continue
+                batch = kv_attention.PackedBatch(lengths, context, flex=flex)  # built once, as for a model's layers
+                best = math.inf
+                for _ in range(reps + 1):
+                    q.grad = k.grad = v.grad = None
+                    sync(device)
+                    start = time.perf_counter()
+                    out = kv_attention._packed(0, q, k, v, batch, s["head_dim"] ** -0.5)
+                    out.float().sum().backward()
+                    sync(device)
+                    best = min(best, time.perf_counter() - start)
+                row[key] = round(best * 1e3, 3)
+            rows.append(row)
+            say(f"    {shape} {name}: {row}")
+    return {"rows": rows}
 
 
 class TrainerArms:
