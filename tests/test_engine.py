@@ -457,4 +457,6 @@ def test_decode_steps_reuse_their_memory_instead_of_faulting_in_fresh_pages(engi
         for _ in range(10):
             step()
         faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10
-    assert faults < 100, f"{faults:.0f} page faults per decode step"
+    # a step that gives its memory back faults ~3,800 times; the count is the process's (other threads' too: 154
+    # were seen in a CI run), so the bound sits well between
+    assert faults < 500, f"{faults:.0f} page faults per decode step"
