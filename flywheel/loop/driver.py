@@ -38,6 +38,7 @@ import math
 import random
 import secrets
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,7 @@ from flywheel.loop.ladder import REWIND, Candidate, PromotionLadder, Rewind
 from flywheel.loop.offpolicy import OffPolicyDraw, OffPolicyStep, draw
 from flywheel.loop.shadow import ShadowPolicy, ShadowVerdict
 from flywheel.model import TrainableModel
+from flywheel.pipeline import RolloutPipeline
 from flywheel.store import Store, audit, grades, tasks
 from flywheel.train.config import TrainConfig, TrainedWeights
 from flywheel.types import TrajectoryGroup
@@ -477,9 +479,13 @@ class Loop:
             agent = load_agent(config.agent)
             runners.append(asyncio.create_task(Runner(root, agent, concurrency=config.runners).run()))
         report = LoopReport(steps=[], intake=0, candidates=[], canary=[], cancelled=len(cancelled))
-        # the pipeline's iterations drawn ahead (async_steps): iteration -> its draw, started while an earlier one
-        # trained
-        ahead: dict[int, asyncio.Future[Drawn]] = {}
+
+        def iteration_groups(j: int) -> Awaitable[Drawn]:
+            """Iteration ``j``'s groups, for the step it trains: ``j - n`` steps after the model's step at the
+            iteration ``n`` running when ``j`` is started (``offset``: that step - n)."""
+            return self.draw_groups(queue, offset + j)
+
+        pipeline = RolloutPipeline(iteration_groups, async_steps=config.async_steps, stop=config.steps)
         try:
             queue = InProcessQueue(self.gateway, root)
             for n in range(config.steps):
@@ -494,17 +500,13 @@ class Loop:
                     report.shadow.append(shadow)
                 if (rewind := await self.rewind_if_due()) is not None:  # before anything trains again
                     report.rewinds.append(rewind)
-                    await _cancel(ahead)  # drawn from the weights rolled back
+                    await pipeline.aclose()  # what was drawn ahead came from the weights rolled back
                 report.intake += await self.intake()
                 if not self.pool:
                     raise ValueError("no tasks to train on: give seed tasks (tasks:) or let production episodes in")
                 step = await self.model.get_step()
-                started = time.monotonic()
-                drawing = ahead.pop(n, None) or asyncio.ensure_future(self.draw_groups(queue, step))
-                groups, drawn, joined, mixed = await drawing
-                for later in range(n + 1, min(n + 1 + config.async_steps, config.steps)):  # drawn while this trains
-                    if later not in ahead:
-                        ahead[later] = asyncio.ensure_future(self.draw_groups(queue, step + later - n))
+                offset, started = step - n, time.monotonic()
+                _, (groups, drawn, joined, mixed) = await anext(pipeline)  # the next ones drawn while this trains
                 # the alarm's baseline goes with the checkpoint: a restart resumes both at the same step; its
                 # reward is every group drawn's (the kept ones alone lean to one half)
                 row = _means(drawn, step + 1)
@@ -538,21 +540,12 @@ class Loop:
                 if config.prune:  # the latest, the deployed (and their rollback steps) and a KL reference stay
                     await self.backend.prune_checkpoints(self.model, keep=[config.train.kl_reference_step or 0])
         finally:
-            await _cancel(ahead)  # a restart cancels their queued tasks (``resume``): nothing of them trains
+            await pipeline.aclose()  # a restart cancels their queued tasks (``resume``): nothing of them trains
             for task in runners:
                 task.cancel()
         report.alarm = self.alarm
         report.excluded_heldout = self.excluded_heldout()
         return report
-
-
-async def _cancel(ahead: dict[int, asyncio.Future[Drawn]]) -> None:
-    """Cancel the iterations drawn ahead and wait for them to end."""
-    running = list(ahead.values())
-    ahead.clear()
-    for future in running:
-        future.cancel()
-    await asyncio.gather(*running, return_exceptions=True)
 
 
 def _means(groups: list[TrajectoryGroup], step: int) -> dict[str, float] | None:
