@@ -223,49 +223,47 @@ async def run(config: JobConfig, console: Console | None = None) -> dict:
             return groups, None
 
         rl_rows = []
-
-        async def rl_round(i: int, groups: list[TrajectoryGroup], mixed: MixedGroups | None, bar: tqdm) -> None:
-            """Step ``i + 1``: train on its groups, validate where due, and show it."""
-            validate = (i + 1) % config.eval_every == 0 or i + 1 == config.rl_steps
-            # a checkpoint only where one can be needed: where the best is picked from (validation points; the
-            # last step is one), not at every step (1.6 GB each when every weight trains)
-            metrics = await model.train(
-                groups, config=rl_config, save_checkpoint=validate, metrics=mixed.metrics() if mixed else None
-            )  # with rollout_seconds and train/<metric> means
-            row = {"step": await model.get_step(), **metrics, "peak_rss_gb": peak_rss_gb()}
-            if levels:
-                row |= levels.record(groups + (mixed.dropped if mixed else []))
-            if validate:
-                bar.set_postfix_str(f"step {i + 1}: validation")
-                row |= await model.log(await evaluate(model, val, f"step {i + 1} val"), split="val")
-            await model.delete_checkpoints("val/reward")  # the latest and the best so far (1.6 GB each when full)
-            rl_rows.append(row)
-            shown = {
-                "reward": f"{metrics.get('drawn_reward_mean', metrics['reward_mean']):.2f}",  # every rollout
-                "skipped": sum(int(r.get("skipped", 0)) for r in rl_rows),
-            }
-            if mixed:
-                shown["kept"] = f"{len(mixed.kept)}/{mixed.drawn} groups"
-            vals = [r["val/reward"] for r in rl_rows if "val/reward" in r]
-            if vals:
-                shown["val"] = f"{vals[-1]:.2f}"  # the latest
-            bar.set_postfix(shown, refresh=False)
-            bar.update()
-
         # the whole phase's bar (steps done, time left, the last rewards) above each step's rollouts and validation
         pipeline = RolloutPipeline(step_rollouts, async_steps=config.async_steps, stop=config.rl_steps)
         rl_started = time.perf_counter()
         with tqdm(total=config.rl_steps, desc="GRPO", unit="step") as bar:
-            async with pipeline:
-                while True:
-                    try:
-                        i, (groups, mixed) = await anext(pipeline)
-                    except StopAsyncIteration:
-                        break
-                    except NoMixedGroupsError as exc:  # the pool ran dry: RL ends here, its best checkpoint stands
-                        console.print(f"RL stops after {pipeline.next} steps: {exc}")
-                        break
-                    await rl_round(i, groups, mixed, bar)
+            try:
+                async with pipeline:
+                    async for i, (groups, mixed) in pipeline:
+                        trained = sum(len(g.trajectories) for g in groups)
+                        bar.set_postfix_str(f"step {i + 1}: training on {trained} rollouts")
+                        validate = (i + 1) % config.eval_every == 0 or i + 1 == config.rl_steps
+                        # a checkpoint only where one can be needed: where the best is picked from (validation
+                        # points; the last step is one), not at every step (1.6 GB each when every weight trains)
+                        metrics = await model.train(
+                            groups,
+                            config=rl_config,
+                            save_checkpoint=validate,
+                            metrics=mixed.metrics() if mixed else None,
+                        )  # with rollout_seconds and train/<metric> means
+                        row = {"step": await model.get_step(), **metrics, "peak_rss_gb": peak_rss_gb()}
+                        if levels:
+                            row |= levels.record(groups + (mixed.dropped if mixed else []))
+                        if validate:
+                            bar.set_postfix_str(f"step {i + 1}: validation")
+                            row |= await model.log(await evaluate(model, val, f"step {i + 1} val"), split="val")
+                        # the latest and the best so far (1.6 GB each when full)
+                        await model.delete_checkpoints("val/reward")
+                        rl_rows.append(row)
+                        shown = {
+                            # every rollout's
+                            "reward": f"{metrics.get('drawn_reward_mean', metrics['reward_mean']):.2f}",
+                            "skipped": sum(int(r.get("skipped", 0)) for r in rl_rows),
+                        }
+                        if mixed:
+                            shown["kept"] = f"{len(mixed.kept)}/{mixed.drawn} groups"
+                        vals = [r["val/reward"] for r in rl_rows if "val/reward" in r]
+                        if vals:
+                            shown["val"] = f"{vals[-1]:.2f}"  # the latest
+                        bar.set_postfix(shown, refresh=False)
+                        bar.update()
+            except NoMixedGroupsError as exc:  # the pool ran dry: RL ends here, its best checkpoint stands
+                console.print(f"RL stops after {pipeline.next} steps: {exc}")
         report["rl_history"] = rl_rows
         report["rl_seconds"] = time.perf_counter() - rl_started  # the RL phase: rollouts, steps, validations
 
