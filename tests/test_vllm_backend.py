@@ -68,10 +68,8 @@ def shim():
     s.close()
 
 
-async def _step(
-    backend: VLLMBackend, model: TrainableModel, save: bool, learning_rate: float = 1e-2
-) -> dict[str, float]:
-    """One RL step on two answers sampled from ``model``'s name (through vLLM), rewards 0 and 1."""
+async def _group(model: TrainableModel) -> TrajectoryGroup:
+    """Two answers sampled from ``model``'s name (through vLLM), rewards 0 and 1."""
     client = model.openai_client()
     trajectories = []
     for reward in (0.0, 1.0):
@@ -79,9 +77,14 @@ async def _step(
             model=model.name, messages=PROMPT, max_tokens=6, temperature=1.0, logprobs=True
         )
         trajectories.append(Trajectory(messages_and_choices=[*PROMPT, r.choices[0]], reward=reward))
-    result = await backend.train(
-        model, [TrajectoryGroup(trajectories)], learning_rate=learning_rate, save_checkpoint=save
-    )
+    return TrajectoryGroup(trajectories)
+
+
+async def _step(
+    backend: VLLMBackend, model: TrainableModel, save: bool, learning_rate: float = 1e-2
+) -> dict[str, float]:
+    """One RL step on ``_group``'s two answers."""
+    result = await backend.train(model, [await _group(model)], learning_rate=learning_rate, save_checkpoint=save)
     assert result.metrics["skipped"] == 0
     return result.metrics
 
@@ -262,14 +265,7 @@ async def test_a_pipelined_run_samples_the_next_step_on_vllm_while_one_trains_wi
     model = TrainableModel(name="piped", project="p", base_model=EMBEDDED_MODEL)
 
     async def rollouts(i: int) -> list[TrajectoryGroup]:
-        client = model.openai_client()
-        trajectories = []
-        for reward in (0.0, 1.0):
-            r = await client.chat.completions.create(
-                model=model.name, messages=PROMPT, max_tokens=6, temperature=1.0, logprobs=True
-            )
-            trajectories.append(Trajectory(messages_and_choices=[*PROMPT, r.choices[0]], reward=reward))
-        return [TrajectoryGroup(trajectories)]
+        return [await _group(model)]
 
     try:
         await model.register(backend)
